@@ -1,0 +1,87 @@
+"""One versioned, checksummed envelope for every blob the project writes or sends.
+
+Layout (documented in docs/formats.md): a msgpack array
+``[MAGIC, kind, version, body, sha256(body)]`` where ``body`` is raw bytes. Records (commits,
+descriptors, headers) put a msgpack map in ``body``; tensor blobs put the codec payload there.
+Decoding checks size before unpacking, then magic, kind, version and checksum, and raises
+``FormatError`` naming what is wrong; it never returns damaged data.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Iterable
+
+import msgpack
+
+from .errors import FormatError
+
+MAGIC = b"DDLC"
+DEFAULT_MAX_BYTES = 1 << 31  # 2 GiB; callers with tighter knowledge pass a smaller limit
+
+
+def digest(data: bytes | memoryview) -> str:
+    """Hex sha256 of ``data``: the checksum every record names."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def seal(kind: str, version: int, body: bytes) -> bytes:
+    """Wrap ``body`` in the envelope."""
+    if not kind or not isinstance(kind, str):
+        raise ValueError(f"envelope kind must be a non-empty string, got {kind!r}")
+    if not isinstance(version, int) or version < 1:
+        raise ValueError(f"envelope version must be a positive int, got {version!r}")
+    return msgpack.packb([MAGIC, kind, version, bytes(body), hashlib.sha256(body).digest()],
+                         use_bin_type=True)
+
+
+def unseal(blob: bytes, kind: str, versions: Iterable[int] | int,
+           max_bytes: int = DEFAULT_MAX_BYTES, what: str | None = None) -> tuple[int, bytes]:
+    """Check and open an envelope of ``kind``; return ``(version, body)``.
+
+    ``what`` names the object (a key, a message) in error messages.
+    """
+    name = what or kind
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise FormatError(f"{name}: expected bytes, got {type(blob).__name__}")
+    if len(blob) > max_bytes:
+        raise FormatError(f"{name}: {len(blob)} bytes exceeds the limit of {max_bytes}")
+    try:
+        obj = msgpack.unpackb(blob, raw=False, strict_map_key=True, use_list=True,
+                              max_bin_len=max_bytes, max_str_len=1 << 16, max_array_len=8,
+                              max_map_len=0, max_ext_len=0)
+    except Exception as exc:  # msgpack raises several types; never leak them
+        raise FormatError(f"{name}: not a valid envelope (truncated or corrupted: {exc.__class__.__name__})") from None
+    if not isinstance(obj, list) or len(obj) != 5:
+        raise FormatError(f"{name}: not a valid envelope (wrong structure)")
+    magic, got_kind, version, body, checksum = obj
+    if magic != MAGIC:
+        raise FormatError(f"{name}: bad magic {magic!r} (not a decoupled-diloco object)")
+    if got_kind != kind:
+        raise FormatError(f"{name}: is a {got_kind!r} object, expected {kind!r}")
+    allowed = {versions} if isinstance(versions, int) else set(versions)
+    if version not in allowed:
+        raise FormatError(f"{name}: {kind} format version {version!r} is not supported "
+                          f"(this build reads {sorted(allowed)})")
+    if not isinstance(body, bytes) or not isinstance(checksum, bytes):
+        raise FormatError(f"{name}: not a valid envelope (wrong field types)")
+    if hashlib.sha256(body).digest() != checksum:
+        raise FormatError(f"{name}: checksum mismatch (the body was altered or corrupted)")
+    return version, body
+
+
+def pack_record(kind: str, version: int, record: dict[str, Any]) -> bytes:
+    """Seal a plain dict (msgpack body)."""
+    return seal(kind, version, msgpack.packb(record, use_bin_type=True))
+
+
+def unpack_record(blob: bytes, kind: str, versions: Iterable[int] | int,
+                  max_bytes: int = 64 << 20, what: str | None = None) -> tuple[int, dict[str, Any]]:
+    """Open a sealed record; return ``(version, dict)``."""
+    version, body = unseal(blob, kind, versions, max_bytes=max_bytes, what=what)
+    try:
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=False, max_bin_len=max_bytes)
+    except Exception as exc:
+        raise FormatError(f"{what or kind}: record body does not decode ({exc.__class__.__name__})") from None
+    if not isinstance(obj, dict):
+        raise FormatError(f"{what or kind}: record body is not a map")
+    return version, obj

@@ -1,0 +1,375 @@
+"""Typed records shared by every component: delta headers, commit records, the run descriptor.
+
+Each has ``to_dict()`` (plain msgpack/JSON-able values) and ``from_dict()`` which validates and
+raises ``FormatError`` naming the bad field. Their byte encodings (envelope kinds and versions)
+live beside them so that one place owns each format; docs/formats.md describes them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .envelope import pack_record, unpack_record
+from .errors import FormatError
+
+LEARNER_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def check_learner_id(learner: str) -> str:
+    """Learner ids appear in object keys: a short, safe alphabet only."""
+    if not isinstance(learner, str) or not LEARNER_ID_RE.match(learner):
+        raise ValueError(f"learner id {learner!r} must match {LEARNER_ID_RE.pattern}")
+    return learner
+
+
+def _get(d: dict, name: str, typ: type | tuple, what: str) -> Any:
+    if not isinstance(d, dict):
+        raise FormatError(f"{what}: expected a map, got {type(d).__name__}")
+    if name not in d:
+        raise FormatError(f"{what}: missing field {name!r}")
+    value = d[name]
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, typ) or (isinstance(value, bool) and typ in (int, float)):
+        raise FormatError(f"{what}: field {name!r} has type {type(value).__name__}, expected {typ}")
+    return value
+
+
+def delta_id(learner: str, incarnation: int, seq: int) -> str:
+    """The unique id of a delta: who sent it, in which life, and its number in that life."""
+    return f"{learner}/{incarnation}/{seq}"
+
+
+@dataclass(frozen=True)
+class DeltaHeader:
+    """What a learner says about one outer delta (SPEC §3). ``seq`` counts deltas in one incarnation."""
+
+    learner: str
+    incarnation: int
+    seq: int
+    fragment: int
+    base_version: int
+    c_steps: int
+    c_tokens: int
+    learner_step: int
+
+    KIND = "delta-header"
+    VERSION = 1
+
+    def __post_init__(self) -> None:
+        check_learner_id(self.learner)
+        for name in ("incarnation", "seq", "fragment", "base_version", "c_steps", "c_tokens", "learner_step"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"delta header field {name} must be a non-negative int, got {v!r}")
+
+    @property
+    def id(self) -> str:
+        return delta_id(self.learner, self.incarnation, self.seq)
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Position in the learner's history: later incarnations, then later seqs, are newer."""
+        return (self.incarnation, self.seq)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DeltaHeader":
+        what = "delta header"
+        kw = {"learner": _get(d, "learner", str, what)}
+        for name in ("incarnation", "seq", "fragment", "base_version", "c_steps", "c_tokens", "learner_step"):
+            kw[name] = _get(d, name, int, what)
+        try:
+            return cls(**kw)
+        except ValueError as exc:
+            raise FormatError(f"{what}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, shape and dtype of one model tensor; fragments are made of whole tensors."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"tensor name must be a non-empty string, got {self.name!r}")
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        if any(s < 0 for s in self.shape):
+            raise ValueError(f"tensor {self.name}: negative dimension in shape {self.shape}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"tensor {self.name}: dtype {self.dtype!r} not one of {DTYPES}")
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}[self.dtype]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TensorSpec":
+        what = "tensor spec"
+        shape = _get(d, "shape", list, what)
+        if not all(isinstance(s, int) and not isinstance(s, bool) for s in shape):
+            raise FormatError(f"{what}: shape {shape!r} must be a list of ints")
+        try:
+            return cls(_get(d, "name", str, what), tuple(shape), _get(d, "dtype", str, what))
+        except ValueError as exc:
+            raise FormatError(f"{what}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class InputRecord:
+    """One delta merged by a commit: enough to fetch it again and recompute the merge."""
+
+    delta_id: str
+    learner: str
+    incarnation: int
+    seq: int
+    key: str              # object key of the delta blob (persisted before the commit)
+    checksum: str         # sha256 of that blob
+    base_version: int
+    c_steps: int
+    c_tokens: int
+    learner_step: int
+    weight: float         # normalised token weight used in the merge
+    staleness: int        # current version minus base version at merge time
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "InputRecord":
+        what = "commit input"
+        kw: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            typ = {"str": str, "int": int, "float": float}[f.type if isinstance(f.type, str) else f.type.__name__]
+            kw[f.name] = _get(d, f.name, typ, what)
+        return cls(**kw)
+
+
+@dataclass(frozen=True)
+class DroppedRecord:
+    """A delta that reached the syncer but was not merged, and why (recorded, never silent)."""
+
+    delta_id: str
+    learner: str
+    key: str              # may be "" when the delta never reached storage (e.g. rejected on the wire)
+    checksum: str
+    reason: str
+    c_tokens: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DroppedRecord":
+        what = "dropped record"
+        return cls(_get(d, "delta_id", str, what), _get(d, "learner", str, what), _get(d, "key", str, what),
+                   _get(d, "checksum", str, what), _get(d, "reason", str, what), _get(d, "c_tokens", int, what))
+
+
+COMMIT_KINDS = ("init", "fence", "merge")
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """One entry of the run's log (SPEC §7). ``seq`` is the log position; ``version`` the new
+    fragment version (merge/init). Timing fields are informative and not checked by replay."""
+
+    seq: int
+    epoch: int
+    kind: str
+    fragment: int = -1
+    version: int = -1
+    inputs: tuple[InputRecord, ...] = ()
+    dropped: tuple[DroppedRecord, ...] = ()
+    output_key: str = ""
+    output_checksum: str = ""
+    high_water: dict[str, list[int]] = field(default_factory=dict)  # learner -> [incarnation, seq] for this fragment
+    quorum: int = 0
+    grace_wait_s: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)  # timings, syncer id; never secrets
+
+    KIND = "commit"
+    VERSION = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in COMMIT_KINDS:
+            raise ValueError(f"commit kind {self.kind!r} not one of {COMMIT_KINDS}")
+        if self.seq < 0 or self.epoch < 0:
+            raise ValueError(f"commit seq/epoch must be non-negative, got {self.seq}/{self.epoch}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "seq": self.seq, "epoch": self.epoch, "kind": self.kind, "fragment": self.fragment,
+            "version": self.version, "inputs": [i.to_dict() for i in self.inputs],
+            "dropped": [d.to_dict() for d in self.dropped], "output_key": self.output_key,
+            "output_checksum": self.output_checksum,
+            "high_water": {k: list(v) for k, v in self.high_water.items()},
+            "quorum": self.quorum, "grace_wait_s": self.grace_wait_s, "info": dict(self.info),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CommitRecord":
+        what = "commit record"
+        hw = _get(d, "high_water", dict, what)
+        for k, v in hw.items():
+            if not (isinstance(k, str) and isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) for x in v)):
+                raise FormatError(f"{what}: bad high-water entry {k!r}: {v!r}")
+        try:
+            return cls(
+                seq=_get(d, "seq", int, what), epoch=_get(d, "epoch", int, what), kind=_get(d, "kind", str, what),
+                fragment=_get(d, "fragment", int, what), version=_get(d, "version", int, what),
+                inputs=tuple(InputRecord.from_dict(x) for x in _get(d, "inputs", list, what)),
+                dropped=tuple(DroppedRecord.from_dict(x) for x in _get(d, "dropped", list, what)),
+                output_key=_get(d, "output_key", str, what), output_checksum=_get(d, "output_checksum", str, what),
+                high_water={k: list(v) for k, v in hw.items()}, quorum=_get(d, "quorum", int, what),
+                grace_wait_s=_get(d, "grace_wait_s", float, what), info=_get(d, "info", dict, what),
+            )
+        except ValueError as exc:
+            if isinstance(exc, FormatError):
+                raise
+            raise FormatError(f"{what}: {exc}") from None
+
+    def to_bytes(self) -> bytes:
+        return pack_record(self.KIND, self.VERSION, self.to_dict())
+
+    @classmethod
+    def from_bytes(cls, blob: bytes, what: str | None = None) -> "CommitRecord":
+        _, d = unpack_record(blob, cls.KIND, cls.VERSION, what=what)
+        return cls.from_dict(d)
+
+
+@dataclass(frozen=True)
+class RunDescriptor:
+    """Everything fixed for a run, written once (create-if-absent) with version 0 of the model.
+
+    Carries no secrets. ``fragments`` is the tensor layout (list of tensor names per fragment),
+    ``offsets[p]`` the step offset t_p at which fragment p falls due (SPEC §2).
+    """
+
+    run_id: str
+    tensors: tuple[TensorSpec, ...]
+    fragments: tuple[tuple[str, ...], ...]
+    offsets: tuple[int, ...]
+    sync_every: int                      # H
+    overlap: int = 1                     # tau
+    quorum: int = 1                      # K
+    compression: str = "int4"            # int4 | int8 | bf16 | fp32
+    block_size: int = 64
+    zstd_level: int = 3
+    version_dtype: str = "fp32"          # fp32 | bf16: how merged versions travel
+    merge: str = "rda"                   # rda | mean
+    embedding_tensors: tuple[str, ...] = ()
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    grace_gamma: float = 0.5
+    grace_cap_s: float = 0.0             # 0 = one measured step time
+    retain_versions: int = 16
+    mixing_alpha: float = 0.0
+    fragment_strategy: str = "balanced"
+    seed: int = 0
+    model: dict[str, Any] = field(default_factory=dict)   # model config for jobs that build one
+    extra: dict[str, Any] = field(default_factory=dict)   # forward-compatible, never secrets
+
+    KIND = "run-descriptor"
+    VERSION = 1
+
+    def __post_init__(self) -> None:
+        if not self.run_id:
+            raise ValueError("run_id must be non-empty")
+        P = len(self.fragments)
+        if P < 1:
+            raise ValueError("a run needs at least one fragment")
+        if len(self.offsets) != P:
+            raise ValueError(f"{P} fragments but {len(self.offsets)} offsets")
+        if self.sync_every < 1:
+            raise ValueError(f"sync_every (H) must be >= 1, got {self.sync_every}")
+        if any(not 0 <= t < self.sync_every for t in self.offsets):
+            raise ValueError(f"offsets {list(self.offsets)} must lie in 0..{self.sync_every - 1}")
+        names = [t.name for t in self.tensors]
+        if len(set(names)) != len(names):
+            raise ValueError("duplicate tensor names in descriptor")
+        placed = [n for frag in self.fragments for n in frag]
+        if sorted(placed) != sorted(names):
+            raise ValueError("fragments must place every tensor exactly once")
+        if self.quorum < 1:
+            raise ValueError(f"quorum (K) must be >= 1, got {self.quorum}")
+        if self.compression not in ("int4", "int8", "bf16", "fp32"):
+            raise ValueError(f"compression {self.compression!r} not one of int4, int8, bf16, fp32")
+        if self.version_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"version_dtype {self.version_dtype!r} not one of fp32, bf16")
+        if self.merge not in ("rda", "mean"):
+            raise ValueError(f"merge {self.merge!r} not one of rda, mean")
+        if self.block_size < 2 or self.block_size % 2:
+            raise ValueError(f"block_size must be an even number >= 2, got {self.block_size}")
+        if self.retain_versions < 1:
+            raise ValueError(f"retain_versions must be >= 1, got {self.retain_versions}")
+        if not 0.0 <= self.mixing_alpha < 1.0:
+            raise ValueError(f"mixing_alpha must lie in [0, 1), got {self.mixing_alpha}")
+
+    @property
+    def num_fragments(self) -> int:
+        return len(self.fragments)
+
+    def spec(self, name: str) -> TensorSpec:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    def fragment_specs(self, p: int) -> list[TensorSpec]:
+        by_name = {t.name: t for t in self.tensors}
+        return [by_name[n] for n in self.fragments[p]]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["tensors"] = [t.to_dict() for t in self.tensors]
+        d["fragments"] = [list(f) for f in self.fragments]
+        d["offsets"] = list(self.offsets)
+        d["embedding_tensors"] = list(self.embedding_tensors)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RunDescriptor":
+        what = "run descriptor"
+        if not isinstance(d, dict):
+            raise FormatError(f"{what}: expected a map")
+        kw = dict(d)
+        unknown = set(kw) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise FormatError(f"{what}: unknown fields {sorted(unknown)}")
+        try:
+            kw["tensors"] = tuple(TensorSpec.from_dict(t) for t in _get(d, "tensors", list, what))
+            kw["fragments"] = tuple(tuple(f) for f in _get(d, "fragments", list, what))
+            kw["offsets"] = tuple(_get(d, "offsets", list, what))
+            kw["embedding_tensors"] = tuple(kw.get("embedding_tensors", ()))
+            return cls(**kw)
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, FormatError):
+                raise
+            raise FormatError(f"{what}: {exc}") from None
+
+    def to_bytes(self) -> bytes:
+        return pack_record(self.KIND, self.VERSION, self.to_dict())
+
+    @classmethod
+    def from_bytes(cls, blob: bytes, what: str | None = None) -> "RunDescriptor":
+        _, d = unpack_record(blob, cls.KIND, cls.VERSION, what=what)
+        return cls.from_dict(d)

@@ -1,0 +1,1 @@
+"""Object stores (local directory, S3) and the run's log layout."""
