@@ -184,7 +184,7 @@ class DroppedRecord:
                    _get(d, "checksum", str, what), _get(d, "reason", str, what), _get(d, "c_tokens", int, what))
 
 
-COMMIT_KINDS = ("init", "fence", "merge")
+COMMIT_KINDS = ("init", "fence", "merge", "drop")  # drop: deltas rejected, no new version
 
 
 @dataclass(frozen=True)
