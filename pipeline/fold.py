@@ -1,0 +1,415 @@
+"""The syncer's one state transition: fold a round's deltas into a fragment's next version.
+
+SPEC §4 (merge of a round) and §7 (exactly once, replay). The live syncer, its restart recovery and
+the replay tool all call :func:`fold`; a commit record holds everything needed to call it again, and
+:func:`check_commit` does so and compares bit for bit. Pure and deterministic: inputs are sorted by
+delta id, every decision is recorded, the input state is never mutated (arrays in a state are
+read-only and shared between successive states).
+
+Per round of fragment p, for each input (sorted by learner, incarnation, seq):
+dropped with a recorded reason if rejected by the caller, for another fragment, already merged
+(high-water mark), without steps, based on a future or forgotten version, undecodable, of the wrong
+shape, non-finite, or older than another delta of the same learner in the round. For survivors:
+``theta_m = Theta^(base) - Delta_m`` and ``v_m = Theta^(current) - theta_m`` with published values
+(what learners received), computed as ``(Theta^(current) - Theta^(base)) + Delta_m`` in float64 so
+that a delta against the current version is taken exactly; token weights; merge (RDA or mean);
+outer Nesterov step; new version published (fp32 or bf16-rounded) and kept in the history.
+
+The syncer checkpoint (``SyncerState.to_bytes``) is documented in docs/algorithm.md.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import msgpack
+import numpy as np
+
+from .checksum import tensor_digest
+from .envelope import DEFAULT_MAX_BYTES, seal, unseal
+from .errors import FormatError
+from .merge import MergeConfig, merge_fragment, token_weights
+from .outer import nesterov_step
+from .types import CommitRecord, DeltaHeader, DroppedRecord, InputRecord, RunDescriptor
+
+__all__ = ["FragmentState", "SyncerState", "RoundInput", "FoldResult", "ReplayMismatch", "published",
+           "initial_state", "fold", "fold_fence", "check_commit", "CHECKPOINT_KIND", "CHECKPOINT_VERSION"]
+
+CHECKPOINT_KIND = "syncer-checkpoint"
+CHECKPOINT_VERSION = 1
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a = np.array(a, dtype=np.float32, copy=True)
+    a.flags.writeable = False
+    return a
+
+
+@dataclass
+class FragmentState:
+    """One fragment: version, exact fp32 Theta_p, outer momentum, and the published values of the
+    last ``retain_versions`` versions (current included) to reconstruct stale deltas."""
+
+    version: int
+    params: dict[str, np.ndarray]
+    momentum: dict[str, np.ndarray]
+    history: dict[int, dict[str, np.ndarray]]
+
+
+@dataclass
+class SyncerState:
+    """Everything the syncer's merges depend on; a checkpoint is this, sealed."""
+
+    fragments: list[FragmentState]
+    high_water: list[dict[str, tuple[int, int]]]   # per fragment: learner -> newest merged (incarnation, seq)
+    last_seq: int                                   # seq of the last commit folded (-1 before any)
+    run_id: str = ""                                # checked against the descriptor when a checkpoint loads
+
+    def to_bytes(self) -> bytes:
+        """The checkpoint blob: envelope kind ``syncer-checkpoint`` v1 (docs/algorithm.md)."""
+        def arrays(d: Mapping[str, np.ndarray]) -> dict[str, Any]:
+            return {n: {"shape": list(a.shape), "data": np.ascontiguousarray(a, dtype="<f4").tobytes()}
+                    for n, a in sorted(d.items())}
+        body = {
+            "run_id": self.run_id,
+            "last_seq": self.last_seq,
+            "fragments": [{"version": f.version, "params": arrays(f.params), "momentum": arrays(f.momentum),
+                           "history": [[v, arrays(f.history[v])] for v in sorted(f.history)]}
+                          for f in self.fragments],
+            "high_water": [{m: list(o) for m, o in sorted(hw.items())} for hw in self.high_water],
+        }
+        return seal(CHECKPOINT_KIND, CHECKPOINT_VERSION, msgpack.packb(body, use_bin_type=True))
+
+    @classmethod
+    def from_bytes(cls, blob: bytes, descriptor: RunDescriptor, what: str | None = None) -> "SyncerState":
+        """Load and validate a checkpoint against the run descriptor (FormatError naming the problem)."""
+        name = what or CHECKPOINT_KIND
+        _, raw = unseal(blob, CHECKPOINT_KIND, CHECKPOINT_VERSION, max_bytes=DEFAULT_MAX_BYTES, what=name)
+        try:
+            body = msgpack.unpackb(raw, raw=False, strict_map_key=False, max_bin_len=DEFAULT_MAX_BYTES)
+        except Exception as exc:
+            raise FormatError(f"{name}: body does not decode ({exc.__class__.__name__})") from None
+        return _state_from_body(body, descriptor, name)
+
+
+def _need(d: Any, key: str, typ: type | tuple, where: str) -> Any:
+    if not isinstance(d, dict) or key not in d:
+        raise FormatError(f"{where}: missing field {key!r}")
+    v = d[key]
+    if not isinstance(v, typ) or (isinstance(v, bool) and typ is int):
+        raise FormatError(f"{where}: field {key!r} has type {type(v).__name__}")
+    return v
+
+
+def _arrays_from(d: Any, specs: Mapping[str, tuple[int, ...]], where: str) -> dict[str, np.ndarray]:
+    if not isinstance(d, dict) or set(d) != set(specs):
+        got = sorted(d) if isinstance(d, dict) else type(d).__name__
+        raise FormatError(f"{where}: tensors {got} do not match the descriptor's {sorted(specs)}")
+    out = {}
+    for n, shape in specs.items():
+        shp = _need(d[n], "shape", list, f"{where} tensor {n}")
+        data = _need(d[n], "data", bytes, f"{where} tensor {n}")
+        if tuple(shp) != shape:
+            raise FormatError(f"{where} tensor {n}: shape {shp} but the descriptor says {list(shape)}")
+        if len(data) != 4 * math.prod(shape):
+            raise FormatError(f"{where} tensor {n}: {len(data)} bytes for shape {list(shape)} (expected "
+                              f"{4 * math.prod(shape)})")
+        a = np.frombuffer(data, dtype="<f4").astype(np.float32, copy=False).reshape(shape)
+        a.flags.writeable = False
+        out[n] = a
+    return out
+
+
+def _state_from_body(body: Any, descriptor: RunDescriptor, name: str) -> SyncerState:
+    if not isinstance(body, dict):
+        raise FormatError(f"{name}: body is not a map")
+    run_id = _need(body, "run_id", str, name)
+    if run_id and run_id != descriptor.run_id:
+        raise FormatError(f"{name}: checkpoint of run {run_id!r}, not of run {descriptor.run_id!r}")
+    last_seq = _need(body, "last_seq", int, name)
+    if last_seq < -1:
+        raise FormatError(f"{name}: last_seq {last_seq} < -1")
+    frags = _need(body, "fragments", list, name)
+    hws = _need(body, "high_water", list, name)
+    P = descriptor.num_fragments
+    if len(frags) != P or len(hws) != P:
+        raise FormatError(f"{name}: {len(frags)} fragments and {len(hws)} high-water maps, the descriptor has {P}")
+    fragments = []
+    for p, f in enumerate(frags):
+        where = f"{name} fragment {p}"
+        specs = {s.name: s.shape for s in descriptor.fragment_specs(p)}
+        version = _need(f, "version", int, where)
+        hist_list = _need(f, "history", list, where)
+        history: dict[int, dict[str, np.ndarray]] = {}
+        for item in hist_list:
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], int)):
+                raise FormatError(f"{where}: bad history entry")
+            v = item[0]
+            if v in history or not 0 <= v <= version:
+                raise FormatError(f"{where}: history version {v} is repeated or outside 0..{version}")
+            history[v] = _arrays_from(item[1], specs, f"{where} history v{v}")
+        if version < 0 or version not in history or len(history) > descriptor.retain_versions:
+            raise FormatError(f"{where}: version {version} with history {sorted(history)} "
+                              f"(must hold the current version and at most {descriptor.retain_versions})")
+        fragments.append(FragmentState(version, _arrays_from(_need(f, "params", dict, where), specs, f"{where} params"),
+                                       _arrays_from(_need(f, "momentum", dict, where), specs, f"{where} momentum"),
+                                       history))
+    high_water = []
+    for p, hw in enumerate(hws):
+        if not isinstance(hw, dict):
+            raise FormatError(f"{name}: high-water map of fragment {p} is not a map")
+        m = {}
+        for learner, o in hw.items():
+            if not (isinstance(learner, str) and isinstance(o, list) and len(o) == 2
+                    and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in o)):
+                raise FormatError(f"{name}: bad high-water entry {learner!r}: {o!r} in fragment {p}")
+            m[learner] = (o[0], o[1])
+        high_water.append(m)
+    return SyncerState(fragments, high_water, last_seq, run_id)
+
+
+def published(values: Mapping[str, np.ndarray], version_dtype: str) -> dict[str, np.ndarray]:
+    """What learners receive for these values: an fp32 copy, or bf16-rounded values held in float32."""
+    if version_dtype == "fp32":
+        return {n: _frozen(a) for n, a in values.items()}
+    if version_dtype == "bf16":
+        from .codec import round_to_bf16   # lazy: only bf16 runs need the codec
+        return {n: _frozen(round_to_bf16(np.asarray(a, dtype=np.float32))) for n, a in values.items()}
+    raise ValueError(f"version_dtype {version_dtype!r} not one of fp32, bf16")
+
+
+def initial_state(descriptor: RunDescriptor, init: Mapping[str, np.ndarray], *, last_seq: int = -1) -> SyncerState:
+    """Version 0 of every fragment from the one initial model (SPEC §7), zero momentum."""
+    names = {t.name for t in descriptor.tensors}
+    if set(init) != names:
+        raise ValueError(f"initial model tensors differ from the descriptor's: missing {sorted(names - set(init))}, "
+                         f"extra {sorted(set(init) - names)}")
+    fragments = []
+    for p in range(descriptor.num_fragments):
+        params = {}
+        for spec in descriptor.fragment_specs(p):
+            a = np.asarray(init[spec.name])
+            if a.shape != spec.shape:
+                raise ValueError(f"initial tensor {spec.name} has shape {a.shape}, the descriptor says {spec.shape}")
+            if not np.all(np.isfinite(a)):
+                raise ValueError(f"initial tensor {spec.name} has non-finite values")
+            params[spec.name] = _frozen(a)
+        momentum = {n: _frozen(np.zeros(a.shape, np.float32)) for n, a in params.items()}
+        fragments.append(FragmentState(0, params, momentum, {0: published(params, descriptor.version_dtype)}))
+    return SyncerState(fragments, [{} for _ in fragments], last_seq, descriptor.run_id)
+
+
+@dataclass(frozen=True)
+class RoundInput:
+    """One delta offered to a round: its header, where it lies, and its decoded values (None if not decodable)."""
+
+    header: DeltaHeader
+    key: str
+    checksum: str
+    tensors: Mapping[str, np.ndarray] | None
+    reject_reason: str = ""
+
+
+@dataclass(frozen=True)
+class FoldResult:
+    state: SyncerState
+    record: CommitRecord
+    published: dict[str, np.ndarray] | None   # None when no new version
+
+
+class ReplayMismatch(FormatError):
+    """A recomputed commit differs from the recorded one (the log or its inputs are not what was merged)."""
+
+    def __init__(self, seq: int, fragment: int, tensor: str, max_abs_diff: float | None, detail: str):
+        where = f" tensor {tensor}" if tensor else ""
+        diff = f" (max abs diff {max_abs_diff:g})" if max_abs_diff is not None else ""
+        super().__init__(f"replay mismatch at commit {seq}, fragment {fragment}{where}: {detail}{diff}")
+        self.seq, self.fragment, self.tensor = seq, fragment, tensor
+        self.max_abs_diff, self.detail = max_abs_diff, detail
+
+
+def _check_seq(state: SyncerState, seq: int) -> None:
+    if seq != state.last_seq + 1:
+        raise ValueError(f"commit seq {seq} does not follow the last folded seq {state.last_seq} (the log is serial)")
+
+
+def _why_dropped(inp: RoundInput, fragment: int, fs: FragmentState, hw: Mapping[str, tuple[int, int]],
+                 specs: Mapping[str, tuple[int, ...]], seen: set[str]) -> str:
+    """The reason to drop one input, or "" to keep it. Metadata first, then contents."""
+    h = inp.header
+    if inp.reject_reason:
+        return inp.reject_reason
+    if h.fragment != fragment:
+        return "wrong-fragment"
+    if h.id in seen or (h.learner in hw and h.order <= hw[h.learner]):
+        return "duplicate"
+    if h.c_steps == 0:
+        return "zero-steps"
+    if h.base_version > fs.version:
+        return "base-from-future"
+    if h.base_version not in fs.history:
+        return "base-too-old"
+    if inp.tensors is None:
+        return "undecodable"
+    for n in sorted(set(specs) | set(inp.tensors)):
+        if n not in specs or n not in inp.tensors or np.shape(inp.tensors[n]) != specs[n]:
+            return f"shape-mismatch: {n}"
+    for n in sorted(specs):
+        if not np.all(np.isfinite(inp.tensors[n])):
+            return "non-finite"
+    return ""
+
+
+def _dropped(inp: RoundInput, reason: str) -> DroppedRecord:
+    h = inp.header
+    return DroppedRecord(h.id, h.learner, inp.key, inp.checksum, reason, h.c_tokens)
+
+
+def fold(state: SyncerState, descriptor: RunDescriptor, fragment: int, inputs: Sequence[RoundInput], *,
+         seq: int, epoch: int, output_key: str, quorum: int = 0, grace_wait_s: float = 0.0,
+         info: dict | None = None) -> FoldResult:
+    """Fold one round of ``fragment`` into the next state and its commit record (see module doc)."""
+    _check_seq(state, seq)
+    if not 0 <= fragment < descriptor.num_fragments or len(state.fragments) != descriptor.num_fragments:
+        raise ValueError(f"fragment {fragment} out of range for {descriptor.num_fragments} fragments "
+                         f"(state has {len(state.fragments)})")
+    fs = state.fragments[fragment]
+    hw = state.high_water[fragment]
+    specs = {s.name: s.shape for s in descriptor.fragment_specs(fragment)}
+    ordered = sorted(inputs, key=lambda i: (i.header.learner, i.header.incarnation, i.header.seq, i.key, i.checksum))
+
+    dropped: list[DroppedRecord] = []
+    candidates: list[RoundInput] = []
+    seen: set[str] = set()
+    for inp in ordered:
+        reason = _why_dropped(inp, fragment, fs, hw, specs, seen)
+        if reason:
+            dropped.append(_dropped(inp, reason))
+        else:                                    # a later copy of a kept delta (fast path + spill) is a duplicate
+            seen.add(inp.header.id)
+            candidates.append(inp)
+    newest = {i.header.learner: i for i in candidates}          # sorted ascending: the last one per learner wins
+    survivors = [i for i in candidates if newest[i.header.learner] is i]
+    dropped += [_dropped(i, "superseded") for i in candidates if newest[i.header.learner] is not i]
+    dropped.sort(key=lambda d: (d.learner, d.delta_id, d.key))
+    info = dict(info or {})
+
+    if not survivors:
+        new_state = SyncerState(list(state.fragments), list(state.high_water), seq, state.run_id)
+        record = CommitRecord(seq=seq, epoch=epoch, kind="drop", fragment=fragment, version=fs.version,
+                              dropped=tuple(dropped), high_water={m: list(o) for m, o in sorted(hw.items())},
+                              quorum=quorum, grace_wait_s=float(grace_wait_s), info=info)
+        return FoldResult(new_state, record, None)
+
+    current = fs.history[fs.version]
+    grads = []
+    for inp in survivors:
+        base = fs.history[inp.header.base_version]
+        v = {}
+        for n in specs:
+            d = np.asarray(inp.tensors[n], dtype=np.float32).astype(np.float64)
+            # v = Theta^(current) - (Theta^(base) - Delta), exactly Delta when base is current.
+            v[n] = ((current[n].astype(np.float64) - base[n].astype(np.float64)) + d).astype(np.float32)
+        grads.append(v)
+    weights = token_weights([i.header.c_tokens for i in survivors], [i.header.c_steps for i in survivors])
+    cfg = MergeConfig(descriptor.merge, frozenset(descriptor.embedding_tensors))
+    g = merge_fragment(grads, weights, cfg)
+    params, momentum = nesterov_step(fs.params, fs.momentum, g, descriptor.outer_lr, descriptor.outer_momentum)
+    params = {n: _frozen(a) for n, a in params.items()}
+    momentum = {n: _frozen(a) for n, a in momentum.items()}
+    version = fs.version + 1
+    pub = published(params, descriptor.version_dtype)
+    keep = range(version - descriptor.retain_versions + 1, version)
+    history = {v: fs.history[v] for v in sorted(fs.history) if v in keep}
+    history[version] = pub
+
+    new_hw = dict(hw)
+    for inp in survivors:
+        new_hw[inp.header.learner] = max(new_hw.get(inp.header.learner, (-1, -1)), inp.header.order)
+    fragments = list(state.fragments)
+    fragments[fragment] = FragmentState(version, params, momentum, history)
+    high_water = list(state.high_water)
+    high_water[fragment] = new_hw
+    new_state = SyncerState(fragments, high_water, seq, state.run_id)
+
+    records = tuple(InputRecord(delta_id=i.header.id, learner=i.header.learner, incarnation=i.header.incarnation,
+                                seq=i.header.seq, key=i.key, checksum=i.checksum, base_version=i.header.base_version,
+                                c_steps=i.header.c_steps, c_tokens=i.header.c_tokens,
+                                learner_step=i.header.learner_step, weight=float(w),
+                                staleness=fs.version - i.header.base_version)
+                    for i, w in zip(survivors, weights))
+    record = CommitRecord(seq=seq, epoch=epoch, kind="merge", fragment=fragment, version=version, inputs=records,
+                          dropped=tuple(dropped), output_key=output_key, output_checksum=tensor_digest(pub),
+                          high_water={m: list(o) for m, o in sorted(new_hw.items())}, quorum=quorum,
+                          grace_wait_s=float(grace_wait_s), info=info)
+    return FoldResult(new_state, record, pub)
+
+
+def fold_fence(state: SyncerState, seq: int, epoch: int, info: dict | None = None) -> FoldResult:
+    """A fence commit (a new syncer epoch takes over): only ``last_seq`` advances."""
+    _check_seq(state, seq)
+    new_state = SyncerState(list(state.fragments), list(state.high_water), seq, state.run_id)
+    return FoldResult(new_state, CommitRecord(seq=seq, epoch=epoch, kind="fence", info=dict(info or {})), None)
+
+
+def _compare(rec: CommitRecord, got: CommitRecord, recorded_output: Mapping[str, np.ndarray] | None,
+             pub: Mapping[str, np.ndarray] | None) -> None:
+    def fail(detail: str, tensor: str = "", diff: float | None = None) -> None:
+        raise ReplayMismatch(rec.seq, rec.fragment, tensor, diff, detail)
+
+    if got.kind != rec.kind:
+        fail(f"recorded a {rec.kind!r} commit, recomputed a {got.kind!r} commit")
+    if got.version != rec.version:
+        fail(f"recorded version {rec.version}, recomputed {got.version}")
+    if len(got.inputs) != len(rec.inputs):
+        fail(f"recorded {len(rec.inputs)} merged inputs {[i.delta_id for i in rec.inputs]}, "
+             f"recomputed {len(got.inputs)} {[i.delta_id for i in got.inputs]}")
+    # Header fields first: a changed count also changes every weight, and the count is the cause.
+    for k, (a, b) in enumerate(zip(rec.inputs, got.inputs)):
+        da, db = a.to_dict(), b.to_dict()
+        fields = [f for f in da if f != "weight" and da[f] != db[f]]
+        if fields:
+            fail(f"input {k} ({a.delta_id}): fields {fields} differ: recorded "
+                 f"{[da[f] for f in fields]}, recomputed {[db[f] for f in fields]}")
+    for k, (a, b) in enumerate(zip(rec.inputs, got.inputs)):
+        if a.weight != b.weight:
+            fail(f"input {k} ({a.delta_id}): weight recorded {a.weight!r}, recomputed {b.weight!r}",
+                 diff=abs(a.weight - b.weight))
+    if got.dropped != rec.dropped:
+        ra = [(d.delta_id, d.reason) for d in rec.dropped]
+        rb = [(d.delta_id, d.reason) for d in got.dropped]
+        fail(f"dropped deltas differ: recorded {ra}, recomputed {rb}" if ra != rb else
+             "dropped deltas differ in key, checksum or token count")
+    if got.high_water != rec.high_water:
+        fail(f"high-water marks differ: recorded {rec.high_water}, recomputed {got.high_water}")
+    if got.output_checksum != rec.output_checksum:
+        tensor, diff = "", None
+        if recorded_output is not None and pub is not None:
+            diffs = {n: float(np.max(np.abs(np.asarray(recorded_output[n], np.float64) - pub[n].astype(np.float64)),
+                                     initial=0.0))
+                     for n in sorted(pub) if n in recorded_output and np.shape(recorded_output[n]) == pub[n].shape}
+            if diffs:
+                tensor = max(diffs, key=lambda n: (diffs[n], n))
+                diff = diffs[tensor]
+        fail(f"output checksum recorded {rec.output_checksum[:16]}..., recomputed {got.output_checksum[:16]}...",
+             tensor, diff)
+
+
+def check_commit(state: SyncerState, descriptor: RunDescriptor, record: CommitRecord, inputs: Sequence[RoundInput],
+                 *, recorded_output: Mapping[str, np.ndarray] | None = None) -> FoldResult:
+    """Recompute a recorded commit from its inputs (replay and recovery) and check it bit for bit.
+
+    Compares kind, version, merged inputs (weights exactly), dropped deltas, high-water marks and the
+    output checksum; raises :class:`ReplayMismatch` naming the first difference. Pass the recorded
+    output values as ``recorded_output`` to have a checksum mismatch name the worst tensor and its max
+    abs diff. Timing fields (quorum, grace, info) are informative and reused as recorded.
+    """
+    if record.kind == "fence":
+        return fold_fence(state, record.seq, record.epoch, record.info)
+    if record.kind not in ("merge", "drop"):
+        raise ValueError(f"check_commit: a {record.kind!r} commit is not produced by fold")
+    res = fold(state, descriptor, record.fragment, inputs, seq=record.seq, epoch=record.epoch,
+               output_key=record.output_key, quorum=record.quorum, grace_wait_s=record.grace_wait_s, info=record.info)
+    _compare(record, res.record, recorded_output, res.published)
+    return res

@@ -1,0 +1,156 @@
+"""When a fragment's round closes: minimum quorum plus the adaptive grace window (SPEC §4).
+
+A round closes when at least K distinct learners have a pending delta for the fragment and the
+grace window after the quorum has passed:
+
+    grace = clamp(gamma * (tau * step_time - quorum_wait - sync_time), 0, cap)
+
+The window spends only slack that the tau-step overlap already hides, so no learner ever waits for
+it; deltas arriving inside it join the round. *Choices* (SPEC): gamma = 0.5, cap = one step time,
+and before any step time is measured the window is the cap.
+
+Pure: the caller passes ``now`` and its smoothed measurements (``Timing``, see ``Ewma``); the
+decision says what to merge now, or how long until asking again can change the answer.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+__all__ = ["PolicyConfig", "Pending", "Timing", "Decision", "Ewma", "grace_window", "decide"]
+
+
+def _finite(name: str, value: float, minimum: float = 0.0) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < minimum:
+        raise ValueError(f"{name} must be a finite number >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """K (``quorum``), tau (``overlap``), gamma and the cap in seconds (0: one measured step time)."""
+
+    quorum: int = 1
+    overlap: int = 1
+    gamma: float = 0.5
+    cap_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("quorum", "overlap"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"policy {name} must be an int >= 1, got {v!r}")
+        _finite("policy gamma", self.gamma)
+        _finite("policy cap_s", self.cap_s)
+
+
+@dataclass(frozen=True)
+class Pending:
+    """One unmerged delta for the fragment, as the syncer saw it arrive."""
+
+    delta_id: str
+    learner: str
+    order: tuple[int, int]      # (incarnation, seq): larger is newer
+    arrived_at: float
+    c_steps: int
+    c_tokens: int
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Smoothed measurements: learners' inner step time (None until measured) and the syncer's
+    merge+commit+publish time."""
+
+    step_time_s: float | None = None
+    sync_time_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.step_time_s is not None:
+            _finite("step_time_s", self.step_time_s)
+        _finite("sync_time_s", self.sync_time_s)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """``merge``: delta ids to merge now (empty: not yet), in (learner, order) order; includes
+    zero-step deltas so that the fold records them as dropped. ``superseded``: older pending deltas of
+    a learner that has a newer one; pass them to the fold with ``merge`` so it records them.
+    ``wait_s``: time until the decision may change without new deltas (None: only new deltas can
+    change it). ``reason``: "empty" | "quorum-not-met" | "grace" | "grace-expired" | "all-reported"."""
+
+    merge: tuple[str, ...]
+    superseded: tuple[str, ...]
+    wait_s: float | None
+    quorum_met_at: float | None
+    grace_s: float | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class Ewma:
+    """Exponentially weighted moving average: ``value`` is None until the first sample."""
+
+    alpha: float = 0.2
+    value: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.alpha, (int, float)) or not 0.0 < self.alpha <= 1.0:
+            raise ValueError(f"EWMA alpha must lie in (0, 1], got {self.alpha!r}")
+
+    def update(self, sample: float) -> "Ewma":
+        """A new average including ``sample`` (the first sample is taken as is)."""
+        _finite("EWMA sample", sample)
+        if self.value is None:
+            return Ewma(self.alpha, float(sample))
+        return Ewma(self.alpha, self.value + self.alpha * (float(sample) - self.value))
+
+
+def grace_window(cfg: PolicyConfig, timing: Timing, quorum_wait_s: float) -> float:
+    """The grace window in seconds for a round whose quorum took ``quorum_wait_s`` to gather."""
+    _finite("quorum_wait_s", quorum_wait_s)
+    step = timing.step_time_s
+    cap = cfg.cap_s if cfg.cap_s > 0 else (step if step is not None else 0.0)
+    if step is None:
+        return cap                                  # no measurement yet: the cap (0 if it is unknown too)
+    slack = cfg.gamma * (cfg.overlap * step - quorum_wait_s - timing.sync_time_s)
+    return min(max(slack, 0.0), cap)
+
+
+def decide(pending: Sequence[Pending], now: float, cfg: PolicyConfig, timing: Timing,
+           live_learners: int | None = None) -> Decision:
+    """Decide one fragment's round from its pending deltas at time ``now``.
+
+    Per learner only the newest delta counts (older ones are superseded). Learners whose newest
+    delta has ``c_steps == 0`` do not count toward the quorum. The quorum is met when the K-th
+    distinct learner had a pending delta (its first pending arrival); the round started at the
+    earliest pending arrival among counting learners. If ``live_learners`` is known and every live
+    learner has reported, the round closes at once.
+    """
+    _finite("now", now, minimum=-math.inf)
+    if live_learners is not None and (not isinstance(live_learners, int) or live_learners < 0):
+        raise ValueError(f"live_learners must be None or an int >= 0, got {live_learners!r}")
+    newest: dict[str, Pending] = {}
+    first_arrival: dict[str, float] = {}
+    for p in pending:
+        _finite(f"arrival time of {p.delta_id}", p.arrived_at, minimum=-math.inf)
+        cur = newest.get(p.learner)
+        if cur is None or p.order > cur.order:
+            newest[p.learner] = p
+        first_arrival[p.learner] = min(first_arrival.get(p.learner, p.arrived_at), p.arrived_at)
+    superseded = tuple(p.delta_id for p in sorted(pending, key=lambda p: (p.learner, p.order, p.delta_id))
+                       if newest[p.learner].delta_id != p.delta_id)   # a second copy of the newest is not older
+    merge_set = tuple(newest[learner].delta_id for learner in sorted(newest))
+    if not newest:
+        return Decision((), (), None, None, None, "empty")
+    counting = sorted((first_arrival[m], m) for m, p in newest.items() if p.c_steps > 0)
+    if len(counting) < cfg.quorum:
+        return Decision((), superseded, None, None, None, "quorum-not-met")
+    round_start = counting[0][0]
+    quorum_met_at = counting[cfg.quorum - 1][0]
+    grace = grace_window(cfg, timing, quorum_met_at - round_start)
+    if live_learners is not None and len(counting) >= live_learners:
+        return Decision(merge_set, superseded, 0.0, quorum_met_at, grace, "all-reported")
+    close_at = quorum_met_at + grace
+    if now >= close_at:
+        return Decision(merge_set, superseded, 0.0, quorum_met_at, grace, "grace-expired")
+    return Decision((), superseded, close_at - now, quorum_met_at, grace, "grace")
