@@ -1,0 +1,227 @@
+"""The ZeroMQ fast path between learners and the syncer (docs/protocol.md, SPEC §7).
+
+Two sockets: *ingest* (syncer ROUTER <- learner DEALER: hello, delta, heartbeat up; ack down) and
+*announce* (syncer PUB -> learner SUB: version, syncer-heartbeat). Every message is multipart:
+frame 0 a sealed ``bus`` record, frame 1 an optional blob. Receivers enforce a byte limit through
+``ZMQ_MAXMSGSIZE`` (libzmq drops the message before allocating it) and again when decoding.
+Nothing here is needed for correctness: storage is the truth, the bus only makes things faster.
+Sockets are not thread-safe: each socket object belongs to exactly one thread.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from pipeline.envelope import pack_record, unpack_record
+from pipeline.errors import FormatError
+
+BUS_KIND = "bus"
+BUS_VERSION = 1
+MESSAGE_TYPES = ("hello", "heartbeat", "delta", "ack", "version", "syncer-heartbeat")
+HEAD_MAX_BYTES = 64 << 10   # frame 0 is a small record; anything bigger is hostile or broken
+
+
+@dataclass(frozen=True)
+class Message:
+    type: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    blob: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if self.type not in MESSAGE_TYPES:
+            raise ValueError(f"unknown bus message type {self.type!r}")
+
+
+def encode_message(msg: Message) -> list[bytes]:
+    head = pack_record(BUS_KIND, BUS_VERSION, {"type": msg.type, **msg.fields})
+    return [head] if msg.blob is None else [head, msg.blob]
+
+
+def decode_message(frames: list[bytes], max_blob_bytes: int) -> Message:
+    """Frames -> Message, or FormatError naming what is wrong (size, structure, type)."""
+    if not 1 <= len(frames) <= 2:
+        raise FormatError(f"bus message: {len(frames)} frames (expected 1 or 2)")
+    if len(frames[0]) > HEAD_MAX_BYTES:
+        raise FormatError(f"bus message: head of {len(frames[0])} bytes exceeds {HEAD_MAX_BYTES}")
+    _, d = unpack_record(frames[0], BUS_KIND, BUS_VERSION, max_bytes=HEAD_MAX_BYTES, what="bus message")
+    mtype = d.pop("type", None)
+    if mtype not in MESSAGE_TYPES:
+        raise FormatError(f"bus message: unknown type {mtype!r}")
+    blob = None
+    if len(frames) == 2:
+        blob = bytes(frames[1])
+        if len(blob) > max_blob_bytes:
+            raise FormatError(f"bus message: blob of {len(blob)} bytes exceeds {max_blob_bytes}")
+    return Message(mtype, d, blob)
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """CURVE key material (z85 text). ``server_public`` is what clients pin; ``allowed`` the
+    client public keys a server accepts (enforced by a ZAP authenticator, issue "Security")."""
+
+    public: bytes
+    secret: bytes
+    server_public: bytes | None = None
+
+
+@dataclass(frozen=True)
+class BusConfig:
+    """Endpoints and limits. ``max_message_bytes`` bounds every received message."""
+
+    ingest: str                       # tcp://host:port the syncer ROUTER binds / learners connect
+    announce: str                     # tcp://host:port the syncer PUB binds / learners connect
+    max_message_bytes: int = 64 << 20
+    send_hwm: int = 64
+    linger_ms: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("ingest", "announce"):
+            ep = getattr(self, name)
+            if not isinstance(ep, str) or not ep.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"bus {name} endpoint {ep!r} must start with tcp://, ipc:// or inproc://")
+        if self.max_message_bytes < HEAD_MAX_BYTES:
+            raise ValueError(f"max_message_bytes {self.max_message_bytes} is below {HEAD_MAX_BYTES}")
+
+
+def _limit(sock: zmq.Socket, cfg: BusConfig) -> None:
+    sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes + HEAD_MAX_BYTES)
+    sock.setsockopt(zmq.LINGER, cfg.linger_ms)
+    sock.setsockopt(zmq.SNDHWM, cfg.send_hwm)
+    sock.setsockopt(zmq.RCVHWM, cfg.send_hwm * 4)
+
+
+def _curve_server(sock: zmq.Socket, keys: CurveKeys | None) -> None:
+    if keys is not None:
+        sock.curve_secretkey = keys.secret
+        sock.curve_publickey = keys.public
+        sock.curve_server = True
+
+
+def _curve_client(sock: zmq.Socket, keys: CurveKeys | None) -> None:
+    if keys is not None:
+        if keys.server_public is None:
+            raise ValueError("a CURVE client needs the server's public key")
+        sock.curve_secretkey = keys.secret
+        sock.curve_publickey = keys.public
+        sock.curve_serverkey = keys.server_public
+
+
+class SyncerBus:
+    """The syncer's side: bind ROUTER (ingest) and PUB (announce). One thread uses it."""
+
+    def __init__(self, cfg: BusConfig, ctx: zmq.Context | None = None, curve: CurveKeys | None = None):
+        self.cfg = cfg
+        self.ctx = ctx or zmq.Context.instance()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.pub = self.ctx.socket(zmq.PUB)
+        for s in (self.router, self.pub):
+            _limit(s, cfg)
+            _curve_server(s, curve)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # an ack to a vanished learner is dropped, not an error
+        self.ingest_endpoint = _bind(self.router, cfg.ingest)
+        self.announce_endpoint = _bind(self.pub, cfg.announce)
+        self.poller = zmq.Poller()
+        self.poller.register(self.router, zmq.POLLIN)
+
+    def recv(self, timeout_s: float) -> tuple[bytes, Message | FormatError] | None:
+        """Next message as (routing id, message), or None after ``timeout_s``. A message that does
+        not decode comes back as the FormatError saying why, so the caller can count and log it."""
+        if not self.poller.poll(max(0, int(timeout_s * 1000))):
+            return None
+        frames = self.router.recv_multipart(copy=True)
+        ident, body = frames[0], frames[1:]
+        try:
+            return ident, decode_message(body, self.cfg.max_message_bytes)
+        except FormatError as exc:
+            return ident, exc
+
+    def send_to(self, ident: bytes, msg: Message) -> None:
+        try:
+            self.router.send_multipart([ident, *encode_message(msg)], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # learner not reading: it will resend or spill; acks are optimisations
+
+    def announce(self, msg: Message) -> None:
+        try:
+            self.pub.send_multipart(encode_message(msg), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # PUB drops past the high-water mark anyway; learners also poll storage
+
+    def close(self) -> None:
+        self.router.close(0)
+        self.pub.close(0)
+
+
+class LearnerLink:
+    """A learner's DEALER to the syncer's ingest socket. Used by the sender thread only."""
+
+    def __init__(self, cfg: BusConfig, identity: bytes, ctx: zmq.Context | None = None,
+                 curve: CurveKeys | None = None):
+        self.cfg = cfg
+        self.ctx = ctx or zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        _limit(self.sock, cfg)
+        _curve_client(self.sock, curve)
+        self.sock.setsockopt(zmq.IDENTITY, identity)
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)   # do not queue for a syncer that is not connected
+        self.sock.connect(cfg.ingest)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+
+    def send(self, msg: Message) -> bool:
+        """Queue ``msg``; False when it would block (not connected or high-water mark)."""
+        try:
+            self.sock.send_multipart(encode_message(msg), flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    def recv(self, timeout_s: float) -> Message | None:
+        if not self.poller.poll(max(0, int(timeout_s * 1000))):
+            return None
+        frames = self.sock.recv_multipart()
+        try:
+            return decode_message(frames, HEAD_MAX_BYTES)
+        except FormatError:
+            return None
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class AnnounceListener:
+    """A learner's SUB to the syncer's announcements. Used by the receiver thread only."""
+
+    def __init__(self, cfg: BusConfig, ctx: zmq.Context | None = None, curve: CurveKeys | None = None):
+        self.ctx = ctx or zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.SUB)
+        _limit(self.sock, cfg)
+        _curve_client(self.sock, curve)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(cfg.announce)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+
+    def recv(self, timeout_s: float) -> Message | None:
+        if not self.poller.poll(max(0, int(timeout_s * 1000))):
+            return None
+        try:
+            return decode_message(self.sock.recv_multipart(), HEAD_MAX_BYTES)
+        except FormatError:
+            return None
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+def _bind(sock: zmq.Socket, endpoint: str) -> str:
+    """Bind; a tcp endpoint with port 0 gets a free port. Returns the endpoint actually bound."""
+    if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+        host = endpoint[len("tcp://"):-2]
+        port = sock.bind_to_random_port(f"tcp://{host}")
+        return f"tcp://{host}:{port}"
+    sock.bind(endpoint)
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)

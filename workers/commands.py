@@ -1,0 +1,90 @@
+"""`ddiloco syncer` and `ddiloco learner`: one role per process, for running across machines.
+
+Both take the run's location (``--store``: a directory or s3://bucket/prefix) and the bus
+endpoints. The syncer binds them (``tcp://0.0.0.0:5555`` to accept other hosts); learners connect
+to the address the syncer can be reached at. SIGTERM/SIGINT stop either cleanly.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+
+from storage.store import open_store
+from .bus import BusConfig
+from .events import EventLog
+from .learner import LearnerConfig
+from .sender import SenderConfig
+from .syncer import Syncer, SyncerConfig
+
+
+def _stop_flag() -> threading.Event:
+    flag = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: flag.set())
+    return flag
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--store", required=True, help="the run's location: a directory or s3://bucket/prefix")
+    parser.add_argument("--s3-endpoint", default=None, help="S3 endpoint URL (default: AWS_ENDPOINT_URL or AWS)")
+    parser.add_argument("--ingest", default="tcp://127.0.0.1:5555", help="syncer ingest endpoint")
+    parser.add_argument("--announce", default="tcp://127.0.0.1:5556", help="syncer announce endpoint")
+    parser.add_argument("--no-bus", action="store_true", help="storage only (no ZeroMQ): slower, same result")
+    parser.add_argument("--log", default=None, help="JSONL event log path (default: stdout)")
+
+
+def _bus(args) -> BusConfig | None:
+    return None if args.no_bus else BusConfig(args.ingest, args.announce)
+
+
+def _events(args, role: str, ident: str) -> EventLog:
+    return EventLog(args.log, role, ident, echo=None if args.log else sys.stdout)
+
+
+def configure_syncer(parser: argparse.ArgumentParser):
+    """Run the syncer of a run (claims a new epoch, recovers from the log, merges and commits)."""
+    _common(parser)
+    parser.add_argument("--id", default="syncer", help="syncer name recorded in commits")
+    parser.add_argument("--checkpoint-every", type=int, default=25, help="commits between checkpoints")
+
+    def handler(args) -> int:
+        store = open_store(args.store, s3_endpoint=args.s3_endpoint)
+        flag = _stop_flag()
+        syncer = Syncer(store, SyncerConfig(syncer_id=args.id, checkpoint_every=args.checkpoint_every),
+                        bus=_bus(args), events=_events(args, "syncer", args.id))
+        return syncer.run(flag.is_set)
+    return handler
+
+
+def configure_learner(parser: argparse.ArgumentParser):
+    """Run one learner of the default job (joins a running run at any time)."""
+    _common(parser)
+    parser.add_argument("--id", required=True, help="learner id (letters, digits, _ . -)")
+    parser.add_argument("--shard", type=int, default=None, help="data shard (default: the number in --id)")
+    parser.add_argument("--steps", type=int, default=None, help="inner steps (default: the run's)")
+    parser.add_argument("--slow", type=float, default=1.0, help="stretch every step by this factor (>= 1)")
+    parser.add_argument("--ack-timeout", type=float, default=2.0, help="seconds before an unacked delta spills")
+    parser.add_argument("--poll", type=float, default=0.5, help="seconds between storage polls for versions")
+
+    def handler(args) -> int:
+        from .job import learner_process
+        if args.slow < 1.0:
+            raise SystemExit(f"--slow must be >= 1, got {args.slow}")
+        shard = args.shard
+        if shard is None:
+            digits = "".join(c for c in args.id if c.isdigit())
+            shard = int(digits) if digits else 0
+        store = open_store(args.store, s3_endpoint=args.s3_endpoint)
+        flag = _stop_flag()
+        events = _events(args, "learner", args.id)
+        cfg = LearnerConfig(sender=SenderConfig(ack_timeout_s=args.ack_timeout), poll_s=args.poll)
+        stats = learner_process(store, args.id, shard, _bus(args), events, steps=args.steps, slow=args.slow,
+                                config=cfg, stop=flag.is_set)
+        events.emit("learner-done", **stats)
+        if args.log:
+            print(json.dumps(stats))
+        return 0 if stats["drained"] else 4
+    return handler

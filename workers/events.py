@@ -1,0 +1,83 @@
+"""JSONL event logs: every process appends one JSON object per line (``t``, ``role``, ``id``,
+``event`` and fields). The launcher tails them for live progress and the summary; users grep them.
+Thread-safe; each line is flushed so a killed process leaves a readable log. Never log secrets.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, TextIO
+
+
+class EventLog:
+    def __init__(self, path: str | Path | None, role: str, ident: str,
+                 clock: Callable[[], float] = time.time, echo: TextIO | None = None):
+        self.role, self.ident, self.clock = role, ident, clock
+        self._lock = threading.Lock()
+        self._fh: TextIO | None = None
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._fh = open(path, "a", buffering=1)
+        self._echo = echo
+
+    def emit(self, event: str, **fields: Any) -> None:
+        rec = {"t": round(self.clock(), 4), "role": self.role, "id": self.ident, "event": event, **fields}
+        line = json.dumps(rec, default=str, separators=(",", ":"))
+        with self._lock:
+            if self._fh is not None:
+                self._fh.write(line + "\n")
+            if self._echo is not None:
+                self._echo.write(line + "\n")
+                self._echo.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fh is not None:
+                self._fh.close()
+                self._fh = None
+
+
+def read_events(path: str | Path) -> list[dict]:
+    """All complete lines of a log (a torn last line from a killed process is skipped)."""
+    out = []
+    try:
+        with open(path) as fh:
+            for line in fh:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    except FileNotFoundError:
+        pass
+    return out
+
+
+class Tail:
+    """Incrementally read new complete lines of a growing JSONL file."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._pos = 0
+        self._buf = ""
+
+    def read(self) -> list[dict]:
+        try:
+            with open(self.path) as fh:
+                fh.seek(self._pos)
+                chunk = fh.read()
+                self._pos = fh.tell()
+        except FileNotFoundError:
+            return []
+        self._buf += chunk
+        lines = self._buf.split("\n")
+        self._buf = lines.pop()
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                print(f"skipping unreadable log line in {self.path}", file=sys.stderr)
+        return out

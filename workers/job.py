@@ -1,0 +1,124 @@
+"""The default job: the GPT of workers/model.py on a real offline corpus (workers/data.py).
+
+``learner_process`` is what one ``ddiloco learner`` process runs: everything it needs comes from
+the run descriptor (model config in ``model``, job settings in ``extra["job"]``), so a learner
+needs only the run's location and its id to join. ``dp_baseline`` is the lock-step data-parallel
+comparison (same model, same data order, same token budget), run in one process.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from pipeline.types import RunDescriptor
+from storage.store import ObjectStore
+from .bus import BusConfig
+from .data import Corpus, DataConfig, evaluate
+from .events import EventLog
+from .learner import Learner, LearnerConfig
+from .model import GPT, GPTConfig, build_model
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    """Inner training settings shared by every learner of the default job."""
+
+    steps: int = 300                  # inner steps per learner
+    batch_size: int = 8
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    data: str | None = None
+    max_bytes: int = 2_000_000
+    shards: int = 4                   # data shards = base learners
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.batch_size < 1 or self.shards < 1:
+            raise ValueError(f"steps {self.steps}, batch_size {self.batch_size} and shards {self.shards} must be >= 1")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "JobSettings":
+        return cls(**d)
+
+    def data_config(self, block_size: int) -> DataConfig:
+        return DataConfig(path=self.data, max_bytes=self.max_bytes, batch_size=self.batch_size, block_size=block_size)
+
+
+def job_from(descriptor: RunDescriptor) -> tuple[GPTConfig, JobSettings]:
+    if "job" not in descriptor.extra or not descriptor.model:
+        raise ValueError(f"run {descriptor.run_id} was not created by the default job (no model/job settings); "
+                         "drive it with the Learner API instead")
+    return GPTConfig.from_dict(descriptor.model), JobSettings.from_dict(descriptor.extra["job"])
+
+
+def make_optimizer(model: torch.nn.Module, job: JobSettings) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=job.lr, weight_decay=job.weight_decay, betas=(0.9, 0.95))
+
+
+def learner_process(store: ObjectStore, learner_id: str, shard: int, bus: BusConfig | None, events: EventLog,
+                    steps: int | None = None, slow: float = 1.0, config: LearnerConfig = LearnerConfig(),
+                    stop: Callable[[], bool] = lambda: False) -> dict:
+    """Train one learner of the default job for ``steps`` (default: the job's) and return its stats."""
+    from storage.layout import read_descriptor
+    torch.set_num_threads(1)
+    desc = read_descriptor(store)
+    gcfg, job = job_from(desc)
+    corpus = Corpus(job.data_config(gcfg.block_size))
+    model = GPT(gcfg)                    # weights are overwritten from storage by start(): never used as drawn
+    learner = Learner(model, make_optimizer(model, job), store, learner_id, config, bus=bus, events=events)
+    learner.start()
+    batches = corpus.batches(shard % job.shards, job.shards, desc.seed)
+    n = steps if steps is not None else job.steps
+    for _ in range(n):
+        if stop():
+            break
+        x, y = next(batches)
+        t0 = time.monotonic()
+        learner.step(lambda: model(x, y)[1], tokens=x.numel())
+        if slow > 1.0:   # a straggler: stretch its step time by the factor (chaos, heterogeneous speeds)
+            time.sleep((time.monotonic() - t0) * (slow - 1.0))
+    drained = learner.close()
+    return {"steps": learner.step_count, "tokens": learner.tokens, "drained": drained, **learner.stats()}
+
+
+def dp_baseline(gcfg: GPTConfig, job: JobSettings, learners: int, seed: int, events: EventLog,
+                eval_every: int = 50) -> dict:
+    """Lock-step data parallelism: every step, each of ``learners`` replicas takes a batch from its
+    shard (same generator as the decoupled learner), gradients are averaged, one AdamW step."""
+    torch.set_num_threads(1)
+    corpus = Corpus(job.data_config(gcfg.block_size))
+    model = build_model(gcfg, seed)
+    opt = make_optimizer(model, job)
+    streams = [corpus.batches(m % job.shards, job.shards, seed) for m in range(learners)]
+    init_eval = evaluate(model, corpus)
+    events.emit("eval", tokens=0, loss=init_eval)
+    tokens = 0
+    t_start = time.monotonic()
+    for step in range(job.steps):
+        opt.zero_grad(set_to_none=True)
+        losses = []
+        for s in streams:
+            x, y = next(s)
+            loss = model(x, y)[1] / learners
+            loss.backward()
+            losses.append(float(loss.detach()) * learners)
+            tokens += x.numel()
+        opt.step()
+        if (step + 1) % 10 == 0:
+            events.emit("step", step=step + 1, loss=round(float(np.mean(losses)), 4), tokens=tokens)
+        if (step + 1) % eval_every == 0:
+            events.emit("eval", tokens=tokens, loss=evaluate(model, corpus))
+    final = evaluate(model, corpus)
+    events.emit("eval", tokens=tokens, loss=final)
+    return {"mode": "dp", "tokens": tokens, "initial_eval_loss": init_eval, "final_eval_loss": final,
+            "wall_s": time.monotonic() - t_start,
+            # all-reduce of the full gradient every step, fp32, per replica (ring: ~2x the payload)
+            "bytes_per_learner_per_step": 2 * 4 * sum(p.numel() for p in model.parameters())}

@@ -1,0 +1,229 @@
+"""A learner (SPEC §3, paper §3): one full model replica that trains on its own data and never waits.
+
+Public API (the default job uses it too)::
+
+    learner = Learner(model, optimizer, store="runs/demo", learner_id="l0")
+    learner.start()                        # loads the latest global model from storage
+    for x, y in batches:
+        learner.step(lambda: loss_fn(model(x), y), tokens=x.numel())
+    learner.close()                        # waits (bounded) until its deltas are durable
+
+Each ``step``: apply fragment versions that arrived (overwrite θ_p, reset p's counters, remember the
+version as base), one inner optimizer step, bump the counters, and when fragment p is due hand
+``Δ = base_p − θ_p`` to the background sender. Nothing in ``step`` touches the network or storage.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from pipeline.codec import CodecConfig
+from pipeline.fragment import due_fragments, extract
+from pipeline.types import DeltaHeader, RunDescriptor, check_learner_id
+from storage.layout import read_descriptor
+from storage.store import ObjectStore, open_store
+from .bus import BusConfig
+from .events import EventLog
+from .receiver import Receiver
+from .sender import Sender, SenderConfig
+from .versions import VersionTracker
+
+
+INCARNATION_EPOCH_NS = 1_704_067_200 * 10**9   # 2024-01-01T00:00:00Z
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    sender: SenderConfig = SenderConfig()
+    poll_s: float = 0.5               # how often storage is polled for new versions
+    drain_s: float = 30.0             # how long close() waits for deltas to become durable
+    log_every: int = 10               # steps between progress events
+
+    def __post_init__(self) -> None:
+        if self.poll_s <= 0 or self.drain_s < 0 or self.log_every < 1:
+            raise ValueError("poll_s must be > 0, drain_s >= 0 and log_every >= 1")
+
+
+class Learner:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, store: str | ObjectStore,
+                 learner_id: str, config: LearnerConfig = LearnerConfig(), bus: BusConfig | None = None,
+                 events: EventLog | None = None, incarnation: int | None = None, curve=None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.model, self.optimizer = model, optimizer
+        self.store = open_store(store) if isinstance(store, str) else store
+        self.id = check_learner_id(learner_id)
+        self.cfg = config
+        self.bus = bus
+        self.events = events or EventLog(None, "learner", learner_id)
+        # Later lives of the same learner id must order after earlier ones: wall-clock tenths of a
+        # second since 2024 (a restart takes far longer than that; fits the 10 digits of the key).
+        self.incarnation = incarnation if incarnation is not None else (time.time_ns() - INCARNATION_EPOCH_NS) // 10**8
+        self.curve = curve
+        self.clock = clock
+        self.params = dict(model.named_parameters())
+        self.descriptor: RunDescriptor | None = None
+        self.step_count = 0
+        self.seq = 0
+        self.base: dict[int, dict[str, np.ndarray]] = {}
+        self.base_version: dict[int, int] = {}
+        self.c_steps: list[int] = []
+        self.c_tokens: list[int] = []
+        self.tokens = 0
+        self.step_times: list[float] = []
+        self.gaps: list[float] = []        # wall time between consecutive step() calls' starts
+        self._last_start: float | None = None
+        self.loss_ewma: float | None = None
+        self.sender: Sender | None = None
+        self.receiver: Receiver | None = None
+        self.applied = 0
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> "Learner":
+        d = self.descriptor = read_descriptor(self.store)
+        self._check_model(d)
+        tracker = VersionTracker(self.store, d)
+        values, versions = tracker.load_all()
+        self._overwrite(values)
+        for p in range(d.num_fragments):
+            self.base[p] = {n: values[n].copy() for n in d.fragments[p]}
+            self.base_version[p] = versions[p]
+        self.c_steps = [0] * d.num_fragments
+        self.c_tokens = [0] * d.num_fragments
+        codec = CodecConfig(scheme=d.compression, block_size=d.block_size, zstd_level=d.zstd_level)
+        self.sender = Sender(self.store, codec, self.cfg.sender, self.events, self.bus, self.id.encode(),
+                             self._heartbeat, curve=self.curve)
+        self.receiver = Receiver(tracker, versions, self.events, self.bus, self.cfg.poll_s, curve=self.curve)
+        self.sender.start()
+        self.receiver.start()
+        self.events.emit("learner-start", incarnation=self.incarnation, pid=os.getpid(),
+                         versions={str(p): v for p, v in versions.items()})
+        return self
+
+    def close(self) -> bool:
+        """Stop; first wait up to ``drain_s`` for every delta to be durable. True if all were."""
+        drained = True
+        if self.sender is not None:
+            drained = self.sender.drain(self.cfg.drain_s)
+            self.sender.stop()
+        if self.receiver is not None:
+            self.receiver.stop()
+        self.events.emit("learner-stop", step=self.step_count, tokens=self.tokens, drained=drained,
+                         **self.stats())
+        return drained
+
+    def __enter__(self) -> "Learner":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_model(self, d: RunDescriptor) -> None:
+        want = {t.name: t.shape for t in d.tensors}
+        have = {n: tuple(p.shape) for n, p in self.params.items()}
+        if want != have:
+            missing = sorted(set(want) - set(have))
+            extra = sorted(set(have) - set(want))
+            wrong = sorted(n for n in set(want) & set(have) if want[n] != have[n])
+            raise ValueError(f"model does not match run {d.run_id}: missing {missing[:5]}, unexpected {extra[:5]}, "
+                             f"wrong shape {wrong[:5]}")
+
+    # -- the training loop -----------------------------------------------------------------------
+    @torch.no_grad()
+    def _overwrite(self, values: dict[str, np.ndarray]) -> None:
+        alpha = self.descriptor.mixing_alpha if self.descriptor else 0.0
+        for name, v in values.items():
+            t = torch.from_numpy(v).to(self.params[name].dtype)
+            if alpha > 0.0:   # Streaming DiLoCo's mixing: θ ← α θ_local + (1−α) Θ
+                self.params[name].mul_(alpha).add_(t, alpha=1.0 - alpha)
+            else:
+                self.params[name].copy_(t)
+
+    def apply_arrivals(self) -> int:
+        """Apply every version that arrived since the last step; returns how many."""
+        n = 0
+        for a in self.receiver.take():
+            if a.version <= self.base_version[a.fragment]:
+                continue
+            self._overwrite(a.values)
+            self.base[a.fragment] = a.values
+            self.base_version[a.fragment] = a.version
+            self.c_steps[a.fragment] = 0
+            self.c_tokens[a.fragment] = 0
+            self.applied += 1
+            n += 1
+            self.events.emit("version-applied", fragment=a.fragment, version=a.version, seq=a.seq,
+                             found_by=a.found_by, step=self.step_count,
+                             latency_s=round(time.time() - a.committed_at, 4) if a.committed_at else None)
+        return n
+
+    def step(self, closure: Callable[[], torch.Tensor], tokens: int) -> float:
+        """One inner step. ``closure`` computes the loss (forward); ``tokens`` it consumed."""
+        if self.sender is None:
+            raise RuntimeError("call start() before step()")
+        if self.sender.failed is not None:
+            raise RuntimeError(f"learner {self.id}: the sender thread failed: {self.sender.failed}")
+        t0 = self.clock()
+        if self._last_start is not None:
+            self.gaps.append(t0 - self._last_start)
+        self._last_start = t0
+        self.apply_arrivals()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = closure()
+        loss.backward()
+        self.optimizer.step()
+        d = self.descriptor
+        for p in range(d.num_fragments):
+            self.c_steps[p] += 1
+            self.c_tokens[p] += tokens
+        self.tokens += tokens
+        for p in due_fragments(self.step_count, d.sync_every, d.offsets):
+            self._emit_delta(p)
+        self.step_count += 1
+        value = float(loss.detach())
+        self.loss_ewma = value if self.loss_ewma is None else 0.9 * self.loss_ewma + 0.1 * value
+        self.step_times.append(self.clock() - t0)
+        if self.step_count % self.cfg.log_every == 0:
+            self.events.emit("step", step=self.step_count, loss=round(value, 4), tokens=self.tokens,
+                             step_time_s=round(self._step_time(), 5),
+                             versions={str(p): v for p, v in self.base_version.items()},
+                             spilled=self.sender.stats.spilled, acked=self.sender.stats.acked,
+                             bytes_sent=self.sender.stats.bytes_sent + self.sender.stats.bytes_spilled)
+        return value
+
+    def _emit_delta(self, p: int) -> None:
+        names = self.descriptor.fragments[p]
+        current = extract(self.params, names)
+        delta = {n: self.base[p][n] - current[n] for n in names}
+        header = DeltaHeader(self.id, self.incarnation, self.seq, p, self.base_version[p], self.c_steps[p],
+                             self.c_tokens[p], self.step_count)
+        self.seq += 1
+        self.sender.submit(header, delta)
+
+    # -- reporting -------------------------------------------------------------------------------
+    def _step_time(self) -> float:
+        recent = self.step_times[-20:]
+        return statistics.median(recent) if recent else 0.0
+
+    def _heartbeat(self) -> dict:
+        st = self._step_time()
+        return {"learner": self.id, "incarnation": self.incarnation, "step": self.step_count,
+                "step_time_s": st, "tokens_per_s": (self.tokens / max(self.step_count, 1)) / st if st else 0.0,
+                "loss": self.loss_ewma if self.loss_ewma is not None else -1.0}
+
+    def stats(self) -> dict:
+        s = self.sender.stats if self.sender else None
+        gaps = sorted(self.gaps)
+        return {
+            "deltas": self.seq, "acked": s.acked if s else 0, "spilled": s.spilled if s else 0,
+            "superseded": s.superseded if s else 0, "superseded_tokens": s.superseded_tokens if s else 0,
+            "bytes_sent": s.bytes_sent if s else 0, "bytes_spilled": s.bytes_spilled if s else 0,
+            "versions_applied": self.applied, "receiver_errors": self.receiver.errors if self.receiver else 0,
+            "median_step_s": statistics.median(self.step_times) if self.step_times else 0.0,
+            "max_gap_s": gaps[-1] if gaps else 0.0, "median_gap_s": statistics.median(gaps) if gaps else 0.0,
+        }

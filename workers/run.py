@@ -1,0 +1,271 @@
+"""`ddiloco run`: the main job on an embedded default (SPEC §1-8 end to end).
+
+Creates a run (one initial model, descriptor, version 0), starts one syncer and M learner
+processes over ZeroMQ on loopback with storage in a local directory (or S3), shows live progress,
+evaluates the global model from storage while it trains (never pausing anyone), and at the end
+writes a summary (``--summary PATH`` JSON) and a report with plots. ``--mode dp`` runs the
+lock-step data-parallel baseline with the same model, data order and token budget instead.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from storage.layout import SPILL_PREFIX
+from storage.store import ObjectStore, open_store
+from .data import Corpus, evaluate
+from .events import EventLog, Tail, read_events
+from .job import JobSettings, dp_baseline, job_from
+from .launch import RunSettings, create_run
+from .model import EMBEDDING_TENSORS, GPT, GPTConfig, build_model
+from .progress import Progress
+from .report import plot_run
+from .versions import VersionTracker
+
+
+def configure(parser):
+    """Train a model with M learners and a syncer (default: a small GPT on Python's own sources)."""
+    a = parser.add_argument
+    a("--learners", type=int, default=4, help="learner processes (M)")
+    a("--steps", type=int, default=300, help="inner steps per learner")
+    a("--tokens", type=int, default=None, help="token budget per learner (overrides --steps)")
+    a("--fragments", type=int, default=4, help="fragments P")
+    a("--sync-every", type=int, default=None, help="H: steps between syncs of one fragment (default 2*P)")
+    a("--quorum", type=int, default=1, help="minimum quorum K")
+    a("--compression", default="int4", choices=("int4", "int8", "bf16", "fp32"))
+    a("--strategy", default="balanced", choices=("balanced", "layerwise", "roundrobin"))
+    a("--store", default=None, help="the run's location: a directory or s3://bucket/prefix (default OUT/store)")
+    a("--s3-endpoint", default=None, help="S3 endpoint URL (default: AWS_ENDPOINT_URL)")
+    a("--data", default=None, help="text file or directory (default: the Python standard library's sources)")
+    a("--seed", type=int, default=0)
+    a("--mode", default="decoupled", choices=("decoupled", "dp"))
+    a("--out", default=None, help="output directory (default runs/<time>)")
+    a("--summary", default=None, help="also write the summary JSON here")
+    a("--layers", type=int, default=2, help="transformer layers")
+    a("--width", type=int, default=64, help="embedding width")
+    a("--batch-size", type=int, default=8)
+    a("--lr", type=float, default=3e-3, help="inner AdamW learning rate")
+    a("--outer-lr", type=float, default=0.7)
+    a("--outer-momentum", type=float, default=0.9)
+    a("--no-bus", action="store_true", help="no ZeroMQ: deltas and versions go through storage only")
+    a("--eval-every", type=float, default=10.0, help="seconds between global-model evaluations")
+    a("--plain", action="store_true", help="plain progress lines instead of a live table")
+    return run
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    tail: Tail = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tail = Tail(self.log)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(name: str, args: list[str], log: Path, out: Path) -> Proc:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    stderr = open(out / "logs" / f"{name}.stderr", "w")
+    p = subprocess.Popen([sys.executable, "-m", "workers.cli", *args, "--log", str(log)], stdout=subprocess.DEVNULL,
+                         stderr=stderr, env=env, start_new_session=True)
+    return Proc(name, p, log)
+
+
+def _store_args(args) -> list[str]:
+    return ["--s3-endpoint", args.s3_endpoint] if args.s3_endpoint else []
+
+
+def run(args) -> int:
+    if args.learners < 1:
+        raise SystemExit(f"--learners must be >= 1, got {args.learners}")
+    out = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    gcfg = GPTConfig(n_layer=args.layers, n_embd=args.width)
+    steps = args.steps
+    if args.tokens is not None:
+        steps = max(1, args.tokens // (args.batch_size * gcfg.block_size))
+    job = JobSettings(steps=steps, batch_size=args.batch_size, lr=args.lr, data=args.data, shards=args.learners)
+    if args.mode == "dp":
+        return _run_dp(args, out, gcfg, job)
+    store_uri = args.store or str(out / "store")
+    store = open_store(store_uri, s3_endpoint=args.s3_endpoint)
+    model = build_model(gcfg, args.seed)
+    init = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    settings = RunSettings(fragments=args.fragments, sync_every=args.sync_every or 2 * args.fragments,
+                           quorum=args.quorum, compression=args.compression, strategy=args.strategy,
+                           outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, seed=args.seed,
+                           model=gcfg.to_dict(), extra={"job": job.to_dict()})
+    desc = create_run(store, init, settings, embedding_tensors=EMBEDDING_TENSORS)
+    corpus = Corpus(job.data_config(gcfg.block_size))
+    events = EventLog(out / "logs" / "launcher.jsonl", "launcher", "launcher")
+    events.emit("run-created", run_id=desc.run_id, store=store_uri, learners=args.learners, steps=steps,
+                fragments=desc.num_fragments, sync_every=desc.sync_every, quorum=desc.quorum,
+                compression=desc.compression, params=int(sum(a.size for a in init.values())))
+    bus = [] if args.no_bus else ["--ingest", f"tcp://127.0.0.1:{_free_port()}",
+                                  "--announce", f"tcp://127.0.0.1:{_free_port()}"]
+    if args.no_bus:
+        bus = ["--no-bus"]
+    common = ["--store", store_uri, *_store_args(args), *bus]
+    t_start = time.time()
+    syncer = _spawn("syncer", ["syncer", *common], out / "logs" / "syncer.jsonl", out)
+    learners = [_spawn(f"l{m}", ["learner", *common, "--id", f"l{m}", "--shard", str(m)],
+                       out / "logs" / f"l{m}.jsonl", out) for m in range(args.learners)]
+    init_loss = evaluate(model, corpus)
+    events.emit("eval", tokens=0, loss=init_loss, versions={})
+    progress = Progress(args.learners, steps, desc, plain=args.plain or not sys.stdout.isatty())
+    procs = [syncer, *learners]
+    next_eval = time.time() + args.eval_every
+    try:
+        with progress:
+            while any(p.popen.poll() is None for p in learners):
+                for p in procs:
+                    progress.update(p.name, p.tail.read(), p.popen.poll())
+                if time.time() >= next_eval:
+                    ev = _eval_global(store, desc, gcfg, corpus)
+                    if ev is not None:
+                        events.emit("eval", tokens=progress.total_tokens(), loss=ev[0], versions=ev[1])
+                        progress.eval_loss = ev[0]
+                    next_eval = time.time() + args.eval_every
+                if syncer.popen.poll() is not None:
+                    progress.note(f"syncer exited with {syncer.popen.returncode}; see {out}/logs/syncer.stderr")
+                time.sleep(0.25)
+            progress.note("learners finished; waiting for the syncer to commit what is left")
+            drained = _wait_inbox_empty(store, timeout_s=60, syncer=syncer, progress=progress, procs=procs)
+    except KeyboardInterrupt:
+        progress.note("interrupted: stopping processes")
+        drained = False
+    finally:
+        for p in procs:
+            if p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.popen.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+        for p in procs:
+            progress.update(p.name, p.tail.read(), p.popen.poll())
+    wall = time.time() - t_start
+    final = _eval_global(store, desc, gcfg, corpus)
+    total_tokens = progress.total_tokens()
+    if final is not None:
+        events.emit("eval", tokens=total_tokens, loss=final[0], versions=final[1])
+    events.close()
+    all_events = [e for f in sorted((out / "logs").glob("*.jsonl")) for e in read_events(f)]
+    summary = _summary(store_uri, desc, all_events, init_loss, final, wall, drained, args)
+    _write_outputs(out, summary, all_events, args)
+    return 0 if summary["ok"] else 1
+
+
+def _eval_global(store: ObjectStore, desc, gcfg: GPTConfig, corpus: Corpus):
+    """Held-out loss of the global model as it stands in storage (latest version of every fragment)."""
+    try:
+        values, versions = VersionTracker(store, desc).load_all()
+    except Exception as exc:   # an evaluator never stops a run; it reports and tries again later
+        print(f"evaluation skipped: {exc}", file=sys.stderr)
+        return None
+    model = GPT(gcfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(torch.from_numpy(values[n]))
+    return evaluate(model, corpus), {str(k): v for k, v in versions.items()}
+
+
+def _wait_inbox_empty(store: ObjectStore, timeout_s: float, syncer: Proc, progress, procs) -> bool:
+    """Every learner drained its deltas into the syncer's inbox; the syncer empties the inbox as
+    it commits them. Empty inbox = everything produced was merged or recorded as dropped."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and syncer.popen.poll() is None:
+        for p in procs:
+            progress.update(p.name, p.tail.read(), p.popen.poll())
+        try:
+            if not store.list(SPILL_PREFIX):
+                time.sleep(0.5)   # let the last commit's announce and log line land
+                return True
+        except Exception:
+            pass
+        time.sleep(0.25)
+    return False
+
+
+def _summary(store_uri, desc, events, init_loss, final, wall, drained, args) -> dict:
+    commits = [e for e in events if e.get("event") == "commit"]
+    done = {e["id"]: e for e in events if e.get("event") == "learner-stop"}
+    versions = {}
+    for c in commits:
+        if c.get("kind") == "merge":
+            versions[str(c["fragment"])] = c["version"]
+    merged = sum(len(c.get("inputs", [])) for c in commits)
+    dropped = sum(len(c.get("dropped", [])) for c in commits)
+    learners = {lid: {k: d.get(k) for k in ("step", "tokens", "deltas", "acked", "spilled", "superseded",
+                                            "bytes_sent", "bytes_spilled", "versions_applied", "median_step_s",
+                                            "max_gap_s", "drained")} for lid, d in sorted(done.items())}
+    latencies = [e["latency_s"] for e in events if e.get("event") == "version-applied" and e.get("latency_s") is not None]
+    final_loss = final[0] if final else None
+    return {
+        "ok": bool(final is not None and drained and len(done) == args.learners),
+        "mode": "decoupled", "run_uri": store_uri, "run_id": desc.run_id, "learners": args.learners,
+        "commits": len(commits), "merge_commits": sum(c.get("kind") == "merge" for c in commits),
+        "versions_per_fragment": versions, "tokens_trained": sum((d.get("tokens") or 0) for d in done.values()),
+        "tokens_merged": sum(c.get("tokens", 0) for c in commits),
+        "initial_eval_loss": init_loss, "final_eval_loss": final_loss,
+        "deltas_merged": merged, "deltas_dropped": dropped,
+        "deltas_spilled": sum((d.get("spilled") or 0) for d in done.values()),
+        "bytes_sent_per_learner": {lid: (d.get("bytes_sent") or 0) + (d.get("bytes_spilled") or 0)
+                                   for lid, d in learners.items()},
+        "version_latency_p50_s": float(np.percentile(latencies, 50)) if latencies else None,
+        "version_latency_p99_s": float(np.percentile(latencies, 99)) if latencies else None,
+        "drained": drained, "wall_s": round(wall, 2), "per_learner": learners,
+    }
+
+
+def _write_outputs(out: Path, summary: dict, events: list[dict], args) -> None:
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if args.summary:
+        Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.summary).write_text(json.dumps(summary, indent=2))
+    try:
+        plot = plot_run(events, out / "report.png", title=f"{summary['mode']} run {summary.get('run_id', '')}")
+        summary_plot = str(plot)
+    except Exception as exc:  # a plotting failure must not hide the run's result
+        summary_plot = f"(plot failed: {exc})"
+    keys = ("mode", "run_uri", "commits", "tokens_trained", "initial_eval_loss", "final_eval_loss",
+            "deltas_merged", "deltas_dropped", "deltas_spilled", "wall_s")
+    print("\nsummary:")
+    for k in keys:
+        if k in summary:
+            v = summary[k]
+            print(f"  {k:<20} {v:.4f}" if isinstance(v, float) else f"  {k:<20} {v}")
+    print(f"  {'report':<20} {summary_plot}")
+    print(f"  {'summary':<20} {out / 'summary.json'}")
+
+
+def _run_dp(args, out: Path, gcfg: GPTConfig, job: JobSettings) -> int:
+    events = EventLog(out / "logs" / "dp.jsonl", "dp", "dp")
+    t0 = time.time()
+    res = dp_baseline(gcfg, job, args.learners, args.seed, events)
+    events.close()
+    summary = {"ok": True, "mode": "dp", "run_uri": None, "learners": args.learners,
+               "tokens_trained": res["tokens"], "initial_eval_loss": res["initial_eval_loss"],
+               "final_eval_loss": res["final_eval_loss"], "wall_s": round(time.time() - t0, 2),
+               "bytes_per_learner_per_step": res["bytes_per_learner_per_step"]}
+    _write_outputs(out, summary, read_events(out / "logs" / "dp.jsonl"), args)
+    return 0

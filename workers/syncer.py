@@ -1,0 +1,381 @@
+"""The syncer (SPEC §4, §7, paper §3): collects deltas, closes rounds with the quorum + grace
+policy, merges with the pure fold, commits versions to the log, announces them.
+
+One thread runs the loop below; the bus sockets and the pending sets belong to it. Storage is
+the truth: a delta is acked only after it is in the inbox (``spill_key``), every commit names
+inputs persisted under their permanent ``delta_key``, and a refused append (``Fenced``) stops this
+syncer because a newer epoch owns the run. Restart recovery goes through ``replay.rebuild``.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pipeline.envelope import digest
+from pipeline.errors import FormatError
+from pipeline.fold import FoldResult, SyncerState, fold, fold_fence
+from pipeline.policy import Ewma, Pending, PolicyConfig, Timing, decide
+from pipeline.types import DeltaHeader, RunDescriptor
+from storage.checkpoints import write_checkpoint
+from storage.errors import AlreadyExists, Fenced, NotFound, StoreError
+from storage.layout import SPILL_PREFIX, delta_key, parse_spill_key, read_descriptor, spill_key, version_key
+from storage.log import CommitLog, claim_epoch
+from storage.store import ObjectStore, open_store
+from .bus import BusConfig, Message, SyncerBus
+from .deltas import peek_header, round_input
+from .events import EventLog
+from .replay import rebuild
+from .versions import encode_version, max_fragment_bytes
+
+
+@dataclass(frozen=True)
+class SyncerConfig:
+    syncer_id: str = "syncer"
+    spill_poll_s: float = 0.5          # how often the inbox is listed for spilled deltas
+    heartbeat_s: float = 1.0
+    live_timeout_s: float = 5.0        # a learner unheard for this long is not live
+    checkpoint_every: int = 25         # commits between checkpoints
+    retry_s: float = 0.5               # first backoff when the store is unavailable
+    max_retry_s: float = 5.0
+    max_ingest_per_poll: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("spill_poll_s", "heartbeat_s", "live_timeout_s", "retry_s", "max_retry_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"SyncerConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+
+
+@dataclass
+class _Held:
+    header: DeltaHeader
+    blob: bytes
+    inbox_key: str
+    arrived_at: float
+    source: str            # "bus" | "spill"
+
+
+@dataclass
+class SyncerStats:
+    commits: int = 0
+    merged: int = 0
+    dropped: int = 0
+    duplicates: int = 0
+    rejected: int = 0          # refused at ingest (bad message / header / unknown fragment)
+    from_bus: int = 0
+    from_spill: int = 0
+    grace_waits: list[float] = field(default_factory=list)
+    quorum_sizes: list[int] = field(default_factory=list)
+
+
+class Syncer:
+    def __init__(self, store: str | ObjectStore, cfg: SyncerConfig = SyncerConfig(), bus: BusConfig | None = None,
+                 events: EventLog | None = None, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time, curve=None):
+        self.store = open_store(store) if isinstance(store, str) else store
+        self.cfg, self.bus_cfg, self.curve = cfg, bus, curve
+        self.events = events or EventLog(None, "syncer", cfg.syncer_id)
+        self.clock, self.wall = clock, wall
+        self.descriptor: RunDescriptor = read_descriptor(self.store)
+        self.log = CommitLog(self.store)
+        self.policy = PolicyConfig(quorum=self.descriptor.quorum, overlap=self.descriptor.overlap,
+                                   gamma=self.descriptor.grace_gamma, cap_s=self.descriptor.grace_cap_s)
+        self.pending: list[dict[str, _Held]] = [{} for _ in range(self.descriptor.num_fragments)]
+        self.quorum_met: list[float | None] = [None] * self.descriptor.num_fragments
+        self.live: dict[str, tuple[float, float]] = {}      # learner -> (last heard, step time)
+        self.step_time = Ewma(0.2)
+        self.sync_time = Ewma(0.2)
+        self.stats = SyncerStats()
+        self.state: SyncerState | None = None
+        self.epoch = -1
+        self.bus: SyncerBus | None = None
+        self.fenced = False
+        self.bad_inbox: set[str] = set()
+
+    # -- start-up --------------------------------------------------------------------------------
+    def recover(self) -> None:
+        """Claim a new epoch (fencing any older syncer), then rebuild the state from the log."""
+        t0 = self.clock()
+        self.epoch, fence_seq, self.log = claim_epoch(self.store, self.cfg.syncer_id)
+        self.state, rs = rebuild(self.store, self.descriptor, fence_seq - 1)
+        self.state = fold_fence(self.state, fence_seq, self.epoch).state
+        self.events.emit("syncer-recovered", epoch=self.epoch, fence_seq=fence_seq, replayed=rs.commits,
+                         from_checkpoint=rs.from_checkpoint, seconds=round(self.clock() - t0, 3))
+
+    def open_bus(self) -> None:
+        if self.bus_cfg is not None:
+            self.bus = SyncerBus(self.bus_cfg, curve=self.curve)
+            self.events.emit("syncer-bus", ingest=self.bus.ingest_endpoint, announce=self.bus.announce_endpoint)
+
+    # -- main loop -------------------------------------------------------------------------------
+    def run(self, should_stop: Callable[[], bool] = lambda: False) -> int:
+        """Loop until ``should_stop()`` or fenced. Returns 0, or 3 when fenced by a newer syncer."""
+        if self.state is None:
+            self.recover()
+        if self.bus is None:
+            self.open_bus()
+        next_spill = next_beat = 0.0
+        try:
+            while not should_stop() and not self.fenced:
+                now = self.clock()
+                if now >= next_spill:
+                    self._ingest_spill()
+                    next_spill = self.clock() + self.cfg.spill_poll_s
+                if self.bus is not None and now >= next_beat:
+                    self.bus.announce(Message("syncer-heartbeat", {"epoch": self.epoch, "tail": self.state.last_seq}))
+                    next_beat = now + self.cfg.heartbeat_s
+                wait = self._close_rounds()
+                timeout = min(wait if wait is not None else 1.0, max(0.0, next_spill - self.clock()), 0.2)
+                self._ingest_bus(timeout)
+        finally:
+            if self.bus is not None:
+                self.bus.close()
+            self.events.emit("syncer-stop", fenced=self.fenced, **self.summary())
+        return 3 if self.fenced else 0
+
+    # -- ingest ----------------------------------------------------------------------------------
+    def _ingest_bus(self, timeout_s: float) -> None:
+        if self.bus is None:
+            time.sleep(timeout_s)
+            return
+        got = self.bus.recv(timeout_s)
+        while got is not None:
+            ident, msg = got
+            if isinstance(msg, FormatError):
+                self._reject(None, ident, "", str(msg))
+            elif msg.type == "heartbeat":
+                self._heartbeat(msg.fields)
+            elif msg.type == "delta":
+                self._ingest_bus_delta(ident, msg)
+            got = self.bus.recv(0)
+
+    def _heartbeat(self, f: dict) -> None:
+        learner, st = f.get("learner"), f.get("step_time_s")
+        if isinstance(learner, str) and isinstance(st, (int, float)) and st >= 0:
+            self.live[learner] = (self.clock(), float(st))
+
+    def _reject(self, header: DeltaHeader | None, ident: bytes | None, delta: str, reason: str) -> None:
+        self.stats.rejected += 1
+        self.events.emit("delta-rejected", delta=delta or (header.id if header else ""), reason=reason)
+        if ident is not None and self.bus is not None and (delta or header):
+            self.bus.send_to(ident, Message("ack", {"delta_id": delta or header.id, "status": "rejected",
+                                                    "reason": reason}))
+
+    def _ingest_bus_delta(self, ident: bytes, msg: Message) -> None:
+        blob = msg.blob or b""
+        claimed = msg.fields.get("header", {})
+        claimed_id = ""
+        if isinstance(claimed, dict):
+            try:
+                claimed_id = DeltaHeader.from_dict(claimed).id
+            except FormatError:
+                pass
+        if digest(blob) != msg.fields.get("checksum"):
+            return self._reject(None, ident, claimed_id, "checksum of the delta frame does not match")
+        try:
+            header = peek_header(blob, self.descriptor, f"bus delta {claimed_id}")
+        except FormatError as exc:
+            return self._reject(None, ident, claimed_id, str(exc))
+        if header.id != claimed_id:
+            return self._reject(header, ident, claimed_id, f"message header {claimed_id} != blob header {header.id}")
+        key = spill_key(header.learner, header.incarnation, header.seq)
+        held = self._admit(header, blob, key, "bus")
+        if held is None:
+            return
+        try:
+            self.store.put_if_absent(key, blob)
+        except AlreadyExists:
+            try:   # first writer wins (the learner's own spill, or an earlier resend): merge what is stored
+                stored = self.store.get(key)
+                held.blob = stored
+            except StoreError:
+                pass
+        except StoreError as exc:
+            # Not durable, so no ack: the learner will spill or resend. Keep it pending only if we can merge it
+            # safely later: we cannot (replay needs it stored), so forget it.
+            self.pending[header.fragment].pop(header.id, None)
+            self.events.emit("ingest-store-error", delta=header.id, error=str(exc))
+            return
+        self.stats.from_bus += 1
+        if self.bus is not None:
+            self.bus.send_to(ident, Message("ack", {"delta_id": header.id, "status": "durable", "reason": ""}))
+
+    def _admit(self, header: DeltaHeader, blob: bytes, key: str, source: str) -> _Held | None:
+        """Place a delta in its fragment's pending set; None (and a clean-up) when it is not new."""
+        if not 0 <= header.fragment < self.descriptor.num_fragments:
+            self._reject(header, None, header.id, f"unknown fragment {header.fragment}")
+            return None
+        hw = self.state.high_water[header.fragment].get(header.learner)
+        if hw is not None and header.order <= tuple(hw):
+            self.stats.duplicates += 1       # already merged: nothing to do but tidy the inbox
+            if source == "spill":
+                self._delete(key)
+            return None
+        pend = self.pending[header.fragment]
+        if header.id in pend:
+            self.stats.duplicates += 1
+            return pend[header.id] if source == "bus" else None
+        held = _Held(header, blob, key, self.clock(), source)
+        pend[header.id] = held
+        return held
+
+    def _ingest_spill(self) -> None:
+        known = {h.inbox_key for pend in self.pending for h in pend.values()} | self.bad_inbox
+        try:
+            keys = self.store.list(SPILL_PREFIX)
+        except StoreError as exc:
+            self.events.emit("store-error", op="list-inbox", error=str(exc))
+            return
+        n = 0
+        for key in keys:
+            if key in known:
+                continue
+            if n >= self.cfg.max_ingest_per_poll:
+                break
+            n += 1
+            try:
+                parse_spill_key(key)
+                blob = self.store.get(key)
+                header = peek_header(blob, self.descriptor, key)
+            except NotFound:
+                continue
+            except (FormatError, ValueError) as exc:
+                # A damaged or foreign object in the inbox: logged once and left untouched (never
+                # deleted: it is evidence), and kept out of every round.
+                self._reject(None, None, key, str(exc))
+                self.bad_inbox.add(key)
+                continue
+            except StoreError as exc:
+                self.events.emit("store-error", op="read-inbox", key=key, error=str(exc))
+                return
+            if self._admit(header, blob, key, "spill") is not None:
+                self.stats.from_spill += 1
+
+    def _delete(self, key: str) -> None:
+        try:
+            self.store.delete(key)
+        except StoreError:
+            pass   # best effort: a leftover inbox object is recognised as a duplicate next time
+
+    # -- rounds ----------------------------------------------------------------------------------
+    def _timing(self) -> Timing:
+        now = self.clock()
+        recent = [st for (heard, st) in self.live.values() if now - heard < self.cfg.live_timeout_s and st > 0]
+        if recent:
+            self.step_time = self.step_time.update(statistics.median(recent))
+        return Timing(self.step_time.value, self.sync_time.value or 0.0)
+
+    def _live_count(self) -> int | None:
+        if self.bus is None:
+            return None
+        now = self.clock()
+        return sum(1 for heard, _ in self.live.values() if now - heard < self.cfg.live_timeout_s) or None
+
+    def _close_rounds(self) -> float | None:
+        """Merge every fragment whose round may close; return the shortest wait for the others."""
+        waits = []
+        timing = self._timing()
+        live = self._live_count()
+        for p, pend in enumerate(self.pending):
+            if not pend or self.fenced:
+                continue
+            items = [Pending(h.header.id, h.header.learner, h.header.order, h.arrived_at, h.header.c_steps,
+                             h.header.c_tokens) for h in pend.values()]
+            d = decide(items, self.clock(), self.policy, timing, live)
+            if d.merge:
+                self._merge(p, list(d.merge) + list(d.superseded), d)
+            elif d.wait_s is not None:
+                waits.append(d.wait_s)
+        return min(waits) if waits else None
+
+    def _merge(self, p: int, ids: list[str], decision) -> None:
+        t0 = self.clock()
+        held = [self.pending[p][i] for i in ids if i in self.pending[p]]
+        inputs = []
+        for h in held:
+            key = delta_key(h.header.learner, h.header.incarnation, h.header.seq)
+            inputs.append(round_input(h.blob, key, self.descriptor))
+        seq = self.state.last_seq + 1
+        grace = max(0.0, t0 - decision.quorum_met_at) if decision.quorum_met_at is not None else 0.0
+        version = self.state.fragments[p].version + 1
+        info = {"syncer": self.cfg.syncer_id, "decided": decision.reason, "live": self._live_count() or 0,
+                "committed_at": round(self.wall(), 4)}
+        res = fold(self.state, self.descriptor, p, inputs, seq=seq, epoch=self.epoch,
+                   output_key=version_key(p, version, self.epoch), quorum=len(set(h.header.learner for h in held)),
+                   grace_wait_s=round(grace, 4), info=info)
+        if not self._persist_and_commit(res, held, inputs):
+            return
+        self.state = res.state
+        rec = res.record
+        for h in held:
+            self.pending[p].pop(h.header.id, None)
+            self._delete(h.inbox_key)
+        self.stats.commits += 1
+        self.stats.merged += len(rec.inputs)
+        self.stats.dropped += len(rec.dropped)
+        self.stats.quorum_sizes.append(rec.quorum)
+        self.stats.grace_waits.append(rec.grace_wait_s)
+        self.sync_time = self.sync_time.update(self.clock() - t0)
+        if rec.kind == "merge" and self.bus is not None:
+            self.bus.announce(Message("version", {"seq": rec.seq, "fragment": p, "version": rec.version,
+                                                  "key": rec.output_key, "checksum": rec.output_checksum,
+                                                  "epoch": self.epoch}))
+        self.events.emit("commit", seq=rec.seq, kind=rec.kind, fragment=p, version=rec.version,
+                         inputs=[i.delta_id for i in rec.inputs], weights=[round(i.weight, 4) for i in rec.inputs],
+                         staleness=[i.staleness for i in rec.inputs],
+                         dropped=[[d.delta_id, d.reason] for d in rec.dropped], quorum=rec.quorum,
+                         grace_s=rec.grace_wait_s, reason=decision.reason,
+                         tokens=sum(i.c_tokens for i in rec.inputs), sync_s=round(self.clock() - t0, 4))
+        if rec.seq % self.cfg.checkpoint_every == 0:
+            self._checkpoint()
+
+    def _persist_and_commit(self, res: FoldResult, held: list[_Held], inputs) -> bool:
+        """Inputs, then the version blob, then the commit (data before the commit that names it).
+        Retries while the store is unavailable; False when fenced."""
+        rec = res.record
+        blobs = [(inp.key, h.blob) for inp, h in zip(inputs, held)]
+        if res.published is not None:
+            blobs.append((rec.output_key, encode_version(self.descriptor, rec.fragment, rec.version, rec.seq,
+                                                         self.epoch, res.published)))
+        backoff = self.cfg.retry_s
+        while True:
+            try:
+                for key, blob in blobs:
+                    try:
+                        self.store.put_if_absent(key, blob)
+                    except AlreadyExists:
+                        if digest(self.store.get(key)) != digest(blob):
+                            raise FormatError(f"{key} exists with other contents; refusing to commit over it")
+                self.log.append(rec)
+                return True
+            except Fenced as exc:
+                self.fenced = True
+                self.events.emit("syncer-fenced", seq=rec.seq, epoch=self.epoch, error=str(exc))
+                return False
+            except StoreError as exc:
+                if not exc.retryable:
+                    raise
+                self.events.emit("store-error", op="commit", seq=rec.seq, error=str(exc), retry_in_s=backoff)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, self.cfg.max_retry_s)
+                if self.bus is not None:
+                    self._ingest_bus(0)   # keep hearing heartbeats; new deltas wait in pending
+
+    def _checkpoint(self) -> None:
+        try:
+            write_checkpoint(self.store, self.state.last_seq, self.state.to_bytes())
+            self.events.emit("checkpoint", seq=self.state.last_seq)
+        except StoreError as exc:
+            self.events.emit("store-error", op="checkpoint", error=str(exc))
+
+    def summary(self) -> dict:
+        s = self.stats
+        return {"epoch": self.epoch, "commits": s.commits, "merged": s.merged, "dropped": s.dropped,
+                "duplicates": s.duplicates, "rejected": s.rejected, "from_bus": s.from_bus,
+                "from_spill": s.from_spill, "last_seq": self.state.last_seq if self.state else -1,
+                "versions": [f.version for f in self.state.fragments] if self.state else [],
+                "mean_quorum": statistics.fmean(s.quorum_sizes) if s.quorum_sizes else 0.0,
+                "mean_grace_s": statistics.fmean(s.grace_waits) if s.grace_waits else 0.0}
