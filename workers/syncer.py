@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -94,6 +95,9 @@ class Syncer:
         self.bus: SyncerBus | None = None
         self.fenced = False
         self.bad_inbox: set[str] = set()
+        # Object writes of one commit are independent until the commit itself: do them in parallel
+        # (each is an fsync or an HTTP round trip), and tidy the inbox in the background.
+        self.io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="syncer-io")
 
     # -- start-up --------------------------------------------------------------------------------
     def recover(self) -> None:
@@ -133,6 +137,7 @@ class Syncer:
         finally:
             if self.bus is not None:
                 self.bus.close()
+            self.io.shutdown(wait=True)
             self.events.emit("syncer-stop", fenced=self.fenced, **self.summary())
         return 3 if self.fenced else 0
 
@@ -181,9 +186,14 @@ class Syncer:
             return self._reject(None, ident, claimed_id, str(exc))
         if header.id != claimed_id:
             return self._reject(header, ident, claimed_id, f"message header {claimed_id} != blob header {header.id}")
+        if not 0 <= header.fragment < self.descriptor.num_fragments:
+            return self._reject(header, ident, header.id, f"unknown fragment {header.fragment}")
         key = spill_key(header.learner, header.incarnation, header.seq)
         held = self._admit(header, blob, key, "bus")
         if held is None:
+            if self.bus is not None:
+                # Already merged: durable as can be. Ack so the learner forgets it instead of spilling it.
+                self.bus.send_to(ident, Message("ack", {"delta_id": header.id, "status": "durable", "reason": ""}))
             return
         try:
             self.store.put_if_absent(key, blob)
@@ -207,6 +217,8 @@ class Syncer:
         """Place a delta in its fragment's pending set; None (and a clean-up) when it is not new."""
         if not 0 <= header.fragment < self.descriptor.num_fragments:
             self._reject(header, None, header.id, f"unknown fragment {header.fragment}")
+            if source == "spill":
+                self.bad_inbox.add(key)
             return None
         hw = self.state.high_water[header.fragment].get(header.learner)
         if hw is not None and header.order <= tuple(hw):
@@ -312,7 +324,7 @@ class Syncer:
         rec = res.record
         for h in held:
             self.pending[p].pop(h.header.id, None)
-            self._delete(h.inbox_key)
+            self.io.submit(self._delete, h.inbox_key)
         self.stats.commits += 1
         self.stats.merged += len(rec.inputs)
         self.stats.dropped += len(rec.dropped)
@@ -343,12 +355,8 @@ class Syncer:
         backoff = self.cfg.retry_s
         while True:
             try:
-                for key, blob in blobs:
-                    try:
-                        self.store.put_if_absent(key, blob)
-                    except AlreadyExists:
-                        if digest(self.store.get(key)) != digest(blob):
-                            raise FormatError(f"{key} exists with other contents; refusing to commit over it")
+                for _ in self.io.map(lambda kb: self._put_same(*kb), blobs):
+                    pass
                 self.log.append(rec)
                 return True
             except Fenced as exc:
@@ -363,6 +371,14 @@ class Syncer:
                 backoff = min(backoff * 2, self.cfg.max_retry_s)
                 if self.bus is not None:
                     self._ingest_bus(0)   # keep hearing heartbeats; new deltas wait in pending
+
+    def _put_same(self, key: str, blob: bytes) -> None:
+        """Create ``key``; if it exists it must hold these very bytes (a retry, or the learner's spill)."""
+        try:
+            self.store.put_if_absent(key, blob)
+        except AlreadyExists:
+            if digest(self.store.get(key)) != digest(blob):
+                raise FormatError(f"{key} exists with other contents; refusing to commit over it") from None
 
     def _checkpoint(self) -> None:
         try:

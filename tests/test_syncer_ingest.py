@@ -1,0 +1,94 @@
+"""The syncer's ingest path in-process: the same delta delivered twice (bus twice, and spilled
+too) is merged once; damaged messages are rejected with a reason and change nothing."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from pipeline.codec import CodecConfig, encode
+from pipeline.envelope import digest
+from pipeline.types import DeltaHeader
+from storage.layout import spill_key
+from storage.log import CommitLog
+from storage.store import open_store
+from workers.bus import BusConfig, LearnerLink, Message
+from workers.launch import RunSettings, create_run
+from workers.syncer import Syncer, SyncerConfig
+
+from runhelpers import free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    store = open_store(str(tmp_path / "store"))
+    rng = np.random.default_rng(0)
+    init = {"a.weight": rng.normal(size=(8, 4)).astype(np.float32), "b.weight": rng.normal(size=(16,)).astype(np.float32)}
+    desc = create_run(store, init, RunSettings(fragments=1, sync_every=1), embedding_tensors=())
+    bus = BusConfig(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+    return store, desc, bus
+
+
+def _delta(desc, seq: int, learner: str = "l0") -> tuple[DeltaHeader, bytes]:
+    h = DeltaHeader(learner, 1, seq, 0, 0, 4, 400, seq)
+    tensors = {t.name: np.full(t.shape, 0.01 * (seq + 1), np.float32) for t in desc.tensors}
+    return h, encode("delta", h.to_dict(), tensors, CodecConfig(scheme="int8"))
+
+
+def _run_syncer(store, bus, until, timeout=20.0) -> Syncer:
+    syncer = Syncer(store, SyncerConfig(spill_poll_s=0.1), bus=bus)
+    syncer.recover()
+    syncer.open_bus()
+    deadline = time.time() + timeout
+    t = threading.Thread(target=syncer.run, args=(lambda: until(syncer) or time.time() > deadline,))
+    t.start()
+    return syncer, t
+
+
+def test_same_delta_twice_and_spilled_is_merged_once(tiny):
+    store, desc, bus = tiny
+    h, blob = _delta(desc, 0)
+    store.put_if_absent(spill_key(h.learner, h.incarnation, h.seq), blob)   # the learner also spilled it
+    syncer, t = _run_syncer(store, bus, lambda s: s.stats.commits >= 1 and s.stats.duplicates >= 2)
+    link = LearnerLink(bus, b"l0")
+    msg = Message("delta", {"header": h.to_dict(), "checksum": digest(blob)}, blob)
+    time.sleep(0.3)
+    acks = []
+    for _ in range(2):
+        assert link.send(msg)
+        reply = link.recv(5.0)
+        acks.append(reply.fields if reply else None)
+    t.join()
+    link.close()
+    records = list(CommitLog(store).read_range(0))
+    merged = [i.delta_id for r in records if r.kind == "merge" for i in r.inputs]
+    assert merged == [h.id]
+    assert all(a and a["status"] == "durable" for a in acks), acks
+    assert syncer.stats.duplicates >= 2
+
+
+def test_damaged_bus_message_is_rejected_and_changes_nothing(tiny):
+    store, desc, bus = tiny
+    h, blob = _delta(desc, 0)
+    bad = bytearray(blob)
+    bad[len(bad) // 2] ^= 0xFF
+    syncer, t = _run_syncer(store, bus, lambda s: s.stats.rejected >= 2)
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.DEALER)
+    raw.connect(bus.ingest)
+    link = LearnerLink(bus, b"l0")
+    time.sleep(0.3)
+    link.send(Message("delta", {"header": h.to_dict(), "checksum": digest(bytes(bad))}, bytes(bad)))
+    raw.send_multipart([b"not an envelope"])
+    reply = link.recv(5.0)
+    t.join()
+    link.close()
+    raw.close(0)
+    assert reply is not None and reply.fields["status"] == "rejected" and reply.fields["reason"]
+    assert CommitLog(store).tail() == desc.num_fragments   # init commits + the fence only
+    assert syncer.stats.rejected >= 2
