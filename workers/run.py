@@ -60,6 +60,8 @@ def configure(parser):
     a("--no-bus", action="store_true", help="no ZeroMQ: deltas and versions go through storage only")
     a("--eval-every", type=float, default=10.0, help="seconds between global-model evaluations")
     a("--plain", action="store_true", help="plain progress lines instead of a live table")
+    a("--create-only", action="store_true",
+      help="only create the run (descriptor + version 0) and exit; start roles with ddiloco syncer/learner")
     return run
 
 
@@ -114,6 +116,10 @@ def run(args) -> int:
                            outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, seed=args.seed,
                            model=gcfg.to_dict(), extra={"job": job.to_dict()})
     desc = create_run(store, init, settings, embedding_tensors=EMBEDDING_TENSORS)
+    if args.create_only:
+        print(f"created run {desc.run_id} at {store_uri}: {desc.num_fragments} fragments, H={desc.sync_every}, "
+              f"K={desc.quorum}, {desc.compression}; {steps} steps per learner")
+        return 0
     corpus = Corpus(job.data_config(gcfg.block_size))
     events = EventLog(out / "logs" / "launcher.jsonl", "launcher", "launcher")
     events.emit("run-created", run_id=desc.run_id, store=store_uri, learners=args.learners, steps=steps,
