@@ -1,0 +1,230 @@
+"""Every object key of a run, in one place (SPEC §7; docs/storage.md draws the tree).
+
+Keys are relative to the run location. Numbers are zero-padded to a fixed width so that
+listing order equals numeric order, and every listing that relies on order (``log/``,
+``checkpoints/``, ``epochs/``, one fragment's ``versions/fNNNNN/``, one learner life's spills)
+is one directory level deep, where every backend (SeaweedFS included) lists in byte order.
+
+    run.descriptor                              RunDescriptor (create-if-absent, once)
+    epochs/0000000001                           syncer epoch claims (create-if-absent)
+    log/00000000000000000000                    commit records (create-if-absent, never deleted)
+    hints/log-head                              advisory: last known commit seq (overwritten)
+    versions/f00000/v000000000000[-e<epoch>]    fragment versions (written before their commit)
+    deltas/<learner>/i0000000000/s000000000000  deltas a commit merged (written before it)
+    spill/<learner>/i0000000000/s000000000000   deltas learners spilled when the fast path failed
+    checkpoints/00000000000000000000            syncer state after that commit (written after it)
+    probe/<token>                               conformance probe scratch objects (deleted)
+
+The epoch claim and the head hint are small sealed records defined here (kinds ``syncer-epoch``
+and ``log-head``, version 1).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from pipeline.envelope import digest, pack_record, unpack_record
+from pipeline.errors import FormatError
+from pipeline.types import RunDescriptor, check_learner_id
+
+from .errors import AlreadyExists, NotFound
+from .store import ObjectStore
+
+DESCRIPTOR_KEY = "run.descriptor"
+EPOCH_PREFIX = "epochs/"
+LOG_PREFIX = "log/"
+HEAD_HINT_KEY = "hints/log-head"
+VERSION_PREFIX = "versions/"
+DELTA_PREFIX = "deltas/"
+SPILL_PREFIX = "spill/"
+CHECKPOINT_PREFIX = "checkpoints/"
+PROBE_PREFIX = "probe/"
+
+SEQ_DIGITS = 20        # commit and checkpoint sequence numbers (any int64)
+EPOCH_DIGITS = 10
+FRAGMENT_DIGITS = 5
+VERSION_DIGITS = 12
+INCARNATION_DIGITS = 10
+DELTA_SEQ_DIGITS = 12
+
+EPOCH_KIND, EPOCH_VERSION = "syncer-epoch", 1
+HINT_KIND, HINT_VERSION = "log-head", 1
+
+
+def _num(value: int, digits: int, what: str) -> str:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 10 ** digits:
+        raise ValueError(f"{what} must be an int in 0..{10 ** digits - 1}, got {value!r}")
+    return f"{value:0{digits}d}"
+
+
+def _parse(key: str, pattern: re.Pattern, what: str) -> re.Match:
+    m = pattern.match(key) if isinstance(key, str) else None
+    if m is None:
+        raise FormatError(f"{key!r} is not a {what} key (expected {pattern.pattern})")
+    return m
+
+
+# -- key builders ------------------------------------------------------------------------------
+
+def epoch_key(epoch: int) -> str:
+    return EPOCH_PREFIX + _num(epoch, EPOCH_DIGITS, "epoch")
+
+
+def commit_key(seq: int) -> str:
+    return LOG_PREFIX + _num(seq, SEQ_DIGITS, "commit seq")
+
+
+def checkpoint_key(seq: int) -> str:
+    return CHECKPOINT_PREFIX + _num(seq, SEQ_DIGITS, "checkpoint seq")
+
+
+def version_prefix(fragment: int) -> str:
+    return f"{VERSION_PREFIX}f{_num(fragment, FRAGMENT_DIGITS, 'fragment')}/"
+
+
+def version_key(fragment: int, version: int, epoch: int | None = None) -> str:
+    """A fragment version blob. The syncer names the epoch that wrote it: a crashed syncer may
+    leave an uncommitted blob for version v behind, and the next epoch's v must not collide with it."""
+    key = version_prefix(fragment) + "v" + _num(version, VERSION_DIGITS, "fragment version")
+    return key if epoch is None else key + "-e" + _num(epoch, EPOCH_DIGITS, "epoch")
+
+
+def _life(prefix: str, learner: str, incarnation: int) -> str:
+    check_learner_id(learner)
+    return f"{prefix}{learner}/i{_num(incarnation, INCARNATION_DIGITS, 'incarnation')}/"
+
+
+def delta_prefix(learner: str, incarnation: int) -> str:
+    return _life(DELTA_PREFIX, learner, incarnation)
+
+
+def delta_key(learner: str, incarnation: int, seq: int) -> str:
+    return delta_prefix(learner, incarnation) + "s" + _num(seq, DELTA_SEQ_DIGITS, "delta seq")
+
+
+def spill_prefix(learner: str, incarnation: int) -> str:
+    return _life(SPILL_PREFIX, learner, incarnation)
+
+
+def spill_key(learner: str, incarnation: int, seq: int) -> str:
+    return spill_prefix(learner, incarnation) + "s" + _num(seq, DELTA_SEQ_DIGITS, "delta seq")
+
+
+def probe_key(token: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", token or ""):
+        raise ValueError(f"probe token {token!r} must be 1-64 characters of [A-Za-z0-9_-]")
+    return PROBE_PREFIX + token
+
+
+# -- key parsers (FormatError on anything else) ------------------------------------------------
+
+_EPOCH_RE = re.compile(rf"^epochs/(\d{{{EPOCH_DIGITS}}})$")
+_COMMIT_RE = re.compile(rf"^log/(\d{{{SEQ_DIGITS}}})$")
+_CHECKPOINT_RE = re.compile(rf"^checkpoints/(\d{{{SEQ_DIGITS}}})$")
+_VERSION_RE = re.compile(rf"^versions/f(\d{{{FRAGMENT_DIGITS}}})/v(\d{{{VERSION_DIGITS}}})(?:-e\d{{{EPOCH_DIGITS}}})?$")
+_LIFE = rf"([A-Za-z0-9][A-Za-z0-9_.-]{{0,63}})/i(\d{{{INCARNATION_DIGITS}}})/s(\d{{{DELTA_SEQ_DIGITS}}})"
+_DELTA_RE = re.compile(rf"^deltas/{_LIFE}$")
+_SPILL_RE = re.compile(rf"^spill/{_LIFE}$")
+
+
+def parse_epoch_key(key: str) -> int:
+    return int(_parse(key, _EPOCH_RE, "syncer epoch").group(1))
+
+
+def parse_commit_key(key: str) -> int:
+    return int(_parse(key, _COMMIT_RE, "commit").group(1))
+
+
+def parse_checkpoint_key(key: str) -> int:
+    return int(_parse(key, _CHECKPOINT_RE, "checkpoint").group(1))
+
+
+def parse_version_key(key: str) -> tuple[int, int]:
+    """-> (fragment, version)."""
+    m = _parse(key, _VERSION_RE, "fragment version")
+    return int(m.group(1)), int(m.group(2))
+
+
+def parse_delta_key(key: str) -> tuple[str, int, int]:
+    """-> (learner, incarnation, seq)."""
+    m = _parse(key, _DELTA_RE, "delta")
+    return m.group(1), int(m.group(2)), int(m.group(3))
+
+
+def parse_spill_key(key: str) -> tuple[str, int, int]:
+    """-> (learner, incarnation, seq)."""
+    m = _parse(key, _SPILL_RE, "spilled delta")
+    return m.group(1), int(m.group(2)), int(m.group(3))
+
+
+# -- small records owned by the layout ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class EpochRecord:
+    """The object at ``epoch_key(epoch)``: who claimed the epoch. ``nonce`` makes each claim's
+    bytes unique, so a syncer can recognise its own claim after an ambiguous (timed-out) write."""
+
+    epoch: int
+    syncer: str
+    nonce: str
+
+    def to_bytes(self) -> bytes:
+        return pack_record(EPOCH_KIND, EPOCH_VERSION, {"epoch": self.epoch, "syncer": self.syncer, "nonce": self.nonce})
+
+    @classmethod
+    def from_bytes(cls, blob: bytes, what: str | None = None) -> "EpochRecord":
+        _, d = unpack_record(blob, EPOCH_KIND, EPOCH_VERSION, max_bytes=1 << 16, what=what)
+        try:
+            epoch, syncer, nonce = d["epoch"], d["syncer"], d["nonce"]
+        except KeyError as exc:
+            raise FormatError(f"{what or EPOCH_KIND}: missing field {exc.args[0]!r}") from None
+        if not (isinstance(epoch, int) and isinstance(syncer, str) and isinstance(nonce, str)):
+            raise FormatError(f"{what or EPOCH_KIND}: fields have the wrong types")
+        return cls(epoch, syncer, nonce)
+
+
+def pack_head_hint(seq: int, epoch: int) -> bytes:
+    """The advisory head hint: the last commit seq its writer knew of (may lag; never trusted)."""
+    return pack_record(HINT_KIND, HINT_VERSION, {"seq": seq, "epoch": epoch})
+
+
+def unpack_head_hint(blob: bytes, what: str | None = None) -> int:
+    """-> the hinted seq; ``FormatError`` if damaged."""
+    _, d = unpack_record(blob, HINT_KIND, HINT_VERSION, max_bytes=1 << 12, what=what)
+    seq = d.get("seq")
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < -1:
+        raise FormatError(f"{what or HINT_KIND}: bad seq {seq!r}")
+    return seq
+
+
+# -- the run descriptor ------------------------------------------------------------------------
+
+def write_descriptor(store: ObjectStore, desc: RunDescriptor) -> None:
+    """Create the run (create-if-absent). Writing the same descriptor again is a no-op; a
+    different one raises ``AlreadyExists`` naming both run ids."""
+    blob = desc.to_bytes()
+    try:
+        store.put_if_absent(DESCRIPTOR_KEY, blob)
+        return
+    except AlreadyExists:
+        existing = store.get(DESCRIPTOR_KEY)
+    if digest(existing) == digest(blob):
+        return  # our own earlier (possibly timed-out) write, or an identical relaunch
+    try:
+        other = RunDescriptor.from_bytes(existing, what=f"{store.uri}/{DESCRIPTOR_KEY}")
+        if other == desc:
+            return
+        detail = f"a different run ({other.run_id!r}) already exists here; this one is {desc.run_id!r}"
+    except FormatError as exc:
+        detail = f"an unreadable descriptor already exists here ({exc})"
+    raise AlreadyExists(f"{detail}: choose a new run location", uri=store.uri, key=DESCRIPTOR_KEY)
+
+
+def read_descriptor(store: ObjectStore) -> RunDescriptor:
+    """The run's descriptor; ``NotFound`` saying there is no run at this location."""
+    try:
+        blob = store.get(DESCRIPTOR_KEY)
+    except NotFound:
+        raise NotFound(f"no run at {store.uri} (no {DESCRIPTOR_KEY}); create it with the launcher first",
+                       uri=store.uri, key=DESCRIPTOR_KEY) from None
+    return RunDescriptor.from_bytes(blob, what=f"{store.uri}/{DESCRIPTOR_KEY}")

@@ -1,0 +1,130 @@
+"""Retention planning: which objects of a run could be deleted, and why (SPEC §7). Deletes nothing
+unless ``apply_retention`` is called with the plan.
+
+Rules (conservative; commits, epochs, the descriptor and the head hint are never deleted):
+
+- **checkpoints**: all but the newest ``keep_checkpoints``.
+- The **horizon** is the oldest kept checkpoint's seq, set only when ``keep_checkpoints`` of them
+  exist (so one damaged checkpoint still leaves a fallback). Without a horizon nothing below is
+  deletable: recovery may have to fold from the start.
+- **deltas and spilled deltas** named (merged or dropped) by a commit ``<= horizon`` and by no
+  later commit: recovery and replay start at a kept checkpoint and never read them again.
+  Deltas no commit names (in flight, or orphaned by a crash) are kept.
+- **fragment versions** outside the newest ``keep_versions`` version numbers of their fragment
+  whose producing commit is ``<= horizon``, or that no commit names (e.g. a fenced syncer's
+  orphan). Version 0, the run's initial model, is kept.
+
+Planning reads the whole log (one GET per commit): an operator's tool, not a hot path.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from pipeline.errors import FormatError
+
+from .errors import NotFound
+from .checkpoints import list_checkpoints
+from .layout import (DELTA_PREFIX, SPILL_PREFIX, VERSION_PREFIX, checkpoint_key, parse_version_key,
+                     read_descriptor)
+from .log import CommitLog
+from .store import ObjectStore
+
+
+@dataclass(frozen=True)
+class RetentionItem:
+    key: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class RetentionPlan:
+    """Keys that could be deleted, each with its reason. ``horizon`` is -1 when none is set."""
+
+    uri: str
+    horizon: int
+    kept_checkpoints: tuple[int, ...]
+    items: tuple[RetentionItem, ...]
+
+    def keys(self) -> list[str]:
+        return [item.key for item in self.items]
+
+    def summary(self) -> dict[str, int]:
+        """Number of deletable objects per top-level prefix (``checkpoints``, ``deltas``, ...)."""
+        counts: dict[str, int] = defaultdict(int)
+        for item in self.items:
+            counts[item.key.split("/", 1)[0]] += 1
+        return dict(counts)
+
+
+def plan_retention(store: ObjectStore, keep_checkpoints: int = 2, keep_versions: int | None = None) -> RetentionPlan:
+    """List what could be deleted (see the module docstring). ``keep_versions`` defaults to the
+    run descriptor's ``retain_versions`` (16 if the descriptor cannot be read)."""
+    if not isinstance(keep_checkpoints, int) or keep_checkpoints < 1:
+        raise ValueError(f"keep_checkpoints must be an int >= 1, got {keep_checkpoints!r}")
+    if keep_versions is None:
+        try:
+            keep_versions = read_descriptor(store).retain_versions
+        except (NotFound, FormatError):
+            keep_versions = 16
+    if not isinstance(keep_versions, int) or keep_versions < 1:
+        raise ValueError(f"keep_versions must be an int >= 1, got {keep_versions!r}")
+
+    items: list[RetentionItem] = []
+    checkpoints = list_checkpoints(store)
+    kept = tuple(checkpoints[-keep_checkpoints:])
+    for seq in checkpoints[:-keep_checkpoints]:
+        items.append(RetentionItem(checkpoint_key(seq), f"superseded checkpoint: keeping the newest "
+                                                         f"{keep_checkpoints} ({', '.join(map(str, kept))})"))
+    horizon = kept[0] if len(kept) >= keep_checkpoints else -1
+
+    settled: dict[str, int] = {}       # delta key -> last commit <= horizon naming it
+    named_later: set[str] = set()      # delta keys named by a commit after the horizon
+    produced_at: dict[str, int] = {}   # version key -> commit seq that produced it
+    for record in CommitLog(store).read_range(0):
+        names = [i.key for i in record.inputs] + [d.key for d in record.dropped if d.key]
+        for key in names:
+            if record.seq <= horizon:
+                settled[key] = record.seq
+            else:
+                named_later.add(key)
+        if record.output_key:
+            produced_at[record.output_key] = record.seq
+
+    if horizon >= 0:
+        for prefix in (DELTA_PREFIX, SPILL_PREFIX):
+            for key in store.list(prefix):
+                if key in settled and key not in named_later:
+                    items.append(RetentionItem(key, f"named by commit {settled[key]} <= horizon {horizon} "
+                                                    "and by no later commit"))
+        by_fragment: dict[int, list[tuple[int, str]]] = defaultdict(list)
+        for key in store.list(VERSION_PREFIX):
+            try:
+                fragment, version = parse_version_key(key)
+            except FormatError:
+                continue  # not ours: never delete what we cannot name
+            by_fragment[fragment].append((version, key))
+        for fragment, versions in sorted(by_fragment.items()):
+            newest = set(sorted({v for v, _ in versions})[-keep_versions:])
+            for version, key in sorted(versions):
+                if version == 0 or version in newest:
+                    continue
+                seq = produced_at.get(key)
+                if seq is None:
+                    reason = f"no commit names it; fragment {fragment} keeps its newest {keep_versions} versions"
+                elif seq <= horizon:
+                    reason = (f"produced by commit {seq} <= horizon {horizon}; fragment {fragment} keeps "
+                              f"its newest {keep_versions} versions")
+                else:
+                    continue
+                items.append(RetentionItem(key, reason))
+    return RetentionPlan(store.uri, horizon, kept, tuple(items))
+
+
+def apply_retention(store: ObjectStore, plan: RetentionPlan) -> int:
+    """Delete every key of ``plan`` (made for this store); returns how many were deleted."""
+    if plan.uri != store.uri:
+        raise ValueError(f"retention plan was made for {plan.uri}, not {store.uri}")
+    for item in plan.items:
+        store.delete(item.key)
+    return len(plan.items)
