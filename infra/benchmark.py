@@ -1,0 +1,172 @@
+"""`ddiloco benchmark`: end-to-end figures of real runs on this machine (issue "Workers end to end").
+
+Runs the default job and reports, each measured side by side in the same run where it is a ratio:
+1. learner step time with sync on vs off: a *control* process trains the identical model with a
+   plain AdamW loop (no Learner) alongside the run's learners, under the same machine load;
+2. time from a delta's publication to the version that merged it being applied by another learner
+   (p50/p99), over the local directory store and over the local S3 server;
+3. bytes each learner sends per step vs what data-parallel all-reduce would send;
+4. final held-out eval loss of ``--mode decoupled`` vs ``--mode dp`` at equal tokens.
+Timing claims live here, never in tests.
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from storage.log import CommitLog
+from storage.store import open_store
+from workers.events import read_events
+
+
+def configure(parser: argparse.ArgumentParser):
+    """End-to-end benchmark of real runs: sync overhead, version latency, bytes per step, decoupled vs DP."""
+    parser.add_argument("--learners", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--out", default="runs/benchmark")
+    parser.add_argument("--no-s3", action="store_true", help="skip the run over the local S3 server")
+    parser.add_argument("--json", default=None, help="write the figures here too")
+    return _handle
+
+
+def _ddiloco(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "workers.cli", *args], env=env, capture_output=True, text=True)
+
+
+def _control(out: Path, steps: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "infra.benchmark", "control", str(out), str(steps)],
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def control_main(out: str, steps: int) -> None:
+    """The sync-off control: the default job's model, data and optimizer, no Learner at all."""
+    import torch
+    from workers.data import Corpus
+    from workers.job import JobSettings, make_optimizer
+    from workers.model import GPTConfig, build_model
+    torch.set_num_threads(1)
+    gcfg, job = GPTConfig(), JobSettings(steps=steps)
+    corpus = Corpus(job.data_config(gcfg.block_size))
+    model = build_model(gcfg, 0)
+    opt = make_optimizer(model, job)
+    batches = corpus.batches(0, job.shards, 0)
+    times = []
+    for _ in range(steps):
+        x, y = next(batches)
+        t0 = time.monotonic()
+        opt.zero_grad(set_to_none=True)
+        model(x, y)[1].backward()
+        opt.step()
+        times.append(time.monotonic() - t0)
+    Path(out).write_text(json.dumps({"step_times": times}))
+
+
+def _run(out: Path, learners: int, steps: int, extra: list[str], env=None, control: bool = False) -> dict:
+    ctl = _control(out.with_suffix(".control.json"), steps) if control else None
+    res = _ddiloco(["run", "--out", str(out), "--plain", "--learners", str(learners), "--steps", str(steps), *extra],
+                   env=env)
+    if res.returncode != 0:
+        raise SystemExit(f"run in {out} failed ({res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    if ctl is not None:
+        ctl.wait()
+        summary["control_step_times"] = json.loads(out.with_suffix(".control.json").read_text())["step_times"]
+    return summary
+
+
+def _step_clock(events: list[dict]) -> tuple[list[int], list[float]]:
+    rows = [(e["step"], e["t"]) for e in events if e.get("event") == "step"]
+    return [r[0] for r in rows], [r[1] for r in rows]
+
+
+def version_latencies(out: Path, store_uri: str) -> list[float]:
+    """For every merged delta: from its publication (learner wall time at its step, interpolated
+    from that learner's step log) to the first time *another* learner applied that version or a newer one."""
+    logs = {f.stem: read_events(f) for f in (out / "logs").glob("l*.jsonl")}
+    clocks = {lid: _step_clock(ev) for lid, ev in logs.items()}
+    applied = {lid: sorted((e["fragment"], e["version"], e["t"]) for e in ev if e.get("event") == "version-applied")
+               for lid, ev in logs.items()}
+    store = open_store(store_uri)
+    lat = []
+    for rec in CommitLog(store).read_range(0):
+        if rec.kind != "merge":
+            continue
+        for inp in rec.inputs:
+            steps, ts = clocks.get(inp.learner, ([], []))
+            if len(steps) < 2:
+                continue
+            t_pub = float(np.interp(inp.learner_step, steps, ts))
+            for lid, rows in applied.items():
+                if lid == inp.learner:
+                    continue
+                times = [t for (p, v, t) in rows if p == rec.fragment and v >= rec.version]
+                if times:
+                    lat.append(min(times) - t_pub)
+    return [x for x in lat if x >= 0]
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(xs, q)) if xs else None
+
+
+def _handle(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    figures: dict = {"learners": args.learners, "steps": args.steps}
+    t0 = time.time()
+    local = _run(out / "decoupled-local", args.learners, args.steps, [], control=True)
+    learner_steps = [d["median_step_s"] for d in local["per_learner"].values() if d.get("median_step_s")]
+    control = statistics.median(local["control_step_times"])
+    figures["step_time_sync_on_s"] = statistics.median(learner_steps)
+    figures["step_time_sync_off_s"] = control
+    figures["step_time_ratio_on_off"] = figures["step_time_sync_on_s"] / control
+    lat = version_latencies(out / "decoupled-local", local["run_uri"])
+    figures["latency_local_p50_s"], figures["latency_local_p99_s"] = _pct(lat, 50), _pct(lat, 99)
+    params = None
+    from workers.model import GPTConfig, build_model
+    params = sum(p.numel() for p in build_model(GPTConfig(), 0).parameters())
+    sent = [v / args.steps for v in local["bytes_sent_per_learner"].values()]
+    figures["bytes_per_learner_step"] = statistics.mean(sent)
+    figures["dp_allreduce_bytes_per_step_fp32"] = 2 * 4 * params
+    figures["dp_allreduce_bytes_per_step_bf16"] = 2 * 2 * params
+    figures["bandwidth_reduction_vs_bf16_dp"] = figures["dp_allreduce_bytes_per_step_bf16"] / figures["bytes_per_learner_step"]
+    figures["decoupled_final_eval"] = local["final_eval_loss"]
+    figures["decoupled_tokens"] = local["tokens_trained"]
+    if not args.no_s3:
+        from infra.s3server import S3Server
+        server = S3Server(out / "s3data").start()
+        try:
+            env = dict(os.environ, **server.env())
+            uri = server.uri(f"bench-{int(time.time())}")
+            s3 = _run(out / "decoupled-s3", args.learners, args.steps, ["--store", uri], env=env)
+            os.environ.update(server.env())
+            lat = version_latencies(out / "decoupled-s3", uri)
+            figures["latency_s3_p50_s"], figures["latency_s3_p99_s"] = _pct(lat, 50), _pct(lat, 99)
+            figures["decoupled_s3_final_eval"] = s3["final_eval_loss"]
+        finally:
+            server.stop()
+    dp = _run(out / "dp", args.learners, args.steps, ["--mode", "dp"])
+    figures["dp_final_eval"] = dp["final_eval_loss"]
+    figures["dp_tokens"] = dp["tokens_trained"]
+    figures["wall_s"] = round(time.time() - t0, 1)
+    for k, v in figures.items():
+        print(f"{k:<36} {v:.4g}" if isinstance(v, float) else f"{k:<36} {v}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "control":
+        control_main(sys.argv[2], int(sys.argv[3]))
+    else:
+        raise SystemExit("usage: python -m infra.benchmark control OUT STEPS (internal)")
