@@ -1,4 +1,7 @@
-"""Helpers for end-to-end tests: a tiny default-job run driven as real processes."""
+"""Helpers for end-to-end tests: a tiny default-job run driven as real processes.
+
+Secure by default like ``ddiloco run``: ``create`` makes keys for the syncer and every learner in
+``DIR/keys`` and a signed run; ``TinyRun(..., secure=False)`` makes an unsigned one (--insecure)."""
 from __future__ import annotations
 
 import os
@@ -16,6 +19,7 @@ from storage.store import open_store
 from workers.data import Corpus, evaluate
 from workers.events import read_events
 from workers.job import JobSettings
+from workers.keys import SYNCER, ensure_identities, key_paths
 from workers.launch import RunSettings, create_run
 from workers.model import EMBEDDING_TENSORS, GPT, GPTConfig, build_model
 from workers.versions import VersionTracker
@@ -39,11 +43,23 @@ class TinyRun:
     procs: dict = field(default_factory=dict)
     ingest: str = ""
     announce: str = ""
+    secure: bool = True
 
     def __post_init__(self) -> None:
         self.ingest = f"tcp://127.0.0.1:{free_port()}"
         self.announce = f"tcp://127.0.0.1:{free_port()}"
         (self.dir / "logs").mkdir(parents=True, exist_ok=True)
+
+    @property
+    def keydir(self) -> Path:
+        return self.dir / "keys"
+
+    def key_args(self, name: str) -> list[str]:
+        if not self.secure:
+            return ["--insecure"]
+        if name == SYNCER:
+            return ["--key", str(key_paths(self.keydir, SYNCER)[1])]
+        return ["--keys", str(self.keydir)]
 
     @property
     def store(self):
@@ -55,7 +71,11 @@ class TinyRun:
         init = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
         kw = dict(fragments=3, sync_every=6, model=TINY.to_dict(), extra={"job": job.to_dict()})
         kw.update(settings)
-        self.descriptor = create_run(self.store, init, RunSettings(**kw), embedding_tensors=EMBEDDING_TENSORS)
+        names = [f"l{m}" for m in range(self.learners)]
+        self.idents = ensure_identities(self.keydir, [SYNCER, *names]) if self.secure else {}
+        self.descriptor = create_run(self.store, init, RunSettings(**kw), embedding_tensors=EMBEDDING_TENSORS,
+                                     syncer=self.idents.get(SYNCER),
+                                     learners=[self.idents[n].public for n in names] if self.secure else ())
         self.corpus = Corpus(job.data_config(TINY.block_size))
         self.init_loss = evaluate(model, self.corpus)
 
@@ -69,10 +89,10 @@ class TinyRun:
         return p
 
     def syncer(self, name: str = "syncer", **kw) -> subprocess.Popen:
-        return self._spawn(name, ["syncer", "--id", name], **kw)
+        return self._spawn(name, ["syncer", "--id", name, *self.key_args(SYNCER)], **kw)
 
     def learner(self, lid: str, steps: int | None = None, extra: list[str] = (), **kw) -> subprocess.Popen:
-        args = ["learner", "--id", lid, *(["--steps", str(steps)] if steps else []), *extra]
+        args = ["learner", "--id", lid, *(["--steps", str(steps)] if steps else []), *self.key_args(lid), *extra]
         return self._spawn(lid, args, **kw)
 
     def wait(self, name: str, timeout: float = 120) -> int:

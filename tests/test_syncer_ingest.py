@@ -54,7 +54,8 @@ def test_same_delta_twice_and_spilled_is_merged_once(tiny):
     store, desc, bus = tiny
     h, blob = _delta(desc, 0)
     store.put_if_absent(spill_key(h.learner, h.incarnation, h.seq), blob)   # the learner also spilled it
-    syncer, t = _run_syncer(store, bus, lambda s: s.stats.commits >= 1 and s.stats.duplicates >= 2)
+    acked = threading.Event()   # stop only after both replies: the inbox re-listing also counts duplicates
+    syncer, t = _run_syncer(store, bus, lambda s: s.stats.commits >= 1 and s.stats.duplicates >= 2 and acked.is_set())
     link = LearnerLink(bus, b"l0")
     msg = Message("delta", {"header": h.to_dict(), "checksum": digest(blob)}, blob)
     time.sleep(0.3)
@@ -63,6 +64,7 @@ def test_same_delta_twice_and_spilled_is_merged_once(tiny):
         assert link.send(msg)
         reply = link.recv(5.0)
         acks.append(reply.fields if reply else None)
+    acked.set()
     t.join()
     link.close()
     records = list(CommitLog(store).read_range(0))

@@ -6,13 +6,22 @@ frame 0 a sealed ``bus`` record, frame 1 an optional blob. Receivers enforce a b
 ``ZMQ_MAXMSGSIZE`` (libzmq drops the message before allocating it) and again when decoding.
 Nothing here is needed for correctness: storage is the truth, the bus only makes things faster.
 Sockets are not thread-safe: each socket object belongs to exactly one thread.
+
+Security (issue "Security", docs/security.md): with ``CurveKeys`` every socket uses CURVE
+(encryption + authentication). The syncer's sockets are CURVE servers and run a ZAP authenticator
+(``zmq.auth.thread.ThreadAuthenticator``) that admits only client keys the ``authorize`` callback
+maps to a learner id; libzmq then stamps each message with that id (``User-Id``), which becomes
+``Message.peer``. Learners pin the syncer's public key. Learner-side sockets only ever receive
+small records, so their size limit is the head limit.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 from pipeline.envelope import pack_record, unpack_record
 from pipeline.errors import FormatError
@@ -28,6 +37,7 @@ class Message:
     type: str
     fields: dict[str, Any] = field(default_factory=dict)
     blob: bytes | None = None
+    peer: str | None = None        # the authenticated sender (CURVE + ZAP), None without CURVE
 
     def __post_init__(self) -> None:
         if self.type not in MESSAGE_TYPES:
@@ -39,7 +49,7 @@ def encode_message(msg: Message) -> list[bytes]:
     return [head] if msg.blob is None else [head, msg.blob]
 
 
-def decode_message(frames: list[bytes], max_blob_bytes: int) -> Message:
+def decode_message(frames: list[bytes], max_blob_bytes: int, peer: str | None = None) -> Message:
     """Frames -> Message, or FormatError naming what is wrong (size, structure, type)."""
     if not 1 <= len(frames) <= 2:
         raise FormatError(f"bus message: {len(frames)} frames (expected 1 or 2)")
@@ -54,16 +64,16 @@ def decode_message(frames: list[bytes], max_blob_bytes: int) -> Message:
         blob = bytes(frames[1])
         if len(blob) > max_blob_bytes:
             raise FormatError(f"bus message: blob of {len(blob)} bytes exceeds {max_blob_bytes}")
-    return Message(mtype, d, blob)
+    return Message(mtype, d, blob, peer)
 
 
 @dataclass(frozen=True)
 class CurveKeys:
-    """CURVE key material (z85 text). ``server_public`` is what clients pin; ``allowed`` the
-    client public keys a server accepts (enforced by a ZAP authenticator, issue "Security")."""
+    """CURVE key material (z85 text). ``server_public`` is what clients pin. The secret never
+    appears in repr."""
 
     public: bytes
-    secret: bytes
+    secret: bytes = field(repr=False)
     server_public: bytes | None = None
 
 
@@ -86,8 +96,9 @@ class BusConfig:
             raise ValueError(f"max_message_bytes {self.max_message_bytes} is below {HEAD_MAX_BYTES}")
 
 
-def _limit(sock: zmq.Socket, cfg: BusConfig) -> None:
-    sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes + HEAD_MAX_BYTES)
+def _limit(sock: zmq.Socket, cfg: BusConfig, max_bytes: int | None = None) -> None:
+    # libzmq reads a frame's size before allocating it and drops the connection past this limit.
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes if max_bytes is not None else cfg.max_message_bytes + HEAD_MAX_BYTES)
     sock.setsockopt(zmq.LINGER, cfg.linger_ms)
     sock.setsockopt(zmq.SNDHWM, cfg.send_hwm)
     sock.setsockopt(zmq.RCVHWM, cfg.send_hwm * 4)
@@ -109,12 +120,44 @@ def _curve_client(sock: zmq.Socket, keys: CurveKeys | None) -> None:
         sock.curve_serverkey = keys.server_public
 
 
-class SyncerBus:
-    """The syncer's side: bind ROUTER (ingest) and PUB (announce). One thread uses it."""
+class _Zap(ThreadAuthenticator):
+    """ZAP handler: a client key is admitted iff ``authorize`` names the learner that owns it,
+    and that name becomes the User-Id libzmq attaches to the client's messages."""
 
-    def __init__(self, cfg: BusConfig, ctx: zmq.Context | None = None, curve: CurveKeys | None = None):
+    def __init__(self, ctx: zmq.Context, authorize: Callable[[str], str | None],
+                 denied: Callable[[str], None] | None):
+        super().__init__(ctx)
+        self._ddl_authorize, self._ddl_denied = authorize, denied   # the base class owns _allowed/_denied
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        ok = self._ddl_authorize(key.decode("ascii")) is not None
+        if not ok and self._ddl_denied is not None:
+            self._ddl_denied(key.decode("ascii"))
+        return ok
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        return self._ddl_authorize(z85.encode(client_public_key).decode("ascii")) or ""
+
+
+class SyncerBus:
+    """The syncer's side: bind ROUTER (ingest) and PUB (announce). One thread uses it.
+
+    With ``curve``, ``authorize(client_key_z85) -> learner id | None`` decides who may connect
+    (required: a CURVE server without an allow list would accept any key); ``denied(key)`` hears
+    every refused key. The bus then owns a private context, so its ZAP handler is its own."""
+
+    def __init__(self, cfg: BusConfig, ctx: zmq.Context | None = None, curve: CurveKeys | None = None,
+                 authorize: Callable[[str], str | None] | None = None, denied: Callable[[str], None] | None = None):
         self.cfg = cfg
-        self.ctx = ctx or zmq.Context.instance()
+        self.zap: _Zap | None = None
+        self._own_ctx = curve is not None and ctx is None
+        self.ctx = zmq.Context() if self._own_ctx else (ctx or zmq.Context.instance())
+        if curve is not None:
+            if authorize is None:
+                raise ValueError("a CURVE syncer bus needs authorize(): the list of learner keys it accepts")
+            self.zap = _Zap(self.ctx, authorize, denied)
+            self.zap.start()
+            self.zap.configure_curve_callback("*", credentials_provider=self.zap)
         self.router = self.ctx.socket(zmq.ROUTER)
         self.pub = self.ctx.socket(zmq.PUB)
         for s in (self.router, self.pub):
@@ -131,10 +174,18 @@ class SyncerBus:
         not decode comes back as the FormatError saying why, so the caller can count and log it."""
         if not self.poller.poll(max(0, int(timeout_s * 1000))):
             return None
-        frames = self.router.recv_multipart(copy=True)
-        ident, body = frames[0], frames[1:]
+        frames = self.router.recv_multipart(copy=False)
+        ident, body = frames[0].bytes, frames[1:]
+        peer = None
+        if self.zap is not None:
+            try:
+                peer = body[0].get("User-Id") if body else None
+            except zmq.ZMQError:
+                peer = None
+            if not peer:   # cannot happen with ZAP on; never treat an unnamed peer as anyone
+                return ident, FormatError("bus message: no authenticated peer")
         try:
-            return ident, decode_message(body, self.cfg.max_message_bytes)
+            return ident, decode_message([f.buffer for f in body], self.cfg.max_message_bytes, peer)
         except FormatError as exc:
             return ident, exc
 
@@ -153,6 +204,10 @@ class SyncerBus:
     def close(self) -> None:
         self.router.close(0)
         self.pub.close(0)
+        if self.zap is not None:
+            self.zap.stop()
+        if self._own_ctx:
+            self.ctx.destroy(linger=0)    # closes whatever is left, never blocks
 
 
 class LearnerLink:
@@ -163,7 +218,7 @@ class LearnerLink:
         self.cfg = cfg
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
-        _limit(self.sock, cfg)
+        _limit(self.sock, cfg, 2 * HEAD_MAX_BYTES)    # it only receives acks
         _curve_client(self.sock, curve)
         self.sock.setsockopt(zmq.IDENTITY, identity)
         self.sock.setsockopt(zmq.IMMEDIATE, 1)   # do not queue for a syncer that is not connected
@@ -198,7 +253,7 @@ class AnnounceListener:
     def __init__(self, cfg: BusConfig, ctx: zmq.Context | None = None, curve: CurveKeys | None = None):
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.SUB)
-        _limit(self.sock, cfg)
+        _limit(self.sock, cfg, 2 * HEAD_MAX_BYTES)    # it only receives announcements
         _curve_client(self.sock, curve)
         self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.sock.connect(cfg.announce)

@@ -3,6 +3,12 @@
 Both take the run's location (``--store``: a directory or s3://bucket/prefix) and the bus
 endpoints. The syncer binds them (``tcp://0.0.0.0:5555`` to accept other hosts); learners connect
 to the address the syncer can be reached at. SIGTERM/SIGINT stop either cleanly.
+
+Keys (issue "Security", docs/security.md): a signed run's roles need their secret key file —
+``--key PATH`` (and for learners ``--syncer-key PATH``, the syncer's public ``.key`` file they
+pin), or ``--keys DIR`` holding ``<id>.key_secret`` and ``syncer.key``. Secrets are only ever
+read from files, never from the command line. An unsigned run is joined only with an explicit
+``--insecure``, which is logged.
 """
 from __future__ import annotations
 
@@ -12,9 +18,13 @@ import signal
 import sys
 import threading
 
+from pathlib import Path
+
+from storage.layout import read_descriptor
 from storage.store import open_store
 from .bus import BusConfig
 from .events import EventLog
+from .keys import SYNCER, KeyRing, key_paths, load_identity, load_public, run_security
 from .learner import LearnerConfig
 from .sender import SenderConfig
 from .syncer import Syncer, SyncerConfig
@@ -34,6 +44,40 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--announce", default="tcp://127.0.0.1:5556", help="syncer announce endpoint")
     parser.add_argument("--no-bus", action="store_true", help="storage only (no ZeroMQ): slower, same result")
     parser.add_argument("--log", default=None, help="JSONL event log path (default: stdout)")
+    parser.add_argument("--keys", metavar="DIR", default=None,
+                        help="key directory: this role's <id>.key_secret and the syncer's syncer.key")
+    parser.add_argument("--key", metavar="PATH", default=None, help="this role's secret key file (.key_secret)")
+    parser.add_argument("--insecure", action="store_true",
+                        help="join an unsigned run: no CURVE, no signatures (logged as such)")
+
+
+def _keyring(args, store, role: str, ident: str) -> KeyRing | None:
+    """The role's keys from --key/--keys, checked against the run's mode (SystemExit with the fix)."""
+    desc = read_descriptor(store)
+    signed = run_security(desc) is not None
+    given = args.key or args.keys or getattr(args, "syncer_key", None)
+    if args.insecure and given:
+        raise SystemExit("--insecure and key options exclude each other")
+    if signed and args.insecure:
+        raise SystemExit(f"run {desc.run_id} is signed: --insecure cannot join it (give --keys DIR or --key PATH)")
+    if not signed:
+        if not args.insecure:
+            raise SystemExit(f"run {desc.run_id} is unsigned (created with --insecure): pass --insecure to join it")
+        return None
+    if not given:
+        raise SystemExit(f"run {desc.run_id} is signed: {role} {ident} needs its key (--keys DIR or --key PATH)")
+    name = SYNCER if role == "syncer" else ident
+    secret = Path(args.key) if args.key else key_paths(args.keys, name)[1]
+    try:
+        own = load_identity(secret)
+        if role == "syncer":
+            return KeyRing(own, own.public)
+        pinned = getattr(args, "syncer_key", None) or (key_paths(args.keys, SYNCER)[0] if args.keys else None)
+        if pinned is None:
+            raise SystemExit("a learner needs the syncer's public key: --syncer-key PATH or --keys DIR")
+        return KeyRing(own, load_public(pinned))
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"keys: {exc}") from None
 
 
 def _bus(args) -> BusConfig | None:
@@ -52,9 +96,10 @@ def configure_syncer(parser: argparse.ArgumentParser):
 
     def handler(args) -> int:
         store = open_store(args.store, s3_endpoint=args.s3_endpoint)
+        keys = _keyring(args, store, "syncer", args.id)
         flag = _stop_flag()
         syncer = Syncer(store, SyncerConfig(syncer_id=args.id, checkpoint_every=args.checkpoint_every),
-                        bus=_bus(args), events=_events(args, "syncer", args.id))
+                        bus=_bus(args), events=_events(args, "syncer", args.id), keys=keys)
         return syncer.run(flag.is_set)
     return handler
 
@@ -68,6 +113,8 @@ def configure_learner(parser: argparse.ArgumentParser):
     parser.add_argument("--slow", type=float, default=1.0, help="stretch every step by this factor (>= 1)")
     parser.add_argument("--ack-timeout", type=float, default=2.0, help="seconds before an unacked delta spills")
     parser.add_argument("--poll", type=float, default=0.5, help="seconds between storage polls for versions")
+    parser.add_argument("--syncer-key", metavar="PATH", default=None,
+                        help="the syncer's public key file (syncer.key) to pin (default: DIR/syncer.key with --keys)")
 
     def handler(args) -> int:
         from .job import learner_process
@@ -78,9 +125,10 @@ def configure_learner(parser: argparse.ArgumentParser):
             digits = "".join(c for c in args.id if c.isdigit())
             shard = int(digits) if digits else 0
         store = open_store(args.store, s3_endpoint=args.s3_endpoint)
+        keys = _keyring(args, store, "learner", args.id)
         flag = _stop_flag()
         events = _events(args, "learner", args.id)
-        cfg = LearnerConfig(sender=SenderConfig(ack_timeout_s=args.ack_timeout), poll_s=args.poll)
+        cfg = LearnerConfig(sender=SenderConfig(ack_timeout_s=args.ack_timeout), poll_s=args.poll, keys=keys)
         stats = learner_process(store, args.id, shard, _bus(args), events, steps=args.steps, slow=args.slow,
                                 config=cfg, stop=flag.is_set)
         events.emit("learner-done", **stats)

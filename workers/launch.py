@@ -3,24 +3,31 @@
 SPEC §7 'One initial model': version 0 is written to storage once, with the descriptor, and every
 learner loads it; no learner initialises its own weights. The descriptor is written
 create-if-absent, so two launchers can never create one run twice with different settings.
+
+Security (docs/security.md): given the syncer's identity, the run is *signed*: the descriptor lists
+the public keys (``extra["security"]``, never a secret) and version 0 and the init commits carry
+the syncer's signatures. Without it the run is unsigned for its whole life.
 """
 from __future__ import annotations
 
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from pipeline.checksum import tensor_digest
 from pipeline.fold import published
 from pipeline.fragment import fragment_offsets, make_layout, specs_from_arrays
+from pipeline.guard import NormGuardConfig
 from pipeline.merge import default_embedding_tensors
 from pipeline.types import CommitRecord, RunDescriptor
 from storage.layout import version_key, write_descriptor
 from storage.log import CommitLog
 from storage.store import ObjectStore
+from .keys import Identity, PublicIdentity, security_extra
+from .signing import sign_commit
 from .versions import encode_version
 
 
@@ -46,10 +53,14 @@ class RunSettings:
     mixing_alpha: float = 0.0
     seed: int = 0
     run_id: str = ""
+    norm_guard: NormGuardConfig | None = None     # off by default (pipeline/guard.py)
     model: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if "security" in self.extra or "norm_guard" in self.extra:
+            raise ValueError("extra must not hold 'security' or 'norm_guard': create_run writes them "
+                             "(pass the keys to create_run and norm_guard to RunSettings)")
         if self.fragments < 1:
             raise ValueError(f"--fragments must be >= 1, got {self.fragments}")
         if self.sync_every < self.fragments:
@@ -58,8 +69,22 @@ class RunSettings:
 
 
 def create_run(store: ObjectStore, init: Mapping[str, np.ndarray], settings: RunSettings,
-               embedding_tensors: tuple[str, ...] | None = None) -> RunDescriptor:
-    """Write the descriptor, version 0 of every fragment, and one ``init`` commit per fragment."""
+               embedding_tensors: tuple[str, ...] | None = None, *, syncer: Identity | None = None,
+               learners: Sequence[PublicIdentity] = ()) -> RunDescriptor:
+    """Write the descriptor, version 0 of every fragment, and one ``init`` commit per fragment.
+
+    ``syncer`` (its identity, secret included: it signs version 0) makes the run signed, listing
+    ``learners``' public keys; more learners can join later (workers/keys.py ``add_member``)."""
+    if syncer is None and learners:
+        raise ValueError("learner keys were given without the syncer's identity: a signed run needs both")
+    if syncer is not None and syncer.public.role != "syncer":
+        raise ValueError(f"key {syncer.name!r} has role {syncer.public.role!r}, not 'syncer'")
+    extra = dict(settings.extra)
+    if syncer is not None:
+        extra["security"] = security_extra(syncer.public, learners)
+    if settings.norm_guard is not None:
+        extra["norm_guard"] = settings.norm_guard.to_dict()
+    signer = syncer.signer() if syncer is not None else None
     specs = specs_from_arrays(init)
     layout = make_layout(specs, settings.fragments, settings.strategy)
     emb = embedding_tensors if embedding_tensors is not None else tuple(sorted(default_embedding_tensors(init)))
@@ -72,14 +97,16 @@ def create_run(store: ObjectStore, init: Mapping[str, np.ndarray], settings: Run
         outer_lr=settings.outer_lr, outer_momentum=settings.outer_momentum, grace_gamma=settings.grace_gamma,
         grace_cap_s=settings.grace_cap_s, retain_versions=settings.retain_versions,
         mixing_alpha=settings.mixing_alpha, fragment_strategy=settings.strategy, seed=settings.seed,
-        model=dict(settings.model), extra=dict(settings.extra))
+        model=dict(settings.model), extra=extra)
     write_descriptor(store, desc)
     values = published({n: np.asarray(a, dtype=np.float32) for n, a in init.items()}, desc.version_dtype)
     log = CommitLog(store)
     for p, names in enumerate(desc.fragments):
         part = {n: values[n] for n in names}
         key = version_key(p, 0, 0)
-        store.put_if_absent(key, encode_version(desc, p, 0, p, 0, part))
-        log.append(CommitRecord(seq=p, epoch=0, kind="init", fragment=p, version=0, output_key=key,
-                                output_checksum=tensor_digest(part), info={"created_at": round(time.time(), 3)}))
+        checksum = tensor_digest(part)
+        store.put_if_absent(key, encode_version(desc, p, 0, p, 0, part, signer, checksum))
+        rec = CommitRecord(seq=p, epoch=0, kind="init", fragment=p, version=0, output_key=key,
+                           output_checksum=checksum, info={"created_at": round(time.time(), 3)})
+        log.append(sign_commit(rec, signer, desc.run_id) if signer is not None else rec)
     return desc

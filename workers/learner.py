@@ -2,7 +2,8 @@
 
 Public API (the default job uses it too)::
 
-    learner = Learner(model, optimizer, store="runs/demo", learner_id="l0")
+    keys = KeyRing(load_identity("keys/l0.key_secret"), load_public("keys/syncer.key"))   # workers/keys.py
+    learner = Learner(model, optimizer, store="runs/demo", learner_id="l0", config=LearnerConfig(keys=keys))
     learner.start()                        # loads the latest global model from storage
     for x, y in batches:
         learner.step(lambda: loss_fn(model(x), y), tokens=x.numel())
@@ -11,13 +12,17 @@ Public API (the default job uses it too)::
 Each ``step``: apply fragment versions that arrived (overwrite θ_p, reset p's counters, remember the
 version as base), one inner optimizer step, bump the counters, and when fragment p is due hand
 ``Δ = base_p − θ_p`` to the background sender. Nothing in ``step`` touches the network or storage.
+
+Security (docs/security.md): a signed run needs ``LearnerConfig.keys`` (the learner's identity and
+the syncer's pinned public key); the learner then signs its deltas, talks CURVE to the syncer, and
+applies only versions the syncer signed. An unsigned run refuses keys, a signed one requires them.
 """
 from __future__ import annotations
 
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -30,8 +35,10 @@ from storage.layout import read_descriptor
 from storage.store import ObjectStore, open_store
 from .bus import BusConfig
 from .events import EventLog
+from .keys import KeyRing, Roster, run_security
 from .receiver import Receiver
 from .sender import Sender, SenderConfig
+from .signing import seal_delta
 from .versions import VersionTracker
 
 
@@ -44,6 +51,7 @@ class LearnerConfig:
     poll_s: float = 0.5               # how often storage is polled for new versions
     drain_s: float = 30.0             # how long close() waits for deltas to become durable
     log_every: int = 10               # steps between progress events
+    keys: KeyRing | None = field(default=None, repr=False)   # required in a signed run, refused otherwise
 
     def __post_init__(self) -> None:
         if self.poll_s <= 0 or self.drain_s < 0 or self.log_every < 1:
@@ -53,7 +61,7 @@ class LearnerConfig:
 class Learner:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, store: str | ObjectStore,
                  learner_id: str, config: LearnerConfig = LearnerConfig(), bus: BusConfig | None = None,
-                 events: EventLog | None = None, incarnation: int | None = None, curve=None,
+                 events: EventLog | None = None, incarnation: int | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.model, self.optimizer = model, optimizer
         self.store = open_store(store) if isinstance(store, str) else store
@@ -64,7 +72,6 @@ class Learner:
         # Later lives of the same learner id must order after earlier ones: wall-clock tenths of a
         # second since 2024 (a restart takes far longer than that; fits the 10 digits of the key).
         self.incarnation = incarnation if incarnation is not None else (time.time_ns() - INCARNATION_EPOCH_NS) // 10**8
-        self.curve = curve
         self.clock = clock
         self.params = dict(model.named_parameters())
         self.descriptor: RunDescriptor | None = None
@@ -87,6 +94,7 @@ class Learner:
     def start(self) -> "Learner":
         d = self.descriptor = read_descriptor(self.store)
         self._check_model(d)
+        curve, seal = self._security(d)
         tracker = VersionTracker(self.store, d)
         values, versions = tracker.load_all()
         self._overwrite(values)
@@ -97,8 +105,8 @@ class Learner:
         self.c_tokens = [0] * d.num_fragments
         codec = CodecConfig(scheme=d.compression, block_size=d.block_size, zstd_level=d.zstd_level)
         self.sender = Sender(self.store, codec, self.cfg.sender, self.events, self.bus, self.id.encode(),
-                             self._heartbeat, curve=self.curve)
-        self.receiver = Receiver(tracker, versions, self.events, self.bus, self.cfg.poll_s, curve=self.curve)
+                             self._heartbeat, curve=curve, seal=seal)
+        self.receiver = Receiver(tracker, versions, self.events, self.bus, self.cfg.poll_s, curve=curve)
         self.sender.start()
         self.receiver.start()
         self.events.emit("learner-start", incarnation=self.incarnation, pid=os.getpid(),
@@ -122,6 +130,29 @@ class Learner:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _security(self, d: RunDescriptor):
+        """CURVE keys and the delta sealer for this run, after checking that keys and run agree."""
+        sec, keys = run_security(d), self.cfg.keys
+        if sec is None:
+            if keys is not None:
+                raise ValueError(f"run {d.run_id} is unsigned (created with --insecure): a learner with keys "
+                                 "cannot join it (pass --insecure instead)")
+            self.events.emit("security-off", detail="unsigned run (--insecure): no CURVE, no signatures")
+            return None, None
+        if keys is None:
+            raise ValueError(f"run {d.run_id} is signed: learner {self.id} needs its key (--key or --keys)")
+        if (keys.syncer.sign, keys.syncer.curve) != (sec.syncer.sign, sec.syncer.curve):
+            raise ValueError(f"the pinned syncer key is not run {d.run_id}'s syncer key: wrong run, or the "
+                             "descriptor was replaced")
+        roster = Roster(d, sec)
+        if roster.sign_key(self.id) is None:
+            roster.refresh(self.store)
+        if roster.sign_key(self.id) != keys.own.public.sign or keys.own.name != self.id:
+            raise ValueError(f"learner {self.id} with key {keys.own.name!r} is not listed in run {d.run_id}: "
+                             "add it with `ddiloco keys DIR NAME --join STORE --authority SYNCER_KEY`")
+        signer, run_id = keys.own.signer(), d.run_id
+        return keys.own.curve_keys(server=keys.syncer), (lambda blob: seal_delta(blob, self.id, signer, run_id))
 
     def _check_model(self, d: RunDescriptor) -> None:
         want = {t.name: t.shape for t in d.tensors}
@@ -224,6 +255,7 @@ class Learner:
             "superseded": s.superseded if s else 0, "superseded_tokens": s.superseded_tokens if s else 0,
             "bytes_sent": s.bytes_sent if s else 0, "bytes_spilled": s.bytes_spilled if s else 0,
             "versions_applied": self.applied, "receiver_errors": self.receiver.errors if self.receiver else 0,
+            "versions_refused": self.receiver.refused if self.receiver else 0,
             "median_step_s": statistics.median(self.step_times) if self.step_times else 0.0,
             "max_gap_s": gaps[-1] if gaps else 0.0, "median_gap_s": statistics.median(gaps) if gaps else 0.0,
         }

@@ -4,14 +4,14 @@ It listens to the syncer's announcements and polls the commit log every ``poll_s
 only loads versions named by a commit (checked against the commit's digest), and only versions
 newer than the newest it has handed over. The training thread collects them with ``take()``,
 which never blocks. The newest version per fragment wins: an older unapplied one is replaced.
+In a signed run a version whose commit or blob lacks the syncer's valid signature is refused
+(``VersionTracker.load``): logged as ``version-refused`` with the reason, counted, never applied.
 """
 from __future__ import annotations
 
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
-
 import numpy as np
 
 from pipeline.errors import FormatError
@@ -34,8 +34,7 @@ class Arrival:
 
 class Receiver:
     def __init__(self, tracker: VersionTracker, known: dict[int, int], events: EventLog,
-                 bus: BusConfig | None, poll_s: float = 0.5, curve=None,
-                 verify: Callable[[CommitRecord, bytes], None] | None = None):
+                 bus: BusConfig | None, poll_s: float = 0.5, curve=None):
         self.tracker, self.events, self.bus_cfg, self.poll_s, self.curve = tracker, events, bus, poll_s, curve
         self.known = dict(known)                 # fragment -> newest version handed over
         self._ready: dict[int, Arrival] = {}
@@ -43,6 +42,7 @@ class Receiver:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="receiver", daemon=True)
         self.errors = 0
+        self.refused = 0           # versions that failed their checks (signature, digest, size)
         self.last_error = ""
         self.syncer_epoch = -1
 
@@ -96,8 +96,13 @@ class Receiver:
         for p, rec in newest.items():
             try:
                 values = self.tracker.load(rec)
-            except (StoreError, FormatError) as exc:
-                # A version we cannot read or that fails its checks is never applied; a later one will be.
+            except FormatError as exc:
+                # A version that fails its checks is never applied; a later genuine one will be.
+                self.refused += 1
+                self.events.emit("version-refused", fragment=p, version=rec.version, seq=rec.seq, reason=str(exc))
+                self._error(f"version {rec.output_key}: {exc}")
+                continue
+            except StoreError as exc:
                 self._error(f"version {rec.output_key}: {exc}")
                 continue
             self.known[p] = rec.version

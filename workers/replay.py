@@ -3,21 +3,34 @@
 ``rebuild`` starts from the newest checkpoint at or before the start (or from the init commits),
 then re-folds every commit after it from the inputs the log names, checking each one bit for bit
 (``pipeline.fold.check_commit``). The syncer's restart recovery calls it, so every restart is a
-replay check; ``ddiloco replay`` calls it over a whole run.
+replay check; ``ddiloco replay`` calls it through ``workers.replay_verify.replay_run``, which
+also checks every stored version object and every checkpoint it passes against the recomputed state
+(through the optional ``load_output`` and ``on_commit`` hooks).
+
+Nothing here writes to the store: a damaged, missing or altered object stops the replay with an
+error naming the object, the commit that names it and what is wrong (never a silent repair).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Mapping
+
+import numpy as np
 
 from pipeline.errors import FormatError
-from pipeline.fold import SyncerState, check_commit, initial_state
+from pipeline.fold import FoldResult, ReplayMismatch, SyncerState, check_commit, initial_state
 from pipeline.types import CommitRecord, RunDescriptor
 from storage.checkpoints import latest_checkpoint
+from storage.errors import NotFound
 from storage.log import CommitLog
 from storage.store import ObjectStore
 from .deltas import load_inputs
 from .versions import decode_version
+# issue "Security": signatures, checkpoints the syncer signed, the norm guard's window
+from pipeline.guard import NormWindow, apply_guard, guard_config, recorded_norms
+from .keys import Roster, RunSecurity, run_security
+from .signing import check_commit_signature, open_checkpoint
 
 
 @dataclass
@@ -27,6 +40,22 @@ class ReplayStats:
     commits: int = 0
     versions: int = 0
     from_checkpoint: int | None = None
+    signatures: int = 0                      # commit signatures verified (signed runs)
+    rejected_checkpoints: list[str] = field(default_factory=list)
+
+
+@contextmanager
+def _naming(seq: int, what: str) -> Iterator[None]:
+    """Give a store or format error the commit that led to the object (types are kept, so callers
+    such as the syncer see the same exceptions as before)."""
+    try:
+        yield
+    except ReplayMismatch:
+        raise
+    except NotFound as exc:
+        raise NotFound(f"missing: {what} named by commit {seq}", uri=exc.uri, key=exc.key) from None
+    except FormatError as exc:
+        raise FormatError(f"commit {seq} ({what}): {exc}") from None
 
 
 def init_state(store: ObjectStore, descriptor: RunDescriptor, log: CommitLog) -> SyncerState:
@@ -34,41 +63,113 @@ def init_state(store: ObjectStore, descriptor: RunDescriptor, log: CommitLog) ->
     P = descriptor.num_fragments
     values = {}
     for seq in range(P):
-        rec = log.read(seq)
+        try:
+            rec = log.read(seq)
+        except NotFound:
+            raise NotFound(f"missing: the init commit of fragment {seq}", uri=store.uri, key=f"log/{seq:020d}") from None
         if rec.kind != "init" or rec.fragment != seq or rec.version != 0:
             raise FormatError(f"commit {seq}: expected the init commit of fragment {seq}, found a "
                               f"{rec.kind!r} commit of fragment {rec.fragment}")
-        values.update(decode_version(store.get(rec.output_key), descriptor, rec))
+        with _naming(seq, f"version 0 of fragment {seq}"):
+            values.update(decode_version(store.get(rec.output_key), descriptor, rec))
     return initial_state(descriptor, values, last_seq=P - 1)
+
+
+def _load_checkpoint(store: ObjectStore, descriptor: RunDescriptor, sec: RunSecurity | None, upto: int,
+                     stats: ReplayStats) -> SyncerState | None:
+    """The newest usable checkpoint at or before ``upto``: in a signed run, only one the syncer signed."""
+    at = upto
+    while at >= 0:
+        found = latest_checkpoint(store, at_or_before=at)
+        if found is None:
+            return None
+        seq, blob = found
+        try:
+            if sec is not None:
+                blob = open_checkpoint(blob, seq, sec.syncer.sign, descriptor.run_id, f"checkpoint {seq}")
+            state = SyncerState.from_bytes(blob, descriptor, what=f"checkpoint {seq}")
+        except FormatError as exc:
+            stats.rejected_checkpoints.append(str(exc))
+            at = seq - 1
+            continue
+        stats.from_checkpoint = seq
+        return state
+    return None
+
+
+def _backfill(log: CommitLog, window: NormWindow, before: int, fragments: int) -> None:
+    """Fill the norm window from the merge commits before ``before`` (newest first), as far back as
+    needed: the window at a commit is a function of the log before it, wherever a replay starts."""
+    seq = before - 1
+    while seq >= 0 and not all(window.full(p) for p in range(fragments)):
+        rec = log.read(seq)
+        if rec.kind == "merge" and not window.full(rec.fragment):
+            window.prepend(rec.fragment, recorded_norms(rec.info, len(rec.inputs), f"commit {rec.seq}"))
+        seq -= 1
 
 
 def rebuild(store: ObjectStore, descriptor: RunDescriptor, upto: int, *, use_checkpoint: bool = True,
             start_state: SyncerState | None = None,
             progress: Callable[[CommitRecord, ReplayStats], None] | None = None,
-            verify_outputs: bool = False) -> tuple[SyncerState, ReplayStats]:
+            verify_outputs: bool = False, roster: Roster | None = None,
+            window: NormWindow | None = None,
+            load_output: Callable[[CommitRecord], Mapping[str, np.ndarray]] | None = None,
+            on_commit: Callable[[CommitRecord, FoldResult], None] | None = None) -> tuple[SyncerState, ReplayStats]:
     """Fold commits up to ``upto`` (inclusive) and return the state; raises ReplayMismatch or
-    FormatError naming the first commit that does not reproduce."""
+    FormatError naming the first commit that does not reproduce (or, in a signed run, the first
+    commit or version whose signature does not verify).
+
+    ``roster``: the signed run's key list (default: the descriptor's plus the membership records
+    in the store). ``window``: with the norm guard on, an empty window to fill (the syncer keeps
+    using it); by default a private one. ``load_output(record)``: the stored values of a merge
+    commit's version, handed to ``check_commit`` so that a mismatch names the tensor (replay's
+    loader, instead of ``verify_outputs``' checksum-checked one). ``on_commit(record, result)``:
+    called after each commit reproduced, with the fold's result (replay checks stored versions
+    and checkpoints against it)."""
     log = CommitLog(store)
     stats = ReplayStats()
+    sec = run_security(descriptor)
+    if sec is not None and roster is None:
+        roster = Roster(descriptor, sec)
+        roster.refresh(store)
+    guard = guard_config(descriptor)
+    if guard is not None and window is None:
+        window = NormWindow(descriptor.num_fragments, guard)
     state = start_state
     if state is None and use_checkpoint:
-        found = latest_checkpoint(store, at_or_before=upto)
-        if found is not None:
-            seq, blob = found
-            state = SyncerState.from_bytes(blob, descriptor, what=f"checkpoint {seq}")
-            stats.from_checkpoint = seq
+        state = _load_checkpoint(store, descriptor, sec, upto, stats)
     if state is None:
         state = init_state(store, descriptor, log)
     stats.start_seq = state.last_seq + 1
+    if guard is not None:
+        _backfill(log, window, stats.start_seq, descriptor.num_fragments)
     if upto > state.last_seq:
         for rec in log.read_range(state.last_seq + 1, upto + 1):
+            if rec.kind == "init":
+                raise FormatError(f"commit {rec.seq}: an init commit after the start of the run")
+            if sec is not None and rec.kind in ("merge", "drop"):
+                check_commit_signature(rec, sec.syncer.sign, descriptor.run_id)
+                stats.signatures += 1
             recorded = None
             if verify_outputs and rec.kind == "merge":
                 recorded = decode_version(store.get(rec.output_key), descriptor, rec)
-            inputs = load_inputs(store, descriptor, rec) if rec.kind in ("merge", "drop") else []
-            if rec.kind == "init":
-                raise FormatError(f"commit {rec.seq}: an init commit after the start of the run")
-            state = check_commit(state, descriptor, rec, inputs, recorded_output=recorded).state
+            elif load_output is not None and rec.kind == "merge":
+                recorded = load_output(rec)
+            inputs = load_inputs(store, descriptor, rec, roster) if rec.kind in ("merge", "drop") else []
+            norms: dict[str, float] = {}
+            if guard is not None and inputs:
+                inputs, norms = apply_guard(inputs, window.history(rec.fragment), guard)
+            result = check_commit(state, descriptor, rec, inputs, recorded_output=recorded)
+            state = result.state
+            if guard is not None and rec.kind == "merge":
+                want = recorded_norms(rec.info, len(rec.inputs), f"commit {rec.seq}")
+                got = [norms.get(i.checksum) for i in rec.inputs]
+                if got != want:
+                    raise ReplayMismatch(rec.seq, rec.fragment, "", None,
+                                         f"recorded input norms {want} but the inputs have norms {got}")
+                window.push(rec.fragment, want)
+            if on_commit is not None:
+                on_commit(rec, result)
             stats.commits += 1
             stats.versions += rec.kind == "merge"
             stats.end_seq = rec.seq

@@ -5,6 +5,11 @@ processes over ZeroMQ on loopback with storage in a local directory (or S3), sho
 evaluates the global model from storage while it trains (never pausing anyone), and at the end
 writes a summary (``--summary PATH`` JSON) and a report with plots. ``--mode dp`` runs the
 lock-step data-parallel baseline with the same model, data order and token budget instead.
+
+Secure by default (issue "Security", docs/security.md): it creates an identity for the syncer and
+every learner in ``OUT/keys`` (``--keys DIR``; secrets 0600), lists their public keys in a signed
+run, and hands each process the path of its own secret key file. ``--insecure`` runs without
+CURVE or signatures, and says so in the log and the summary.
 """
 from __future__ import annotations
 
@@ -21,11 +26,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.guard import NormGuardConfig
 from storage.layout import SPILL_PREFIX
 from storage.store import ObjectStore, open_store
 from .data import Corpus, evaluate
 from .events import EventLog, Tail, read_events
 from .job import JobSettings, dp_baseline, job_from
+from .keys import SYNCER, ensure_identities, key_paths
 from .launch import RunSettings, create_run
 from .model import EMBEDDING_TENSORS, GPT, GPTConfig, build_model
 from .progress import Progress
@@ -60,6 +67,10 @@ def configure(parser):
     a("--no-bus", action="store_true", help="no ZeroMQ: deltas and versions go through storage only")
     a("--eval-every", type=float, default=10.0, help="seconds between global-model evaluations")
     a("--plain", action="store_true", help="plain progress lines instead of a live table")
+    a("--insecure", action="store_true", help="no CURVE and no signatures (default: ephemeral keys in OUT/keys)")
+    a("--keys", default=None, help="key directory (default OUT/keys); missing keys are created")
+    a("--norm-guard", type=float, default=0.0,
+      help="drop deltas whose norm exceeds this factor x the recent median (0: off)")
     a("--create-only", action="store_true",
       help="only create the run (descriptor + version 0) and exit; start roles with ddiloco syncer/learner")
     return run
@@ -114,15 +125,24 @@ def run(args) -> int:
     settings = RunSettings(fragments=args.fragments, sync_every=args.sync_every or 2 * args.fragments,
                            quorum=args.quorum, compression=args.compression, strategy=args.strategy,
                            outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, seed=args.seed,
-                           model=gcfg.to_dict(), extra={"job": job.to_dict()})
-    desc = create_run(store, init, settings, embedding_tensors=EMBEDDING_TENSORS)
+                           model=gcfg.to_dict(), extra={"job": job.to_dict()},
+                           norm_guard=NormGuardConfig(factor=args.norm_guard) if args.norm_guard else None)
+    keydir = Path(args.keys or out / "keys")
+    names = [f"l{m}" for m in range(args.learners)]
+    idents = {} if args.insecure else ensure_identities(keydir, [SYNCER, *names])
+    desc = create_run(store, init, settings, embedding_tensors=EMBEDDING_TENSORS, syncer=idents.get(SYNCER),
+                      learners=[idents[n].public for n in names] if idents else ())
     if args.create_only:
         print(f"created run {desc.run_id} at {store_uri}: {desc.num_fragments} fragments, H={desc.sync_every}, "
-              f"K={desc.quorum}, {desc.compression}; {steps} steps per learner")
+              f"K={desc.quorum}, {desc.compression}; {steps} steps per learner; "
+              + ("UNSIGNED (--insecure)" if args.insecure else f"signed, keys in {keydir} (roles: --keys {keydir})"))
         return 0
     corpus = Corpus(job.data_config(gcfg.block_size))
     events = EventLog(out / "logs" / "launcher.jsonl", "launcher", "launcher")
+    if args.insecure:
+        events.emit("security-off", detail="--insecure: no CURVE on the bus and no signatures")
     events.emit("run-created", run_id=desc.run_id, store=store_uri, learners=args.learners, steps=steps,
+                security="off" if args.insecure else "signed",
                 fragments=desc.num_fragments, sync_every=desc.sync_every, quorum=desc.quorum,
                 compression=desc.compression, params=int(sum(a.size for a in init.values())))
     bus = [] if args.no_bus else ["--ingest", f"tcp://127.0.0.1:{_free_port()}",
@@ -130,9 +150,15 @@ def run(args) -> int:
     if args.no_bus:
         bus = ["--no-bus"]
     common = ["--store", store_uri, *_store_args(args), *bus]
+
+    def key_args(name: str) -> list[str]:   # paths only: a secret never appears on a command line
+        if args.insecure:
+            return ["--insecure"]
+        own = ["--key", str(key_paths(keydir, name)[1])]
+        return own if name == SYNCER else [*own, "--syncer-key", str(key_paths(keydir, SYNCER)[0])]
     t_start = time.time()
-    syncer = _spawn("syncer", ["syncer", *common], out / "logs" / "syncer.jsonl", out)
-    learners = [_spawn(f"l{m}", ["learner", *common, "--id", f"l{m}", "--shard", str(m)],
+    syncer = _spawn("syncer", ["syncer", *common, *key_args(SYNCER)], out / "logs" / "syncer.jsonl", out)
+    learners = [_spawn(f"l{m}", ["learner", *common, "--id", f"l{m}", "--shard", str(m), *key_args(f"l{m}")],
                        out / "logs" / f"l{m}.jsonl", out) for m in range(args.learners)]
     init_loss = evaluate(model, corpus)
     events.emit("eval", tokens=0, loss=init_loss, versions={})
@@ -226,6 +252,7 @@ def _summary(store_uri, desc, events, init_loss, final, wall, drained, args) -> 
                                             "max_gap_s", "drained")} for lid, d in sorted(done.items())}
     latencies = [e["latency_s"] for e in events if e.get("event") == "version-applied" and e.get("latency_s") is not None]
     final_loss = final[0] if final else None
+    stop = next((e for e in reversed(events) if e.get("event") == "syncer-stop"), {})
     return {
         "ok": bool(final is not None and drained and len(done) == args.learners),
         "mode": "decoupled", "run_uri": store_uri, "run_id": desc.run_id, "learners": args.learners,
@@ -240,6 +267,8 @@ def _summary(store_uri, desc, events, init_loss, final, wall, drained, args) -> 
         "version_latency_p50_s": float(np.percentile(latencies, 50)) if latencies else None,
         "version_latency_p99_s": float(np.percentile(latencies, 99)) if latencies else None,
         "drained": drained, "wall_s": round(wall, 2), "per_learner": learners,
+        "security": "off" if args.insecure else "signed",
+        "rejections": stop.get("rejections", {}), "drops_by_reason": stop.get("drops", {}),
     }
 
 

@@ -5,6 +5,9 @@ after writing it to the inbox) or written by us to the spill location. At most `
 deltas are held; a newer delta for a fragment supersedes an older one that was never sent. The
 training thread only ever calls ``submit`` (a non-blocking queue put); everything else happens on
 this thread, which also owns the DEALER socket and sends heartbeats.
+
+In a signed run ``seal`` wraps every encoded delta in the learner's signature (workers/signing.py)
+before it is sent or spilled, so the stored object verifies itself wherever it ends up.
 """
 from __future__ import annotations
 
@@ -70,8 +73,8 @@ class SenderStats:
 class Sender:
     def __init__(self, store: ObjectStore, codec: CodecConfig, cfg: SenderConfig, events: EventLog,
                  bus: BusConfig | None, identity: bytes, heartbeat: Callable[[], dict],
-                 clock: Callable[[], float] = time.monotonic, curve=None, sign: Callable[[bytes], dict] | None = None):
-        self.store, self.codec, self.cfg, self.events = store, codec, cfg, events
+                 clock: Callable[[], float] = time.monotonic, curve=None, seal: Callable[[bytes], bytes] | None = None):
+        self.store, self.codec, self.cfg, self.events, self.seal = store, codec, cfg, events, seal
         self.bus_cfg, self.identity, self.heartbeat, self.clock, self.curve = bus, identity, heartbeat, clock, curve
         self.inbox: queue.Queue[_Pending] = queue.Queue()
         self.pending: dict[str, _Pending] = {}
@@ -162,6 +165,8 @@ class Sender:
     def _encode(self, p: _Pending) -> None:
         if p.blob is None:
             p.blob = encode(DELTA_KIND, p.header.to_dict(), p.tensors, self.codec)
+            if self.seal is not None:
+                p.blob = self.seal(p.blob)
             p.checksum = digest(p.blob)
             p.tensors = None   # the encoded blob is all we need from now on
 

@@ -5,11 +5,24 @@ One thread runs the loop below; the bus sockets and the pending sets belong to i
 the truth: a delta is acked only after it is in the inbox (``spill_key``), every commit names
 inputs persisted under their permanent ``delta_key``, and a refused append (``Fenced``) stops this
 syncer because a newer epoch owns the run. Restart recovery goes through ``replay.rebuild``.
+
+Hostile input (issue "Security", docs/security.md): in a signed run the bus is CURVE-encrypted and
+admits only listed learners (ZAP), each message's claimed learner must be its authenticated peer,
+and every delta's signature is judged from its bytes (workers/deltas.py). A delta that fails
+(``bad-signature``, ``unsigned``, ``dtype-mismatch``, ``norm-outlier``, and the fold's own reasons)
+is a *recorded* drop: it never counts toward a quorum, is persisted under a content-addressed
+``quarantine/<sha256>`` key (never under the id it claims, which its real owner may still need)
+and named in the next commit. What cannot be attributed to a listed learner (undecodable,
+oversized, unknown learner or fragment, peer mismatch) is refused at ingest: counted by reason,
+logged, left in the inbox as evidence, and counted in the next commit's ``info["rejected"]``.
+Commits, versions and checkpoints carry the syncer's signatures.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -17,18 +30,37 @@ from typing import Callable
 from pipeline.envelope import digest
 from pipeline.errors import FormatError
 from pipeline.fold import FoldResult, SyncerState, fold, fold_fence
-from pipeline.policy import Ewma, Pending, PolicyConfig, Timing, decide
+from pipeline.guard import NormWindow, apply_guard, guard_config
+from pipeline.policy import Decision, Ewma, Pending, PolicyConfig, Timing, decide
 from pipeline.types import DeltaHeader, RunDescriptor
 from storage.checkpoints import write_checkpoint
 from storage.errors import AlreadyExists, Fenced, NotFound, StoreError
 from storage.layout import SPILL_PREFIX, delta_key, parse_spill_key, read_descriptor, spill_key, version_key
 from storage.log import CommitLog, claim_epoch
 from storage.store import ObjectStore, open_store
-from .bus import BusConfig, Message, SyncerBus
-from .deltas import peek_header, round_input
+from .bus import HEAD_MAX_BYTES, BusConfig, Message, SyncerBus
+from .deltas import UNKNOWN_LEARNER, Opened, max_delta_bytes, open_stored, round_input
 from .events import EventLog
+from .keys import Gate, KeyRing, Roster, check_syncer_keys
 from .replay import rebuild
-from .versions import encode_version, max_fragment_bytes
+from .signing import seal_checkpoint, sign_commit
+from .versions import encode_version
+
+QUARANTINE_PREFIX = "quarantine/"     # TODO(storage/layout.py): name this prefix there
+REJECTED_FLUSH = 16                   # rejected deltas of one fragment that force a drop commit
+
+
+def quarantine_key(checksum: str) -> str:
+    """Where a rejected delta is kept as evidence: by content, never under the id it claims."""
+    return QUARANTINE_PREFIX + checksum
+
+
+class _KeyConflict(Exception):
+    """A delta's permanent key already holds other bytes (a learner reused an id)."""
+
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
 
 
 @dataclass(frozen=True)
@@ -41,9 +73,10 @@ class SyncerConfig:
     retry_s: float = 0.5               # first backoff when the store is unavailable
     max_retry_s: float = 5.0
     max_ingest_per_poll: int = 256
+    members_poll_s: float = 5.0        # how often membership records are re-read (signed runs)
 
     def __post_init__(self) -> None:
-        for name in ("spill_poll_s", "heartbeat_s", "live_timeout_s", "retry_s", "max_retry_s"):
+        for name in ("spill_poll_s", "heartbeat_s", "live_timeout_s", "retry_s", "max_retry_s", "members_poll_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SyncerConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.checkpoint_every < 1:
@@ -54,9 +87,20 @@ class SyncerConfig:
 class _Held:
     header: DeltaHeader
     blob: bytes
-    inbox_key: str
+    inbox_key: str         # "" when it is held in memory only
     arrived_at: float
     source: str            # "bus" | "spill"
+    opened: Opened | None = None   # the verdict on these bytes (workers/deltas.py), reused at merge
+    pkey: str = ""                 # its key in the pending set (below)
+
+    @property
+    def reason(self) -> str:
+        """Why it will be dropped ("" = a candidate for merging)."""
+        return self.opened.reason if self.opened is not None else ""
+
+    def __post_init__(self) -> None:
+        # Rejected deltas are keyed by content, so a forgery never shadows the real delta's id.
+        self.pkey = f"rejected:{digest(self.blob)}" if self.reason else self.header.id
 
 
 @dataclass
@@ -66,6 +110,8 @@ class SyncerStats:
     dropped: int = 0
     duplicates: int = 0
     rejected: int = 0          # refused at ingest (bad message / header / unknown fragment)
+    rejections: Counter = field(default_factory=Counter)   # ingest refusals by reason (never in a commit)
+    drops: Counter = field(default_factory=Counter)        # recorded drops by reason (in commits)
     from_bus: int = 0
     from_spill: int = 0
     grace_waits: list[float] = field(default_factory=list)
@@ -75,12 +121,25 @@ class SyncerStats:
 class Syncer:
     def __init__(self, store: str | ObjectStore, cfg: SyncerConfig = SyncerConfig(), bus: BusConfig | None = None,
                  events: EventLog | None = None, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time, curve=None):
+                 wall: Callable[[], float] = time.time, keys: KeyRing | None = None):
         self.store = open_store(store) if isinstance(store, str) else store
-        self.cfg, self.bus_cfg, self.curve = cfg, bus, curve
+        self.cfg = cfg
         self.events = events or EventLog(None, "syncer", cfg.syncer_id)
         self.clock, self.wall = clock, wall
         self.descriptor: RunDescriptor = read_descriptor(self.store)
+        self.security = check_syncer_keys(self.descriptor, keys)
+        self.signer = keys.own.signer() if keys is not None else None
+        self.curve = keys.own.curve_keys() if keys is not None else None
+        self.gate = None if self.security is None else \
+            Gate(Roster(self.descriptor, self.security), cfg.members_poll_s, clock)
+        self.roster = self.gate.roster if self.gate is not None else None
+        self.max_delta = max_delta_bytes(self.descriptor)
+        # Bus messages above the largest delta this run can produce are dropped by libzmq unread.
+        self.bus_cfg = None if bus is None else dataclasses.replace(
+            bus, max_message_bytes=max(HEAD_MAX_BYTES, min(bus.max_message_bytes, self.max_delta)))
+        guard = guard_config(self.descriptor)
+        self.guard = guard
+        self.window = NormWindow(self.descriptor.num_fragments, guard) if guard is not None else None
         self.log = CommitLog(self.store)
         self.policy = PolicyConfig(quorum=self.descriptor.quorum, overlap=self.descriptor.overlap,
                                    gamma=self.descriptor.grace_gamma, cap_s=self.descriptor.grace_cap_s)
@@ -95,6 +154,8 @@ class Syncer:
         self.bus: SyncerBus | None = None
         self.fenced = False
         self.bad_inbox: set[str] = set()
+        self.unknown_inbox: set[str] = set()     # refused for an unlisted learner: retried when members join
+        self._since_commit: Counter = Counter()  # ingest refusals since the last commit, for its info
         # Object writes of one commit are independent until the commit itself: do them in parallel
         # (each is an fsync or an HTTP round trip), and tidy the inbox in the background.
         self.io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="syncer-io")
@@ -103,16 +164,41 @@ class Syncer:
     def recover(self) -> None:
         """Claim a new epoch (fencing any older syncer), then rebuild the state from the log."""
         t0 = self.clock()
+        self._refresh_members(force=True)
         self.epoch, fence_seq, self.log = claim_epoch(self.store, self.cfg.syncer_id)
-        self.state, rs = rebuild(self.store, self.descriptor, fence_seq - 1)
+        self.state, rs = rebuild(self.store, self.descriptor, fence_seq - 1, roster=self.roster, window=self.window)
+        for note in rs.rejected_checkpoints:
+            self.events.emit("checkpoint-refused", error=note)
         self.state = fold_fence(self.state, fence_seq, self.epoch).state
         self.events.emit("syncer-recovered", epoch=self.epoch, fence_seq=fence_seq, replayed=rs.commits,
                          from_checkpoint=rs.from_checkpoint, seconds=round(self.clock() - t0, 3))
 
     def open_bus(self) -> None:
+        if self.security is None:
+            self.events.emit("security-off", detail="unsigned run (--insecure): no CURVE on the bus, no signatures; "
+                                                    "anyone who reaches the bus or the bucket can change the model")
         if self.bus_cfg is not None:
-            self.bus = SyncerBus(self.bus_cfg, curve=self.curve)
-            self.events.emit("syncer-bus", ingest=self.bus.ingest_endpoint, announce=self.bus.announce_endpoint)
+            auth = self.roster.learner_of_curve if self.roster is not None else None
+            self.bus = SyncerBus(self.bus_cfg, curve=self.curve, authorize=auth, denied=self._on_denied)
+            self.events.emit("syncer-bus", ingest=self.bus.ingest_endpoint, announce=self.bus.announce_endpoint,
+                             curve=self.curve is not None, max_message_bytes=self.bus_cfg.max_message_bytes)
+
+    def _on_denied(self, key: str) -> None:
+        """ZAP thread: an unlisted CURVE key tried to connect (logged at its 1st, 2nd, 4th... try)."""
+        n = self.gate.denied(key)
+        if n & (n - 1) == 0:
+            self.events.emit("peer-denied", curve_public=key, attempts=n, reason="unknown-key")
+
+    def _refresh_members(self, force: bool = False) -> None:
+        if self.gate is None:
+            return
+        added, problems = self.gate.refresh(self.store, force)
+        for note in problems:
+            self.events.emit("member-refused", error=note)
+        if added:
+            self.events.emit("members-added", learners=added)
+            self.bad_inbox -= self.unknown_inbox     # their spilled deltas are read again
+            self.unknown_inbox.clear()
 
     # -- main loop -------------------------------------------------------------------------------
     def run(self, should_stop: Callable[[], bool] = lambda: False) -> int:
@@ -125,6 +211,7 @@ class Syncer:
         try:
             while not should_stop() and not self.fenced:
                 now = self.clock()
+                self._refresh_members()
                 if now >= next_spill:
                     self._ingest_spill()
                     next_spill = self.clock() + self.cfg.spill_poll_s
@@ -150,7 +237,10 @@ class Syncer:
         while got is not None:
             ident, msg = got
             if isinstance(msg, FormatError):
-                self._reject(None, ident, "", str(msg))
+                self._reject(None, ident, "", str(msg), "bad-message")
+            elif msg.peer is not None and msg.fields.get("learner", msg.peer) != msg.peer:
+                self._reject(None, None, "", f"peer {msg.peer} sent a {msg.type} as {msg.fields.get('learner')!r}",
+                             "peer-mismatch")
             elif msg.type == "heartbeat":
                 self._heartbeat(msg.fields)
             elif msg.type == "delta":
@@ -162,9 +252,14 @@ class Syncer:
         if isinstance(learner, str) and isinstance(st, (int, float)) and st >= 0:
             self.live[learner] = (self.clock(), float(st))
 
-    def _reject(self, header: DeltaHeader | None, ident: bytes | None, delta: str, reason: str) -> None:
+    def _reject(self, header: DeltaHeader | None, ident: bytes | None, delta: str, reason: str,
+                category: str) -> None:
+        """Refused at ingest (never in a round): counted by ``category``, logged with the detail."""
         self.stats.rejected += 1
-        self.events.emit("delta-rejected", delta=delta or (header.id if header else ""), reason=reason)
+        self.stats.rejections[category] += 1
+        self._since_commit[category] += 1
+        self.events.emit("delta-rejected", delta=delta or (header.id if header else ""), reason=category,
+                         detail=reason)
         if ident is not None and self.bus is not None and (delta or header):
             self.bus.send_to(ident, Message("ack", {"delta_id": delta or header.id, "status": "rejected",
                                                     "reason": reason}))
@@ -179,59 +274,83 @@ class Syncer:
             except FormatError:
                 pass
         if digest(blob) != msg.fields.get("checksum"):
-            return self._reject(None, ident, claimed_id, "checksum of the delta frame does not match")
+            return self._reject(None, ident, claimed_id, "checksum of the delta frame does not match", "bad-checksum")
         try:
-            header = peek_header(blob, self.descriptor, f"bus delta {claimed_id}")
+            opened = open_stored(blob, self.descriptor, self.roster, f"bus delta {claimed_id}")
         except FormatError as exc:
-            return self._reject(None, ident, claimed_id, str(exc))
+            return self._reject(None, ident, claimed_id, str(exc), "undecodable")
+        header = opened.header
         if header.id != claimed_id:
-            return self._reject(header, ident, claimed_id, f"message header {claimed_id} != blob header {header.id}")
-        if not 0 <= header.fragment < self.descriptor.num_fragments:
-            return self._reject(header, ident, header.id, f"unknown fragment {header.fragment}")
+            return self._reject(header, ident, claimed_id, f"message header {claimed_id} != blob header {header.id}",
+                                "header-mismatch")
+        if msg.peer is not None and header.learner != msg.peer:
+            return self._reject(header, ident, claimed_id, f"peer {msg.peer} sent a delta of {header.learner}",
+                                "peer-mismatch")
+        if opened.reason == UNKNOWN_LEARNER:
+            return self._reject(header, ident, header.id, f"learner {header.learner} is not listed", "unknown-learner")
         key = spill_key(header.learner, header.incarnation, header.seq)
-        held = self._admit(header, blob, key, "bus")
+        held = self._admit(header, blob, key, "bus", opened)
+        status = "rejected" if opened.reason else "durable"
         if held is None:
-            if self.bus is not None:
+            if self.bus is not None and header.fragment < self.descriptor.num_fragments:
                 # Already merged: durable as can be. Ack so the learner forgets it instead of spilling it.
-                self.bus.send_to(ident, Message("ack", {"delta_id": header.id, "status": "durable", "reason": ""}))
+                self.bus.send_to(ident, Message("ack", {"delta_id": header.id, "status": status,
+                                                        "reason": opened.reason}))
             return
         try:
             self.store.put_if_absent(key, blob)
         except AlreadyExists:
             try:   # first writer wins (the learner's own spill, or an earlier resend): merge what is stored
                 stored = self.store.get(key)
-                held.blob = stored
             except StoreError:
-                pass
+                stored = blob
+            if stored != blob:
+                # Other bytes under this id: the inbox object is judged on its own when the inbox is
+                # listed; this copy stays in memory only (not durable, so not acked).
+                held.inbox_key = ""
+                self.events.emit("inbox-conflict", delta=header.id, key=key)
+                return
         except StoreError as exc:
             # Not durable, so no ack: the learner will spill or resend. Keep it pending only if we can merge it
             # safely later: we cannot (replay needs it stored), so forget it.
-            self.pending[header.fragment].pop(header.id, None)
+            self.pending[header.fragment].pop(held.pkey, None)
             self.events.emit("ingest-store-error", delta=header.id, error=str(exc))
             return
         self.stats.from_bus += 1
         if self.bus is not None:
-            self.bus.send_to(ident, Message("ack", {"delta_id": header.id, "status": "durable", "reason": ""}))
+            self.bus.send_to(ident, Message("ack", {"delta_id": header.id, "status": status, "reason": opened.reason}))
 
-    def _admit(self, header: DeltaHeader, blob: bytes, key: str, source: str) -> _Held | None:
+    def _admit(self, header: DeltaHeader, blob: bytes, key: str, source: str,
+               opened: Opened | None = None) -> _Held | None:
         """Place a delta in its fragment's pending set; None (and a clean-up) when it is not new."""
         if not 0 <= header.fragment < self.descriptor.num_fragments:
-            self._reject(header, None, header.id, f"unknown fragment {header.fragment}")
+            self._reject(header, None, header.id, f"unknown fragment {header.fragment}", "unknown-fragment")
             if source == "spill":
                 self.bad_inbox.add(key)
             return None
-        hw = self.state.high_water[header.fragment].get(header.learner)
-        if hw is not None and header.order <= tuple(hw):
-            self.stats.duplicates += 1       # already merged: nothing to do but tidy the inbox
-            if source == "spill":
-                self._delete(key)
-            return None
+        held = _Held(header, blob, key, self.clock(), source, opened)
         pend = self.pending[header.fragment]
-        if header.id in pend:
+        hw = self.state.high_water[header.fragment].get(header.learner)
+        if not held.reason and hw is not None and header.order <= tuple(hw):
+            # At or below the high-water mark: merged already (its permanent copy exists: tidy the
+            # inbox), or overtaken by a newer delta of its learner before it arrived: then it goes
+            # to the next round, which records it as dropped rather than losing it silently.
+            try:
+                merged = self.store.exists(delta_key(header.learner, header.incarnation, header.seq))
+            except StoreError:
+                merged = True
+            if merged:
+                self.stats.duplicates += 1
+                if source == "spill":
+                    self._delete(key)
+                return None
+        if held.pkey in pend:
             self.stats.duplicates += 1
-            return pend[header.id] if source == "bus" else None
-        held = _Held(header, blob, key, self.clock(), source)
-        pend[header.id] = held
+            if source == "spill" and pend[held.pkey].blob != blob:
+                self.bad_inbox.add(key)     # other bytes under a held id: evidence, never merged
+                self.events.emit("inbox-conflict", delta=header.id, key=key)
+            return pend[held.pkey] if source == "bus" else None
+        pend[held.pkey] = held
         return held
 
     def _ingest_spill(self) -> None:
@@ -249,21 +368,33 @@ class Syncer:
                 break
             n += 1
             try:
-                parse_spill_key(key)
+                named = parse_spill_key(key)
+                size = self.store.head(key).size
+                if size > self.max_delta:   # checked before reading: a planted huge object must not exhaust memory
+                    raise FormatError(f"{key}: {size} bytes exceeds the run's delta size limit {self.max_delta}")
                 blob = self.store.get(key)
-                header = peek_header(blob, self.descriptor, key)
+                opened = open_stored(blob, self.descriptor, self.roster, key)
+                if (opened.header.learner, opened.header.incarnation, opened.header.seq) != tuple(named):
+                    raise FormatError(f"{key}: holds delta {opened.header.id}, not the one its key names")
             except NotFound:
                 continue
             except (FormatError, ValueError) as exc:
                 # A damaged or foreign object in the inbox: logged once and left untouched (never
                 # deleted: it is evidence), and kept out of every round.
-                self._reject(None, None, key, str(exc))
+                self._reject(None, None, key, str(exc), "oversize" if "size limit" in str(exc) else "undecodable")
                 self.bad_inbox.add(key)
                 continue
             except StoreError as exc:
                 self.events.emit("store-error", op="read-inbox", key=key, error=str(exc))
                 return
-            if self._admit(header, blob, key, "spill") is not None:
+            if opened.reason == UNKNOWN_LEARNER:
+                self._reject(opened.header, None, key, f"learner {opened.header.learner} is not listed",
+                             "unknown-learner")
+                self.bad_inbox.add(key)
+                self.unknown_inbox.add(key)
+                self.gate.soon()
+                continue
+            if self._admit(opened.header, blob, key, "spill", opened) is not None:
                 self.stats.from_spill += 1
 
     def _delete(self, key: str) -> None:
@@ -287,47 +418,81 @@ class Syncer:
         return sum(1 for heard, _ in self.live.values() if now - heard < self.cfg.live_timeout_s) or None
 
     def _close_rounds(self) -> float | None:
-        """Merge every fragment whose round may close; return the shortest wait for the others."""
+        """Merge every fragment whose round may close; return the shortest wait for the others.
+        Rejected deltas never count toward a quorum; they join the next commit of their fragment,
+        or force a drop commit when nothing else is pending (or too many have piled up)."""
         waits = []
         timing = self._timing()
         live = self._live_count()
         for p, pend in enumerate(self.pending):
             if not pend or self.fenced:
                 continue
+            valid = [h for h in pend.values() if not h.reason]
+            rejected = [h.pkey for h in pend.values() if h.reason]
             items = [Pending(h.header.id, h.header.learner, h.header.order, h.arrived_at, h.header.c_steps,
-                             h.header.c_tokens) for h in pend.values()]
+                             h.header.c_tokens) for h in valid]
             d = decide(items, self.clock(), self.policy, timing, live)
             if d.merge:
-                self._merge(p, list(d.merge) + list(d.superseded), d)
+                self._merge(p, list(d.merge) + list(d.superseded) + rejected, d)
+            elif rejected and (not valid or len(rejected) >= REJECTED_FLUSH):
+                self._merge(p, rejected, Decision((), (), None, None, None, "rejected-only"))
             elif d.wait_s is not None:
                 waits.append(d.wait_s)
         return min(waits) if waits else None
 
-    def _merge(self, p: int, ids: list[str], decision) -> None:
+    def _merge(self, p: int, keys: list[str], decision: Decision) -> None:
         t0 = self.clock()
-        held = [self.pending[p][i] for i in ids if i in self.pending[p]]
+        held = [self.pending[p][k] for k in keys if k in self.pending[p]]
         inputs = []
         for h in held:
-            key = delta_key(h.header.learner, h.header.incarnation, h.header.seq)
-            inputs.append(round_input(h.blob, key, self.descriptor))
+            key = quarantine_key(h.pkey.split(":", 1)[1]) if h.reason else \
+                delta_key(h.header.learner, h.header.incarnation, h.header.seq)
+            inputs.append(round_input(h.blob, key, self.descriptor, self.roster, h.opened))
+        norms: dict[str, float] = {}
+        if self.guard is not None:
+            inputs, norms = apply_guard(inputs, self.window.history(p), self.guard)
         seq = self.state.last_seq + 1
         grace = max(0.0, t0 - decision.quorum_met_at) if decision.quorum_met_at is not None else 0.0
         version = self.state.fragments[p].version + 1
         info = {"syncer": self.cfg.syncer_id, "decided": decision.reason, "live": self._live_count() or 0,
                 "committed_at": round(self.wall(), 4)}
+        if self._since_commit:
+            info["rejected"] = dict(sorted(self._since_commit.items()))   # ingest refusals since the last commit
         res = fold(self.state, self.descriptor, p, inputs, seq=seq, epoch=self.epoch,
-                   output_key=version_key(p, version, self.epoch), quorum=len(set(h.header.learner for h in held)),
+                   output_key=version_key(p, version, self.epoch),
+                   quorum=len(set(h.header.learner for h in held if not h.reason)),
                    grace_wait_s=round(grace, 4), info=info)
-        if not self._persist_and_commit(res, held, inputs):
+        rec = res.record
+        if self.guard is not None and rec.kind == "merge":
+            rec = dataclasses.replace(rec, info={**rec.info, "norms": [norms[i.checksum] for i in rec.inputs]})
+        if self.signer is not None:
+            rec = sign_commit(rec, self.signer, self.descriptor.run_id)
+        res = FoldResult(res.state, rec, res.published)
+        try:
+            if not self._persist_and_commit(res, held, inputs):
+                return
+        except _KeyConflict as exc:
+            # A learner reused a delta id with other bytes: that copy is refused (left in the inbox as
+            # evidence) and the round is decided again without it.
+            for h in held:
+                if delta_key(h.header.learner, h.header.incarnation, h.header.seq) == exc.key and not h.reason:
+                    self.pending[p].pop(h.pkey, None)
+                    self._reject(h.header, None, h.header.id, f"{exc.key} holds other bytes", "id-reused")
+                    if h.inbox_key:
+                        self.bad_inbox.add(h.inbox_key)
             return
         self.state = res.state
-        rec = res.record
+        self._since_commit.clear()
+        if self.window is not None and rec.kind == "merge":
+            self.window.push(p, rec.info["norms"])
         for h in held:
-            self.pending[p].pop(h.header.id, None)
-            self.io.submit(self._delete, h.inbox_key)
+            self.pending[p].pop(h.pkey, None)
+            if h.inbox_key:
+                self.io.submit(self._delete, h.inbox_key)
         self.stats.commits += 1
         self.stats.merged += len(rec.inputs)
         self.stats.dropped += len(rec.dropped)
+        self.stats.drops.update(d.reason.split(":")[0] for d in rec.dropped)
         self.stats.quorum_sizes.append(rec.quorum)
         self.stats.grace_waits.append(rec.grace_wait_s)
         self.sync_time = self.sync_time.update(self.clock() - t0)
@@ -339,7 +504,7 @@ class Syncer:
                          inputs=[i.delta_id for i in rec.inputs], weights=[round(i.weight, 4) for i in rec.inputs],
                          staleness=[i.staleness for i in rec.inputs],
                          dropped=[[d.delta_id, d.reason] for d in rec.dropped], quorum=rec.quorum,
-                         grace_s=rec.grace_wait_s, reason=decision.reason,
+                         grace_s=rec.grace_wait_s, reason=decision.reason, rejected=rec.info.get("rejected", {}),
                          tokens=sum(i.c_tokens for i in rec.inputs), sync_s=round(self.clock() - t0, 4))
         if rec.seq % self.cfg.checkpoint_every == 0:
             self._checkpoint()
@@ -351,7 +516,7 @@ class Syncer:
         blobs = [(inp.key, h.blob) for inp, h in zip(inputs, held)]
         if res.published is not None:
             blobs.append((rec.output_key, encode_version(self.descriptor, rec.fragment, rec.version, rec.seq,
-                                                         self.epoch, res.published)))
+                                                         self.epoch, res.published, self.signer, rec.output_checksum)))
         backoff = self.cfg.retry_s
         while True:
             try:
@@ -378,11 +543,14 @@ class Syncer:
             self.store.put_if_absent(key, blob)
         except AlreadyExists:
             if digest(self.store.get(key)) != digest(blob):
-                raise FormatError(f"{key} exists with other contents; refusing to commit over it") from None
+                raise _KeyConflict(key) from None
 
     def _checkpoint(self) -> None:
         try:
-            write_checkpoint(self.store, self.state.last_seq, self.state.to_bytes())
+            payload = self.state.to_bytes()
+            if self.signer is not None:   # a restored state decides every later merge: only our own is trusted
+                payload = seal_checkpoint(payload, self.state.last_seq, self.signer, self.descriptor.run_id)
+            write_checkpoint(self.store, self.state.last_seq, payload)
             self.events.emit("checkpoint", seq=self.state.last_seq)
         except StoreError as exc:
             self.events.emit("store-error", op="checkpoint", error=str(exc))
@@ -394,4 +562,8 @@ class Syncer:
                 "from_spill": s.from_spill, "last_seq": self.state.last_seq if self.state else -1,
                 "versions": [f.version for f in self.state.fragments] if self.state else [],
                 "mean_quorum": statistics.fmean(s.quorum_sizes) if s.quorum_sizes else 0.0,
-                "mean_grace_s": statistics.fmean(s.grace_waits) if s.grace_waits else 0.0}
+                "mean_grace_s": statistics.fmean(s.grace_waits) if s.grace_waits else 0.0,
+                "security": "signed" if self.security is not None else "off",
+                "rejections": dict(sorted((s.rejections + Counter(
+                    {"unknown-key": self.gate.denied_total() if self.gate else 0})).items())),
+                "drops": dict(sorted(s.drops.items()))}

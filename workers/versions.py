@@ -3,6 +3,11 @@
 Only versions named by a commit are ever used (a version blob without a commit is an orphan of a
 crashed syncer). A version blob is a codec blob of kind ``version`` whose meta names its fragment,
 version, seq and epoch; its values' digest must equal the commit's ``output_checksum``.
+
+In a signed run (issue "Security") a version is used only if its commit carries the syncer's
+signature and the blob's ``meta["sig"]`` signs (fragment, version, seq, epoch, value digest) with
+the same key (workers/signing.py): a forged or altered version is refused here, which is the one
+path learners, the evaluator, export and replay all read versions through.
 """
 from __future__ import annotations
 
@@ -17,6 +22,8 @@ from pipeline.types import CommitRecord, RunDescriptor
 from storage.errors import NotFound
 from storage.log import CommitLog
 from storage.store import ObjectStore
+from .keys import run_security
+from .signing import Signer, check_commit_signature, commit_signature_ok, sign_version_meta, version_signature_ok
 
 VERSION_KIND = "version"
 
@@ -27,10 +34,15 @@ def version_codec(descriptor: RunDescriptor) -> CodecConfig:
 
 
 def encode_version(descriptor: RunDescriptor, fragment: int, version: int, seq: int, epoch: int,
-                   published: Mapping[str, np.ndarray]) -> bytes:
+                   published: Mapping[str, np.ndarray], signer: Signer | None = None,
+                   values_digest: str | None = None) -> bytes:
+    """A version blob; signed by ``signer`` (the syncer's key) in a signed run. ``values_digest``
+    is the values' tensor digest if the caller has it (the commit's ``output_checksum``)."""
+    values = {n: published[n] for n in descriptor.fragments[fragment]}
     meta = {"fragment": fragment, "version": version, "seq": seq, "epoch": epoch}
-    return encode(VERSION_KIND, meta, {n: published[n] for n in descriptor.fragments[fragment]},
-                  version_codec(descriptor))
+    if signer is not None:
+        meta = sign_version_meta(meta, values_digest or tensor_digest(values), signer, descriptor.run_id)
+    return encode(VERSION_KIND, meta, values, version_codec(descriptor))
 
 
 def max_fragment_bytes(descriptor: RunDescriptor) -> int:
@@ -38,9 +50,19 @@ def max_fragment_bytes(descriptor: RunDescriptor) -> int:
     return max(sum(4 * descriptor.spec(n).numel for n in frag) for frag in descriptor.fragments) + (1 << 20)
 
 
+def max_version_bytes(descriptor: RunDescriptor) -> int:
+    """Upper bound on a stored version blob (fp32 values, zstd's worst case, meta): larger objects
+    are refused before they are downloaded."""
+    m = max_fragment_bytes(descriptor)
+    return m + m // 128 + (64 << 10)
+
+
 def decode_version(blob: bytes, descriptor: RunDescriptor, record: CommitRecord) -> dict[str, np.ndarray]:
     """Decode and check a committed version against its commit record (FormatError if anything differs)."""
     what = record.output_key
+    sec = run_security(descriptor)
+    if sec is not None:
+        check_commit_signature(record, sec.syncer.sign, descriptor.run_id, f"commit {record.seq}")
     dec = decode(blob, VERSION_KIND, max_bytes=max_fragment_bytes(descriptor),
                  expect=descriptor.fragment_specs(record.fragment), what=what)
     meta = dec.meta
@@ -52,6 +74,9 @@ def decode_version(blob: bytes, descriptor: RunDescriptor, record: CommitRecord)
     if got != record.output_checksum:
         raise FormatError(f"{what}: value digest {got[:16]}… does not match commit {record.seq}'s "
                           f"output_checksum {record.output_checksum[:16]}…")
+    if sec is not None and (meta.get("seq") != record.seq or meta.get("epoch") != record.epoch
+                            or not version_signature_ok(meta, got, sec.syncer.sign, descriptor.run_id)):
+        raise FormatError(f"{what}: missing or bad syncer signature on the version (forged or altered; refused)")
     return tensors
 
 
@@ -63,6 +88,8 @@ class VersionTracker:
         self.descriptor = descriptor
         self.log = CommitLog(store)
         self.cursor = -1   # seq of the last commit seen
+        self.security = run_security(descriptor)
+        self.refused: list[str] = []       # commits skipped by latest() for a bad signature
 
     def latest(self) -> dict[int, CommitRecord]:
         """The newest version-carrying commit of every fragment, scanning back from the tail.
@@ -74,7 +101,11 @@ class VersionTracker:
         while seq >= 0 and len(found) < P:
             rec = self.log.read(seq)
             if rec.kind in ("init", "merge") and rec.fragment not in found:
-                found[rec.fragment] = rec
+                if self.security is None or commit_signature_ok(rec, self.security.syncer.sign,
+                                                                self.descriptor.run_id):
+                    found[rec.fragment] = rec
+                else:    # a forged commit is skipped: the newest genuine version is used instead
+                    self.refused.append(f"commit {rec.seq}: bad syncer signature")
             seq -= 1
         missing = sorted(set(range(P)) - set(found))
         if missing:
@@ -95,6 +126,9 @@ class VersionTracker:
         return out
 
     def load(self, record: CommitRecord) -> dict[str, np.ndarray]:
+        size, limit = self.store.head(record.output_key).size, max_version_bytes(self.descriptor)
+        if size > limit:   # checked before downloading: a planted huge object must not exhaust memory
+            raise FormatError(f"{record.output_key}: {size} bytes exceeds the run's version size limit {limit}")
         return decode_version(self.store.get(record.output_key), self.descriptor, record)
 
     def load_all(self) -> tuple[dict[str, np.ndarray], dict[int, int]]:

@@ -1,0 +1,200 @@
+"""`ddiloco export` and `ddiloco diff`: the global model at any point of a run (SPEC §7 'Evaluation').
+
+The model *after commit SEQ* is, for every fragment, the version named by the newest ``init`` or
+``merge`` commit at or before SEQ (found by scanning the log back from SEQ). Every version is
+checked against its commit's ``output_checksum`` as it loads. ``export`` writes it as a plain
+PyTorch state dict (float32 tensors under the model's own names; ``torch.load(weights_only=True)``
+reads it). ``diff`` prints per-tensor norms of the change between two points.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+
+from pipeline.errors import FormatError
+from pipeline.types import CommitRecord, RunDescriptor
+from storage.errors import NotFound, StoreError
+from storage.log import CommitLog
+from storage.store import ObjectStore
+from .replay_verify import open_run
+from .replay_cli import EXIT_DAMAGED, EXIT_USAGE, add_location_args, pipe_safe
+from .versions import decode_version
+
+
+def versions_at(store: ObjectStore, descriptor: RunDescriptor, seq: int) -> dict[int, CommitRecord]:
+    """The newest version-carrying commit of every fragment at or before commit ``seq``."""
+    log = CommitLog(store)
+    P = descriptor.num_fragments
+    found: dict[int, CommitRecord] = {}
+    s = seq
+    while s >= 0 and len(found) < P:
+        try:
+            rec = log.read(s)
+        except NotFound:
+            raise NotFound(f"missing: commit {s} (looking for the versions in force at commit {seq})",
+                           uri=store.uri, key=f"log/{s:020d}") from None
+        if rec.kind in ("init", "merge") and rec.fragment not in found:
+            found[rec.fragment] = rec
+        s -= 1
+    missing = sorted(set(range(P)) - set(found))
+    if missing:
+        raise FormatError(f"{store.uri}: no version of fragments {missing} at or before commit {seq}")
+    return dict(sorted(found.items()))
+
+
+def model_at(store: ObjectStore, descriptor: RunDescriptor, seq: int,
+             cache: dict[str, dict[str, np.ndarray]] | None = None
+             ) -> tuple[dict[str, np.ndarray], dict[int, CommitRecord]]:
+    """All tensors (float32, descriptor order) as they stood after commit ``seq``, and the commit
+    of each fragment's version. ``cache`` (by version key) avoids decoding a version twice."""
+    commits = versions_at(store, descriptor, seq)
+    parts: dict[str, np.ndarray] = {}
+    for p, rec in commits.items():
+        if cache is not None and rec.output_key in cache:
+            values = cache[rec.output_key]
+        else:
+            try:
+                values = decode_version(store.get(rec.output_key), descriptor, rec)
+            except NotFound:
+                raise NotFound(f"missing: version {rec.version} of fragment {p}, named by commit {rec.seq}",
+                               uri=store.uri, key=rec.output_key) from None
+            if cache is not None:
+                cache[rec.output_key] = values
+        parts.update(values)
+    return {t.name: parts[t.name] for t in descriptor.tensors}, commits
+
+
+def resolve_seq(store: ObjectStore, text: str | int) -> int:
+    """A commit number, or ``latest`` for the tail; ValueError if it is not in the log."""
+    tail = CommitLog(store).tail()
+    if isinstance(text, str) and text.lower() in ("latest", "tail"):
+        return tail
+    try:
+        seq = int(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"commit {text!r} is not a number or 'latest'") from None
+    if not 0 <= seq <= tail:
+        raise ValueError(f"commit {seq} is not in the log (commits 0..{tail})")
+    return seq
+
+
+def state_dict(values: dict[str, np.ndarray]) -> dict:
+    """A plain dict of float32 torch tensors (own memory, not views of read-only arrays)."""
+    import torch
+    return {n: torch.from_numpy(np.array(a, dtype=np.float32, copy=True)) for n, a in values.items()}
+
+
+@dataclass(frozen=True)
+class TensorChange:
+    """How one tensor changed from point A to point B."""
+
+    tensor: str
+    fragment: int
+    version_a: int
+    version_b: int
+    norm_a: float
+    norm_b: float
+    norm_change: float        # ||B - A||_2
+    relative: float           # ||B - A|| / ||A|| (inf if ||A|| = 0 and B != A)
+    max_abs_change: float
+
+
+def diff_models(a: dict[str, np.ndarray], b: dict[str, np.ndarray], descriptor: RunDescriptor,
+                va: dict[int, CommitRecord], vb: dict[int, CommitRecord]) -> list[TensorChange]:
+    frag = {n: p for p, names in enumerate(descriptor.fragments) for n in names}
+    out = []
+    for t in descriptor.tensors:
+        x, y = a[t.name].astype(np.float64), b[t.name].astype(np.float64)
+        d = y - x
+        na, nd = float(np.linalg.norm(x)), float(np.linalg.norm(d))
+        p = frag[t.name]
+        out.append(TensorChange(t.name, p, va[p].version, vb[p].version, na, float(np.linalg.norm(y)), nd,
+                                nd / na if na > 0 else (math.inf if nd > 0 else 0.0),
+                                float(np.max(np.abs(d), initial=0.0))))
+    return out
+
+
+def _fail(err: TextIO, what: str, exc: Exception) -> int:
+    print(f"{what} FAILED: {exc}", file=err)
+    return EXIT_DAMAGED
+
+
+def configure_export(parser: argparse.ArgumentParser):
+    """Write the global model as it stood after a commit as a PyTorch state dict (torch.load-able)."""
+    add_location_args(parser)
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--seq", default=None, metavar="SEQ", help="the commit after which to take the model")
+    which.add_argument("--latest", action="store_true", help="the end of the log")
+    parser.add_argument("-o", "--output", required=True, metavar="PATH", help="file to write (e.g. model.pt)")
+    return pipe_safe(export_command)
+
+
+def export_command(args, out: TextIO, err: TextIO) -> int:
+    try:
+        store, descriptor = open_run(args.run_uri, s3_endpoint=args.s3_endpoint)
+        seq = resolve_seq(store, "latest" if args.latest else args.seq)
+    except (ValueError, StoreError, FormatError) as exc:
+        print(f"error: {exc}", file=err)
+        return EXIT_USAGE
+    try:
+        values, commits = model_at(store, descriptor, seq)
+    except (StoreError, FormatError) as exc:
+        return _fail(err, "export", exc)
+    import torch
+    path = Path(args.output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state_dict(values), tmp)
+    tmp.replace(path)   # a reader never sees half a file
+    params = sum(a.size for a in values.values())
+    versions = ", ".join(f"f{p} v{r.version}" for p, r in commits.items())
+    print(f"wrote {path}: {len(values)} tensors, {params} parameters (float32), the model after commit {seq} "
+          f"of run {descriptor.run_id} ({versions})", file=out)
+    return 0
+
+
+def configure_diff(parser: argparse.ArgumentParser):
+    """Per-tensor norms of the change of the global model between two commits of a run."""
+    add_location_args(parser)
+    parser.add_argument("seq_a", metavar="SEQ_A", help="first point: a commit number or 'latest'")
+    parser.add_argument("seq_b", metavar="SEQ_B", help="second point: a commit number or 'latest'")
+    parser.add_argument("--json", action="store_true", help="JSON Lines, one object per tensor")
+    return pipe_safe(diff_command)
+
+
+def diff_command(args, out: TextIO, err: TextIO) -> int:
+    try:
+        store, descriptor = open_run(args.run_uri, s3_endpoint=args.s3_endpoint)
+        sa, sb = resolve_seq(store, args.seq_a), resolve_seq(store, args.seq_b)
+    except (ValueError, StoreError, FormatError) as exc:
+        print(f"error: {exc}", file=err)
+        return EXIT_USAGE
+    try:
+        cache: dict[str, dict[str, np.ndarray]] = {}
+        a, va = model_at(store, descriptor, sa, cache)
+        b, vb = model_at(store, descriptor, sb, cache)
+    except (StoreError, FormatError) as exc:
+        return _fail(err, "diff", exc)
+    changes = diff_models(a, b, descriptor, va, vb)
+    if args.json:
+        for c in changes:
+            print(json.dumps(asdict(c)), file=out)
+        return 0
+    total_a = math.sqrt(sum(c.norm_a ** 2 for c in changes))
+    total_d = math.sqrt(sum(c.norm_change ** 2 for c in changes))
+    width = max(len(c.tensor) for c in changes)
+    print(f"run {descriptor.run_id}: change of the model from commit {sa} to commit {sb}", file=out)
+    print(f"  {'tensor':<{width}} {'frag':>4} {'versions':>10} {'|A|':>10} {'|B-A|':>10} {'|B-A|/|A|':>10} "
+          f"{'max|B-A|':>10}", file=out)
+    for c in changes:
+        print(f"  {c.tensor:<{width}} {c.fragment:>4} {f'v{c.version_a}->v{c.version_b}':>10} {c.norm_a:>10.4g} "
+              f"{c.norm_change:>10.4g} {c.relative:>10.4g} {c.max_abs_change:>10.4g}", file=out)
+    rel = total_d / total_a if total_a > 0 else math.inf
+    print(f"  {'all':<{width}} {'':>4} {'':>10} {total_a:>10.4g} {total_d:>10.4g} {rel:>10.4g}", file=out)
+    return 0

@@ -1,0 +1,173 @@
+"""`ddiloco replay RUN_URI [--from SEQ] [--to SEQ]`: verify a run's log bit for bit (SPEC §7 'Replay').
+
+Recomputes every committed fragment version from the inputs the log names, with the same pure fold
+and code path the syncer's recovery uses (``workers.replay_verify.replay_run`` over
+``workers.replay.rebuild``), and checks each commit, each stored version and each checkpoint. Exit status: 0 verified, 1 a divergence (a recomputed value or decision differs from
+the recorded one), 3 damage (a missing, truncated or altered object, a gap in the log), 2 bad
+arguments or no run at RUN_URI. Progress: a bar on a terminal, plain lines otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+import time
+from typing import Callable, TextIO
+
+from pipeline.errors import FormatError
+from pipeline.fold import ReplayMismatch
+from pipeline.types import CommitRecord
+from storage.checkpoints import list_checkpoints
+from storage.errors import NotFound, StoreError
+from .replay import ReplayStats
+from .replay_verify import log_bounds, open_run, replay_run
+
+EXIT_OK, EXIT_DIVERGED, EXIT_USAGE, EXIT_DAMAGED = 0, 1, 2, 3
+
+
+def pipe_safe(command: Callable[..., int]) -> Callable[[argparse.Namespace], int]:
+    """A handler printing to stdout/stderr that ends quietly when the reader goes away
+    (``ddiloco log RUN | head``) instead of with a BrokenPipeError traceback."""
+    def handler(args: argparse.Namespace) -> int:
+        try:
+            return command(args, sys.stdout, sys.stderr)
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # Python's documented recipe
+            return 0
+    return handler
+
+
+def add_location_args(parser: argparse.ArgumentParser) -> None:
+    """RUN_URI and --s3-endpoint, shared by the inspection commands."""
+    parser.add_argument("run_uri", metavar="RUN_URI",
+                        help="the run: a directory (also a local mirror of an S3 run), file:///path or s3://bucket/prefix")
+    parser.add_argument("--s3-endpoint", default=None, help="S3 endpoint URL (default: AWS_ENDPOINT_URL or AWS)")
+
+
+class PlainProgress:
+    """Progress as plain lines: about ten per phase, and at least every ``every_s`` seconds."""
+
+    def __init__(self, out: TextIO, every_s: float = 2.0, clock: Callable[[], float] = time.monotonic):
+        self.out, self.every_s, self.clock = out, every_s, clock
+        self.totals: dict[str, int] = {}
+        self._last_t = clock()
+        self._last_n: dict[str, int] = {}
+
+    def __enter__(self) -> "PlainProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def set_total(self, phase: str, total: int) -> None:
+        self.totals[phase] = total
+
+    def __call__(self, phase: str, rec: CommitRecord, stats: ReplayStats) -> None:
+        total = self.totals.get(phase)   # None: not known in advance (catching up from a checkpoint)
+        now = self.clock()
+        due = now - self._last_t >= self.every_s
+        if total is not None:
+            due = due or stats.commits == total or stats.commits - self._last_n.get(phase, 0) >= max(1, -(-total // 10))
+        if due:
+            of = f"/{total}" if total is not None else ""
+            print(f"  {phase}: {stats.commits}{of} commits (at commit {rec.seq}, {stats.versions} versions)",
+                  file=self.out, flush=True)
+            self._last_t, self._last_n[phase] = now, stats.commits
+
+
+class BarProgress:
+    """Progress as a rich bar (on a terminal)."""
+
+    def __init__(self, out: TextIO):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            console=Console(file=out), transient=False)
+        self.tasks: dict[str, int] = {}
+
+    def __enter__(self) -> "BarProgress":
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.__exit__(*exc)
+
+    def set_total(self, phase: str, total: int) -> None:
+        if total:
+            self.tasks[phase] = self.bar.add_task(phase, total=total)
+
+    def __call__(self, phase: str, rec: CommitRecord, stats: ReplayStats) -> None:
+        if phase in self.tasks:
+            self.bar.update(self.tasks[phase], completed=stats.commits, description=f"{phase} (commit {rec.seq})")
+
+
+def describe_mismatch(exc: ReplayMismatch) -> list[str]:
+    """The divergence, one fact per line (commit, fragment, tensor, max abs diff, cause)."""
+    lines = [f"replay DIVERGED at commit {exc.seq}"]
+    if exc.fragment >= 0:
+        lines.append(f"  fragment:      {exc.fragment}")
+    if exc.tensor:
+        lines.append(f"  tensor:        {exc.tensor}")
+    if exc.max_abs_diff is not None:
+        lines.append(f"  max abs diff:  {exc.max_abs_diff:.6g}")
+    lines.append(f"  cause:         {exc.detail}")
+    return lines
+
+
+def _retention_hint(store, exc: NotFound) -> str:
+    """A missing delta below a kept checkpoint was most likely removed by retention on purpose."""
+    named = re.search(r"named by commit (\d+)", str(exc))
+    if not named or not (exc.key or "").startswith(("deltas/", "spill/", "versions/")):
+        return ""
+    try:
+        later = [c for c in list_checkpoints(store) if c >= int(named.group(1))]
+    except StoreError:
+        return ""
+    return (f"\n  hint: checkpoint {later[0]} lies after this commit; if retention removed old objects, "
+            f"replay from after it (--from {later[0] + 1})") if later else ""
+
+
+def configure(parser: argparse.ArgumentParser):
+    """Verify a run bit for bit by recomputing every committed version from the log's recorded inputs."""
+    add_location_args(parser)
+    parser.add_argument("--from", dest="start", type=int, default=None, metavar="SEQ",
+                        help="first commit to verify (default: the first after the init commits); replay starts "
+                             "from the nearest checkpoint before it and checks everything on the way")
+    parser.add_argument("--to", dest="end", type=int, default=None, metavar="SEQ",
+                        help="last commit to verify (default: the end of the log)")
+    parser.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
+    return pipe_safe(replay_command)
+
+
+def replay_command(args, out: TextIO, err: TextIO) -> int:
+    logging.basicConfig(level=logging.WARNING, format="warning: %(message)s", stream=err)
+    try:
+        store, descriptor = open_run(args.run_uri, s3_endpoint=args.s3_endpoint)
+        lo, hi, tail = log_bounds(store, descriptor, args.start, args.end)
+    except (ValueError, StoreError, FormatError) as exc:
+        print(f"error: {exc}", file=err)
+        return EXIT_USAGE
+    print(f"run {descriptor.run_id} at {store.uri}: {tail + 1} commits, {descriptor.num_fragments} fragments; "
+          f"verifying commits {lo}..{hi}", file=out, flush=True)
+    progress = PlainProgress(out) if args.plain or not out.isatty() else BarProgress(out)
+    progress.set_total("verify", hi - lo + 1)
+    try:
+        with progress:
+            report = replay_run(store, descriptor, args.start, args.end, progress=progress,
+                                notify=lambda line: print(line, file=out, flush=True))
+    except ReplayMismatch as exc:
+        print("\n".join(describe_mismatch(exc)), file=err)
+        return EXIT_DIVERGED
+    except NotFound as exc:
+        print(f"replay FAILED: {exc}{_retention_hint(store, exc)}", file=err)
+        return EXIT_DAMAGED
+    except (FormatError, StoreError) as exc:
+        print(f"replay FAILED: {exc}", file=err)
+        return EXIT_DAMAGED
+    for w in report.warnings:
+        print(f"warning: {w}", file=err)
+    print(f"verified {report.commits} commits, {report.versions} versions (commits {report.start}..{report.end}, "
+          f"checkpoints matched: {report.checkpoints}, {report.seconds:.2f} s)", file=out, flush=True)
+    return EXIT_OK
