@@ -39,6 +39,8 @@ DELTA_PREFIX = "deltas/"
 SPILL_PREFIX = "spill/"
 CHECKPOINT_PREFIX = "checkpoints/"
 PROBE_PREFIX = "probe/"
+MEMBER_PREFIX = "members/"          # learners listed after creation (syncer-signed, docs/security.md)
+QUARANTINE_PREFIX = "quarantine/"   # rejected delta bytes kept as evidence, by content hash
 
 SEQ_DIGITS = 20        # commit and checkpoint sequence numbers (any int64)
 EPOCH_DIGITS = 10
@@ -108,6 +110,19 @@ def spill_prefix(learner: str, incarnation: int) -> str:
 
 def spill_key(learner: str, incarnation: int, seq: int) -> str:
     return spill_prefix(learner, incarnation) + "s" + _num(seq, DELTA_SEQ_DIGITS, "delta seq")
+
+
+def member_key(learner: str) -> str:
+    """The membership record of a learner added after the run was created."""
+    check_learner_id(learner)
+    return MEMBER_PREFIX + learner
+
+
+def quarantine_key(checksum: str) -> str:
+    """Where a rejected delta is kept: by its sha256, never under the id it claims."""
+    if not re.fullmatch(r"[0-9a-f]{64}", checksum or ""):
+        raise ValueError(f"quarantine key needs a hex sha256, got {checksum!r}")
+    return QUARANTINE_PREFIX + checksum
 
 
 def probe_key(token: str) -> str:

@@ -33,6 +33,7 @@ from pipeline.envelope import pack_record, unpack_record
 from pipeline.errors import FormatError
 from pipeline.types import RunDescriptor, check_learner_id
 from storage.errors import AlreadyExists, NotFound, StoreError
+from storage.layout import MEMBER_PREFIX, member_key as layout_member_key
 from storage.store import ObjectStore
 from .bus import CurveKeys
 from .signing import Signer, canonical, verify
@@ -40,7 +41,6 @@ from .signing import Signer, canonical, verify
 SYNCER = "syncer"
 ROLES = ("syncer", "learner")
 SECURITY_VERSION = 1
-MEMBER_PREFIX = "members/"          # TODO(storage/layout.py): name this prefix there
 MEMBER_KIND, MEMBER_VERSION = "member", 1
 _Z85_RE = re.compile(r"^[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
 _HEX_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -276,7 +276,7 @@ def run_security(descriptor: RunDescriptor) -> RunSecurity | None:
 # -- members who join later ----------------------------------------------------------------------
 
 def member_key(name: str) -> str:
-    return MEMBER_PREFIX + _check_name(name)
+    return layout_member_key(_check_name(name))
 
 
 def member_record(descriptor: RunDescriptor, authority: Identity, member: PublicIdentity) -> bytes:

@@ -47,7 +47,7 @@ def configure(parser):
     a("--steps", type=int, default=300, help="inner steps per learner")
     a("--tokens", type=int, default=None, help="token budget per learner (overrides --steps)")
     a("--fragments", type=int, default=4, help="fragments P")
-    a("--sync-every", type=int, default=None, help="H: steps between syncs of one fragment (default 2*P)")
+    a("--sync-every", type=int, default=None, help="H: steps between syncs of one fragment (default 4*P)")
     a("--quorum", type=int, default=1, help="minimum quorum K")
     a("--compression", default="int4", choices=("int4", "int8", "bf16", "fp32"))
     a("--strategy", default="balanced", choices=("balanced", "layerwise", "roundrobin"))
@@ -63,7 +63,8 @@ def configure(parser):
     a("--batch-size", type=int, default=8)
     a("--lr", type=float, default=3e-3, help="inner AdamW learning rate")
     a("--outer-lr", type=float, default=0.7)
-    a("--outer-momentum", type=float, default=0.9)
+    # DiLoCo's 0.7/0.9 are tuned for H in the hundreds; at this job's H=16, 0.5 measured better (README).
+    a("--outer-momentum", type=float, default=0.5)
     a("--no-bus", action="store_true", help="no ZeroMQ: deltas and versions go through storage only")
     a("--eval-every", type=float, default=10.0, help="seconds between global-model evaluations")
     a("--plain", action="store_true", help="plain progress lines instead of a live table")
@@ -122,7 +123,7 @@ def run(args) -> int:
     store = open_store(store_uri, s3_endpoint=args.s3_endpoint)
     model = build_model(gcfg, args.seed)
     init = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
-    settings = RunSettings(fragments=args.fragments, sync_every=args.sync_every or 2 * args.fragments,
+    settings = RunSettings(fragments=args.fragments, sync_every=args.sync_every or 4 * args.fragments,
                            quorum=args.quorum, compression=args.compression, strategy=args.strategy,
                            outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, seed=args.seed,
                            model=gcfg.to_dict(), extra={"job": job.to_dict()},
