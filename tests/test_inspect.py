@@ -215,3 +215,13 @@ def test_diff_norms_are_those_of_the_two_exports(run, capsys):
     rc, out, _ = call(export.configure_diff, [store_of(run), tail, tail], capsys)
     assert rc == 0 and f"from commit {tail} to commit {tail}" in out
     assert all(float(ln.split()[4]) == 0.0 for ln in out.splitlines()[2:-1])
+
+
+def test_commit_line_shows_ingest_rejections():
+    from pipeline.types import CommitRecord
+    from workers.logview import commit_line
+    rec = CommitRecord(seq=9, epoch=1, kind="drop", fragment=0, version=3,
+                       info={"rejected": {"bad-signature": 2, "oversized": 1}})
+    line = commit_line(rec)
+    assert "rejected at ingest bad-signature x2, oversized x1" in line
+    assert "rejected" not in commit_line(CommitRecord(seq=9, epoch=1, kind="drop", fragment=0, version=3))

@@ -118,6 +118,9 @@ def commit_line(rec: CommitRecord) -> str:
             f" stale={i.staleness}" for i in rec.inputs))
     if rec.dropped:
         parts.append("dropped " + "; ".join(f"{d.delta_id} ({d.reason})" for d in rec.dropped))
+    rejected = rec.info.get("rejected")
+    if isinstance(rejected, dict) and rejected:   # refused at ingest (bad messages, no stored blob)
+        parts.append("rejected at ingest " + ", ".join(f"{k} x{v}" for k, v in sorted(rejected.items())))
     return " | ".join(parts)
 
 
