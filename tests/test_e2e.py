@@ -14,20 +14,20 @@ from storage.log import CommitLog
 from workers.replay import rebuild
 from workers.versions import decode_version
 
+from conftest import use_s3_env
 from runhelpers import TinyRun
 
 pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(params=["local", "s3"])
-def run_location(request, tmp_path):
+def run_location(request, tmp_path, monkeypatch):
     """(uri, env) of a fresh run location: a directory, or a fresh prefix on the test S3 server."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     if request.param == "local":
-        return str(tmp_path / "store"), env
+        return str(tmp_path / "store"), dict(os.environ, OMP_NUM_THREADS="1")
     server = request.getfixturevalue("s3_server")
-    env.update(server.env())
-    os.environ.update(server.env())   # this process opens the same store
+    use_s3_env(monkeypatch, server)   # this process opens the same store (restored after the test)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     return f"s3://{server.bucket}/e2e-{request.node.name.replace('[', '-').replace(']', '')}-{time.time_ns()}", env
 
 
