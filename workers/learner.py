@@ -85,6 +85,7 @@ class Learner:
         self.step_times: list[float] = []
         self.gaps: list[float] = []        # wall time between consecutive step() calls' starts
         self._last_start: float | None = None
+        self._window_gap = 0.0             # longest gap since the last step event
         self.loss_ewma: float | None = None
         self.sender: Sender | None = None
         self.receiver: Receiver | None = None
@@ -202,6 +203,7 @@ class Learner:
         t0 = self.clock()
         if self._last_start is not None:
             self.gaps.append(t0 - self._last_start)
+            self._window_gap = max(self._window_gap, t0 - self._last_start)
         self._last_start = t0
         self.apply_arrivals()
         self.optimizer.zero_grad(set_to_none=True)
@@ -224,7 +226,9 @@ class Learner:
                              step_time_s=round(self._step_time(), 5),
                              versions={str(p): v for p, v in self.base_version.items()},
                              spilled=self.sender.stats.spilled, acked=self.sender.stats.acked,
-                             bytes_sent=self.sender.stats.bytes_sent + self.sender.stats.bytes_spilled)
+                             bytes_sent=self.sender.stats.bytes_sent + self.sender.stats.bytes_spilled,
+                             max_gap_s=round(self._window_gap, 4))   # longest step-to-step gap since the last event
+            self._window_gap = 0.0
         return value
 
     def _emit_delta(self, p: int) -> None:
@@ -234,6 +238,9 @@ class Learner:
         header = DeltaHeader(self.id, self.incarnation, self.seq, p, self.base_version[p], self.c_steps[p],
                              self.c_tokens[p], self.step_count)
         self.seq += 1
+        # Every produced delta is logged, so a run's ledger can account for each one (docs/chaos.md).
+        self.events.emit("delta", delta=header.id, fragment=p, base=header.base_version, steps=header.c_steps,
+                         tokens=header.c_tokens, step=header.learner_step)
         self.sender.submit(header, delta)
 
     # -- reporting -------------------------------------------------------------------------------

@@ -204,6 +204,7 @@ class Sender:
                 if p is not None:
                     if msg.fields.get("status") == "durable":
                         self.stats.acked += 1
+                        self.events.emit("delta-acked", delta=did)
                     else:
                         self.stats.rejected += 1
                         self.events.emit("delta-rejected", delta=did, reason=msg.fields.get("reason", ""))

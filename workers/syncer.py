@@ -20,6 +20,7 @@ Commits, versions and checkpoints carry the syncer's signatures.
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import time
 from collections import Counter
@@ -48,6 +49,20 @@ from .versions import encode_version
 
 QUARANTINE_PREFIX = "quarantine/"     # TODO(storage/layout.py): name this prefix there
 REJECTED_FLUSH = 16                   # rejected deltas of one fragment that force a drop commit
+
+
+FAULT_ENV = "DDILOCO_FAULT"             # chaos only: "crash-before-commit:N" (docs/chaos.md)
+
+
+def fault_injection(spec: str) -> int | None:
+    """``crash-before-commit:N`` -> N (the syncer exits 137 on its N-th merge, after writing the
+    round's inputs and version but before appending the commit); "" -> None."""
+    if not spec:
+        return None
+    name, _, n = spec.partition(":")
+    if name != "crash-before-commit" or not (n or "1").isdigit() or int(n or "1") < 1:
+        raise ValueError(f"{FAULT_ENV}={spec!r}: expected crash-before-commit[:N] with N >= 1")
+    return int(n or "1")
 
 
 def quarantine_key(checksum: str) -> str:
@@ -159,6 +174,7 @@ class Syncer:
         # Object writes of one commit are independent until the commit itself: do them in parallel
         # (each is an fsync or an HTTP round trip), and tidy the inbox in the background.
         self.io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="syncer-io")
+        self._crash_after = fault_injection(os.environ.get(FAULT_ENV, ""))
 
     # -- start-up --------------------------------------------------------------------------------
     def recover(self) -> None:
@@ -234,6 +250,9 @@ class Syncer:
             time.sleep(timeout_s)
             return
         got = self.bus.recv(timeout_s)
+        # Drain what is queued, but return to close rounds at least every 50 ms: a flood of deltas
+        # (or of hostile messages) must not keep every round open.
+        until = self.clock() + 0.05
         while got is not None:
             ident, msg = got
             if isinstance(msg, FormatError):
@@ -245,7 +264,7 @@ class Syncer:
                 self._heartbeat(msg.fields)
             elif msg.type == "delta":
                 self._ingest_bus_delta(ident, msg)
-            got = self.bus.recv(0)
+            got = self.bus.recv(0) if self.clock() < until else None
 
     def _heartbeat(self, f: dict) -> None:
         learner, st = f.get("learner"), f.get("step_time_s")
@@ -522,6 +541,7 @@ class Syncer:
             try:
                 for _ in self.io.map(lambda kb: self._put_same(*kb), blobs):
                     pass
+                self._maybe_crash(rec)
                 self.log.append(rec)
                 return True
             except Fenced as exc:
@@ -536,6 +556,15 @@ class Syncer:
                 backoff = min(backoff * 2, self.cfg.max_retry_s)
                 if self.bus is not None:
                     self._ingest_bus(0)   # keep hearing heartbeats; new deltas wait in pending
+
+    def _maybe_crash(self, rec) -> None:
+        """Chaos hook (DDILOCO_FAULT, docs/chaos.md): die like SIGKILL between the data and the commit."""
+        if self._crash_after is None or rec.kind != "merge":
+            return
+        self._crash_after -= 1
+        if self._crash_after <= 0:
+            self.events.emit("fault-injected", fault="crash-before-commit", seq=rec.seq, output_key=rec.output_key)
+            os._exit(137)
 
     def _put_same(self, key: str, blob: bytes) -> None:
         """Create ``key``; if it exists it must hold these very bytes (a retry, or the learner's spill)."""

@@ -1,0 +1,425 @@
+"""A local run driven as real processes, with the levers chaos needs (issue "Chaos engineering").
+
+``ChaosRun`` creates a run (the tiny or the default model, keys for the syncer and every learner,
+a signed run), starts the syncer and learners as ``ddiloco syncer`` / ``ddiloco learner`` processes
+(or ``infra.chaos.worker`` for paced learners in the experiments), and can kill (SIGKILL), pause
+(SIGSTOP/SIGCONT), restart and terminate them, stop and restart the S3 server (SeaweedFS, when the
+run lives on S3), and blackhole the ZeroMQ path: learners reach the syncer only through two TCP
+relays (``proxy.py``). Every lever is written to ``timeline`` with its wall-clock time, so the
+invariants and the report can tell a fault from a bug.
+
+Every process logs JSONL events to ``OUT/logs/<name>.jsonl`` (a restarted process appends to the
+same file; ``learner-start`` / ``syncer-recovered`` separate its lives).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from pipeline.types import CommitRecord, RunDescriptor
+from storage.errors import StoreError
+from storage.layout import SPILL_PREFIX, parse_spill_key
+from storage.log import CommitLog
+from storage.store import ObjectStore, open_store
+from workers.events import read_events
+from workers.job import JobSettings
+from workers.keys import SYNCER, ensure_identities, key_paths
+from workers.launch import RunSettings, create_run
+from workers.model import EMBEDDING_TENSORS, GPTConfig, build_model
+from .proxy import Relay
+
+ROGUE = "rogue"        # a listed learner key that no real learner uses (rogue.py sends with it)
+MODELS = {
+    "tiny": (GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=32), 4, 300_000),
+    "small": (GPTConfig(n_layer=2, n_head=2, n_embd=48, block_size=32), 8, 1_000_000),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What run a scenario or experiment drives. ``slow`` stretches a learner's steps (``--slow``);
+    per-learner factors in ``slow_by`` override ``slow`` (a straggler)."""
+
+    learners: int = 2
+    steps: int = 400
+    slow: float = 2.0                  # every learner (keeps a 2-core machine from saturating)
+    slow_by: tuple[tuple[str, float], ...] = ()
+    fragments: int = 3
+    sync_every: int = 6
+    quorum: int = 1
+    retain_versions: int = 16
+    storage: str = "local"             # "local" | "s3" (a SeaweedFS server owned by the run)
+    model: str = "tiny"
+    seed: int = 0
+    ack_timeout_s: float = 1.0
+    poll_s: float = 0.5
+    checkpoint_every: int = 10
+    lr: float = 3e-3
+    grace_gamma: float = 0.5           # 0: no grace window (the round closes as soon as K report)
+    shards: int | None = None          # data shards of the job (default: learners)
+
+    def __post_init__(self) -> None:
+        if self.learners < 1 or self.steps < 1:
+            raise ValueError(f"learners ({self.learners}) and steps ({self.steps}) must be >= 1")
+        if self.storage not in ("local", "s3"):
+            raise ValueError(f"storage must be 'local' or 's3', got {self.storage!r}")
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {sorted(MODELS)}, got {self.model!r}")
+        for lid, f in ((None, self.slow), *self.slow_by):
+            if not f >= 1.0:
+                raise ValueError(f"slow factor{' of ' + lid if lid else ''} must be >= 1, got {f}")
+
+    def learner_ids(self) -> list[str]:
+        return [f"l{m}" for m in range(self.learners)]
+
+    def slow_of(self, lid: str) -> float:
+        return dict(self.slow_by).get(lid, self.slow)
+
+
+@dataclass
+class Life:
+    """One process: from spawn to exit. ``how``: 'exit N', 'killed', 'terminated', or '' (running)."""
+
+    name: str
+    role: str
+    popen: subprocess.Popen
+    started: float
+    ended: float | None = None
+    how: str = ""
+    killed: bool = False
+
+
+@dataclass
+class Mark:
+    t: float
+    who: str
+    what: str
+    detail: str = ""
+
+    def to_dict(self) -> dict:
+        return {"t": round(self.t, 4), "who": self.who, "what": self.what, "detail": self.detail}
+
+
+class ChaosRun:
+    def __init__(self, spec: RunSpec, out: str | Path, env: dict | None = None,
+                 clock: Callable[[], float] = time.time):
+        self.spec = spec
+        self.out = Path(out).resolve()
+        (self.out / "logs").mkdir(parents=True, exist_ok=True)
+        self.clock = clock
+        self.env = dict(env if env is not None else os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        self.env.pop("DDILOCO_FAULT", None)
+        self.lives: dict[str, list[Life]] = {}
+        self.timeline: list[Mark] = []
+        self.s3 = None
+        self.uri = ""
+        self.descriptor: RunDescriptor | None = None
+        self.syncer_ports = (free_port(), free_port())
+        self.relays: tuple[Relay, Relay] | None = None
+        self.keydir = self.out / "keys"
+        self._saved_env: dict[str, str | None] = {}
+
+    # -- set-up ----------------------------------------------------------------------------------
+    @property
+    def store(self) -> ObjectStore:
+        return open_store(self.uri)
+
+    def mark(self, who: str, what: str, detail: str = "") -> None:
+        self.timeline.append(Mark(self.clock(), who, what, detail))
+
+    def create(self) -> RunDescriptor:
+        """Storage (a directory, or a fresh S3 server), keys, the run, the relays."""
+        spec = self.spec
+        if spec.storage == "s3":
+            from infra.s3server import S3Server
+            self.s3 = S3Server(self.out / "s3").start()
+            self.env.update(self.s3.env())
+            self._saved_env = {k: os.environ.get(k) for k in self.s3.env()}
+            os.environ.update(self.s3.env())   # this process opens the same store (restored by close())
+            self.uri = self.s3.uri(f"chaos-{time.time_ns()}")
+        else:
+            self.uri = str(self.out / "store")
+        gcfg, batch, max_bytes = MODELS[spec.model]
+        job = JobSettings(steps=spec.steps, batch_size=batch, lr=spec.lr, max_bytes=max_bytes,
+                          shards=spec.shards or spec.learners)
+        model = build_model(gcfg, spec.seed)
+        init = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+        names = spec.learner_ids()
+        idents = ensure_identities(self.keydir, [SYNCER, *names, ROGUE])
+        settings = RunSettings(fragments=spec.fragments, sync_every=spec.sync_every, quorum=spec.quorum,
+                               retain_versions=spec.retain_versions, seed=spec.seed, model=gcfg.to_dict(),
+                               grace_gamma=spec.grace_gamma,
+                               extra={"job": job.to_dict()})
+        self.descriptor = create_run(self.store, init, settings, embedding_tensors=EMBEDDING_TENSORS,
+                                     syncer=idents[SYNCER], learners=[idents[n].public for n in (*names, ROGUE)])
+        self.relays = (Relay(self.syncer_ports[0], name="ingest").start(),
+                       Relay(self.syncer_ports[1], name="announce").start())
+        self.mark("run", "created", f"{self.descriptor.run_id} at {self.uri}")
+        return self.descriptor
+
+    def _spawn(self, name: str, role: str, args: list[str], env: dict | None = None,
+               module: str = "workers.cli") -> Life:
+        log = self.out / "logs" / f"{name}.jsonl"
+        err = open(self.out / "logs" / f"{name}.stderr", "a")
+        cmd = [sys.executable, "-m", module, *args, "--store", self.uri, "--log", str(log)]
+        p = subprocess.Popen(cmd, env=env or self.env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        err.close()
+        life = Life(name, role, p, self.clock())
+        self.lives.setdefault(name, []).append(life)
+        self.mark(name, "start", f"pid {p.pid}")
+        return life
+
+    # -- processes -------------------------------------------------------------------------------
+    def start_syncer(self, name: str = "syncer", fault: str | None = None,
+                     ports: tuple[int, int] | None = None) -> Life:
+        """Start a syncer on ``ports`` (default the run's). ``fault``: DDILOCO_FAULT for this life
+        only (docs/chaos.md), e.g. ``crash-before-commit:5``."""
+        ing, ann = ports or self.syncer_ports
+        env = dict(self.env)
+        if fault:
+            env["DDILOCO_FAULT"] = fault
+        args = ["syncer", "--id", name, "--ingest", f"tcp://127.0.0.1:{ing}", "--announce", f"tcp://127.0.0.1:{ann}",
+                "--key", str(key_paths(self.keydir, SYNCER)[1]), "--checkpoint-every", str(self.spec.checkpoint_every)]
+        return self._spawn(name, "syncer", args, env)
+
+    def start_learner(self, lid: str, steps: int | None = None, slow: float | None = None, shard: int | None = None,
+                      pace_s: float | None = None, jitter: float = 0.0, seed: int = 0,
+                      wait_for: Path | None = None, data_seed: int | None = None) -> Life:
+        """A learner process. With ``pace_s`` it is ``infra.chaos.worker`` (each step lasts
+        ``pace_s * slow``, times a random factor of std ``jitter``; ``wait_for``: it imports, then
+        waits for that file before joining; ``data_seed``: its own batch order); otherwise
+        ``ddiloco learner``."""
+        relays = self.relays
+        bus = ["--ingest", relays[0].endpoint, "--announce", relays[1].endpoint]
+        common = ["--id", lid, "--keys", str(self.keydir), *bus, "--ack-timeout", str(self.spec.ack_timeout_s),
+                  "--poll", str(self.spec.poll_s), "--slow", str(slow if slow is not None else self.spec.slow_of(lid))]
+        if steps is not None:
+            common += ["--steps", str(steps)]
+        if shard is not None:
+            common += ["--shard", str(shard)]
+        if pace_s is not None:
+            more = (["--wait-for", str(wait_for)] if wait_for else []) + \
+                (["--data-seed", str(data_seed)] if data_seed is not None else [])
+            return self._spawn(lid, "learner", [*common, "--pace", str(pace_s), "--jitter", str(jitter),
+                                                "--seed", str(seed), *more], module="infra.chaos.worker")
+        return self._spawn(lid, "learner", ["learner", *common])
+
+    def make_key(self, lid: str) -> None:
+        """A key pair for a learner that will join later (``add_learner`` lists it)."""
+        ensure_identities(self.keydir, [lid])
+
+    def add_learner(self, lid: str) -> None:
+        """List a new learner in the running (signed) run: a key pair and a membership record
+        signed with the syncer's key, as ``ddiloco keys DIR ID --join STORE --authority ...`` does."""
+        from workers.keys import add_member, load_identity
+        ident = ensure_identities(self.keydir, [lid])[lid]
+        add_member(self.store, self.descriptor, load_identity(key_paths(self.keydir, SYNCER)[1]), ident.public)
+        self.mark(lid, "listed")
+
+    def global_loss(self) -> float:
+        """Held-out loss of the global model as it stands in storage (never pauses anyone)."""
+        import torch
+        from workers.data import Corpus, evaluate
+        from workers.job import job_from
+        from workers.model import GPT
+        from workers.versions import VersionTracker
+        gcfg, job = job_from(self.descriptor)
+        values, _ = VersionTracker(self.store, self.descriptor).load_all()
+        model = GPT(gcfg)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(torch.from_numpy(values[n].copy()))
+        return evaluate(model, Corpus(job.data_config(gcfg.block_size)))
+
+    def life(self, name: str) -> Life:
+        return self.lives[name][-1]
+
+    def alive(self, name: str) -> bool:
+        return name in self.lives and self.life(name).popen.poll() is None
+
+    def _signal(self, name: str, sig: int) -> bool:
+        life = self.life(name)
+        if life.popen.poll() is not None:
+            return False
+        try:
+            os.killpg(life.popen.pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def kill(self, name: str) -> None:
+        """SIGKILL (the process group): no clean-up, no drain."""
+        if self._signal(name, signal.SIGKILL):
+            life = self.life(name)
+            life.popen.wait()
+            life.killed = True
+            self._ended(life, "killed")
+            self.mark(name, "kill")
+
+    def pause(self, name: str) -> None:
+        if self._signal(name, signal.SIGSTOP):
+            self.mark(name, "pause")
+
+    def resume(self, name: str) -> None:
+        if self._signal(name, signal.SIGCONT):
+            self.mark(name, "resume")
+
+    def terminate(self, name: str) -> None:
+        """SIGTERM: a clean stop (a learner drains its deltas first)."""
+        if self._signal(name, signal.SIGCONT) and self._signal(name, signal.SIGTERM):
+            self.mark(name, "terminate")
+
+    def _ended(self, life: Life, how: str) -> None:
+        if life.ended is None:
+            life.ended = self.clock()
+            life.how = how
+
+    def poll(self) -> None:
+        """Notice processes that exited on their own (their end time is the time of noticing)."""
+        for lives in self.lives.values():
+            for life in lives:
+                rc = life.popen.poll()
+                if rc is not None and life.ended is None:
+                    self._ended(life, f"exit {rc}")
+                    self.mark(life.name, "exit", str(rc))
+
+    # -- storage and network faults -------------------------------------------------------------
+    def s3_down(self) -> None:
+        if self.s3 is None:
+            raise ValueError("s3_down needs a run on S3 (RunSpec.storage='s3')")
+        self.s3.kill()
+        self.mark("s3", "down")
+
+    def s3_up(self) -> None:
+        self.s3.start()
+        self.mark("s3", "up")
+
+    def blackhole(self) -> None:
+        for r in self.relays:
+            r.blackhole()
+        self.mark("bus", "blackhole")
+
+    def restore(self) -> None:
+        for r in self.relays:
+            r.restore()
+        self.mark("bus", "restore")
+
+    def retarget(self, ports: tuple[int, int]) -> None:
+        """Point the relays at another syncer's ports (a syncer that takes over elsewhere)."""
+        for r, port in zip(self.relays, ports):
+            r.retarget(port)
+        self.mark("bus", "retarget", f"ports {ports}")
+
+    # -- observation -----------------------------------------------------------------------------
+    def events(self, name: str) -> list[dict]:
+        return read_events(self.out / "logs" / f"{name}.jsonl")
+
+    def learner_names(self) -> list[str]:
+        return sorted(n for n, lives in self.lives.items() if lives[0].role == "learner")
+
+    def syncer_names(self) -> list[str]:
+        return sorted(n for n, lives in self.lives.items() if lives[0].role == "syncer")
+
+    def commits(self) -> list[CommitRecord]:
+        log = CommitLog(self.store)
+        return list(log.read_range(0, log.tail() + 1))
+
+    def tail(self) -> int:
+        try:
+            return CommitLog(self.store).tail()
+        except StoreError:
+            return -1
+
+    def merges(self) -> int:
+        """Merge commits so far (cheap enough for a tiny run's log)."""
+        try:
+            return sum(r.kind == "merge" for r in self.commits())
+        except StoreError:
+            return -1
+
+    def wait_for(self, cond: Callable[[], bool], timeout_s: float, what: str, tick: Callable[[], None] = None) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if tick is not None:
+                tick()
+            if cond():
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+    def learners_done(self) -> bool:
+        self.poll()
+        return all(not self.alive(n) for n in self.learner_names())
+
+    def inbox_of_learners(self) -> list[str]:
+        """Inbox (spill) keys of the real learners (a rogue's refused objects stay as evidence)."""
+        real = set(self.learner_names())
+        out = []
+        for key in self.store.list(SPILL_PREFIX):
+            try:
+                if parse_spill_key(key)[0] in real:
+                    out.append(key)
+            except Exception:
+                continue
+        return out
+
+    def drain(self, timeout_s: float = 60.0) -> bool:
+        """After the learners exit: True once the syncer has committed every durable delta."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if not self.inbox_of_learners():
+                    time.sleep(0.3)   # let the last commit land in the syncer's log
+                    return True
+            except StoreError:
+                pass
+            time.sleep(0.25)
+        return False
+
+    def stop_all(self) -> None:
+        for name in list(self.lives):
+            if self.alive(name):
+                self.terminate(name)
+        for lives in self.lives.values():
+            for life in lives:
+                try:
+                    life.popen.wait(timeout=25)
+                except subprocess.TimeoutExpired:
+                    os.killpg(life.popen.pid, signal.SIGKILL)
+                    life.popen.wait()
+        self.poll()
+
+    def close(self) -> None:
+        """Stop every process, the relays and the S3 server (the run's files stay in OUT)."""
+        try:
+            self.stop_all()
+        finally:
+            if self.relays is not None:
+                for r in self.relays:
+                    r.stop()
+            if self.s3 is not None:
+                self.s3.stop()
+                for k, v in self._saved_env.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+
+    def __enter__(self) -> "ChaosRun":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
