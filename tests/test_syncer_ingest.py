@@ -94,3 +94,26 @@ def test_damaged_bus_message_is_rejected_and_changes_nothing(tiny):
     assert reply is not None and reply.fields["status"] == "rejected" and reply.fields["reason"]
     assert CommitLog(store).tail() == desc.num_fragments   # init commits + the fence only
     assert syncer.stats.rejected >= 2
+
+
+class _OverwritingStore:
+    """A store whose create-if-absent silently overwrites (what a non-conforming S3 does)."""
+
+    def __init__(self, inner):
+        self.inner, self.uri = inner, "fake://no-conditional-writes"
+
+    def put_if_absent(self, key, data):
+        self.inner.put(key, data)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_syncer_refuses_a_store_without_create_if_absent(tiny):
+    from storage.errors import StoreError
+    from storage.log import CommitLog
+    store, desc, bus = tiny
+    syncer = Syncer(_OverwritingStore(store), SyncerConfig(), bus=None)
+    with pytest.raises(StoreError, match="fake://no-conditional-writes"):
+        syncer.recover()
+    assert CommitLog(store).tail() == desc.num_fragments - 1   # no epoch claimed, no fence written

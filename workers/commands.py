@@ -25,8 +25,6 @@ from storage.store import open_store
 from .bus import BusConfig
 from .events import EventLog
 from .keys import SYNCER, KeyRing, key_paths, load_identity, load_public, run_security
-from .learner import LearnerConfig
-from .sender import SenderConfig
 from .syncer import Syncer, SyncerConfig
 
 
@@ -117,7 +115,10 @@ def configure_learner(parser: argparse.ArgumentParser):
                         help="the syncer's public key file (syncer.key) to pin (default: DIR/syncer.key with --keys)")
 
     def handler(args) -> int:
+        # torch is imported only by the learner role, so a syncer (re)starts in a fraction of the time.
         from .job import learner_process
+        from .learner import LearnerConfig
+        from .sender import SenderConfig
         if args.slow < 1.0:
             raise SystemExit(f"--slow must be >= 1, got {args.slow}")
         shard = args.shard

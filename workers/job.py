@@ -84,7 +84,11 @@ def learner_process(store: ObjectStore, learner_id: str, shard: int, bus: BusCon
         t0 = time.monotonic()
         learner.step(lambda: model(x, y)[1], tokens=x.numel())
         if slow > 1.0:   # a straggler: stretch its step time by the factor (chaos, heterogeneous speeds)
-            time.sleep((time.monotonic() - t0) * (slow - 1.0))
+            # Stretch by the typical step, not this one: a step that spanned a stall (SIGSTOP) must not
+            # have the stall added again.
+            took = time.monotonic() - t0
+            typical = learner._step_time() or took
+            time.sleep(min(took, typical) * (slow - 1.0))
     drained = learner.close()
     return {"steps": learner.step_count, "tokens": learner.tokens, "drained": drained, **learner.stats()}
 

@@ -29,25 +29,25 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from pipeline.envelope import digest
-from pipeline.errors import FormatError
 from pipeline.fold import FoldResult, SyncerState, fold, fold_fence
 from pipeline.guard import NormWindow, apply_guard, guard_config
 from pipeline.policy import Decision, Ewma, Pending, PolicyConfig, Timing, decide
-from pipeline.types import DeltaHeader, RunDescriptor
+from pipeline.types import RunDescriptor
 from storage.checkpoints import write_checkpoint
-from storage.errors import AlreadyExists, Fenced, NotFound, StoreError
-from storage.layout import SPILL_PREFIX, delta_key, parse_spill_key, read_descriptor, spill_key, version_key
+from storage.errors import AlreadyExists, Fenced, StoreError
+from storage.layout import delta_key, quarantine_key, read_descriptor, version_key
 from storage.log import CommitLog, claim_epoch
+from storage.probe import probe_conditional_writes
 from storage.store import ObjectStore, open_store
 from .bus import HEAD_MAX_BYTES, BusConfig, Message, SyncerBus
-from .deltas import UNKNOWN_LEARNER, Opened, max_delta_bytes, open_stored, round_input
+from .deltas import max_delta_bytes, round_input
 from .events import EventLog
 from .keys import Gate, KeyRing, Roster, check_syncer_keys
 from .replay import rebuild
 from .signing import seal_checkpoint, sign_commit
+from .syncer_ingest import SyncerIngest, _Held
 from .versions import encode_version
 
-QUARANTINE_PREFIX = "quarantine/"     # TODO(storage/layout.py): name this prefix there
 REJECTED_FLUSH = 16                   # rejected deltas of one fragment that force a drop commit
 
 
@@ -63,11 +63,6 @@ def fault_injection(spec: str) -> int | None:
     if name != "crash-before-commit" or not (n or "1").isdigit() or int(n or "1") < 1:
         raise ValueError(f"{FAULT_ENV}={spec!r}: expected crash-before-commit[:N] with N >= 1")
     return int(n or "1")
-
-
-def quarantine_key(checksum: str) -> str:
-    """Where a rejected delta is kept as evidence: by content, never under the id it claims."""
-    return QUARANTINE_PREFIX + checksum
 
 
 class _KeyConflict(Exception):
@@ -99,26 +94,6 @@ class SyncerConfig:
 
 
 @dataclass
-class _Held:
-    header: DeltaHeader
-    blob: bytes
-    inbox_key: str         # "" when it is held in memory only
-    arrived_at: float
-    source: str            # "bus" | "spill"
-    opened: Opened | None = None   # the verdict on these bytes (workers/deltas.py), reused at merge
-    pkey: str = ""                 # its key in the pending set (below)
-
-    @property
-    def reason(self) -> str:
-        """Why it will be dropped ("" = a candidate for merging)."""
-        return self.opened.reason if self.opened is not None else ""
-
-    def __post_init__(self) -> None:
-        # Rejected deltas are keyed by content, so a forgery never shadows the real delta's id.
-        self.pkey = f"rejected:{digest(self.blob)}" if self.reason else self.header.id
-
-
-@dataclass
 class SyncerStats:
     commits: int = 0
     merged: int = 0
@@ -133,7 +108,7 @@ class SyncerStats:
     quorum_sizes: list[int] = field(default_factory=list)
 
 
-class Syncer:
+class Syncer(SyncerIngest):
     def __init__(self, store: str | ObjectStore, cfg: SyncerConfig = SyncerConfig(), bus: BusConfig | None = None,
                  events: EventLog | None = None, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time, keys: KeyRing | None = None):
@@ -178,8 +153,10 @@ class Syncer:
 
     # -- start-up --------------------------------------------------------------------------------
     def recover(self) -> None:
-        """Claim a new epoch (fencing any older syncer), then rebuild the state from the log."""
+        """Prove the store enforces create-if-absent (fencing depends on it), claim a new epoch
+        (fencing any older syncer), then rebuild the state from the log."""
         t0 = self.clock()
+        probe_conditional_writes(self.store)   # raises, naming the store, on one that does not
         self._refresh_members(force=True)
         self.epoch, fence_seq, self.log = claim_epoch(self.store, self.cfg.syncer_id)
         self.state, rs = rebuild(self.store, self.descriptor, fence_seq - 1, roster=self.roster, window=self.window)
@@ -243,184 +220,6 @@ class Syncer:
             self.io.shutdown(wait=True)
             self.events.emit("syncer-stop", fenced=self.fenced, **self.summary())
         return 3 if self.fenced else 0
-
-    # -- ingest ----------------------------------------------------------------------------------
-    def _ingest_bus(self, timeout_s: float) -> None:
-        if self.bus is None:
-            time.sleep(timeout_s)
-            return
-        got = self.bus.recv(timeout_s)
-        # Drain what is queued, but return to close rounds at least every 50 ms: a flood of deltas
-        # (or of hostile messages) must not keep every round open.
-        until = self.clock() + 0.05
-        while got is not None:
-            ident, msg = got
-            if isinstance(msg, FormatError):
-                self._reject(None, ident, "", str(msg), "bad-message")
-            elif msg.peer is not None and msg.fields.get("learner", msg.peer) != msg.peer:
-                self._reject(None, None, "", f"peer {msg.peer} sent a {msg.type} as {msg.fields.get('learner')!r}",
-                             "peer-mismatch")
-            elif msg.type == "heartbeat":
-                self._heartbeat(msg.fields)
-            elif msg.type == "delta":
-                self._ingest_bus_delta(ident, msg)
-            got = self.bus.recv(0) if self.clock() < until else None
-
-    def _heartbeat(self, f: dict) -> None:
-        learner, st = f.get("learner"), f.get("step_time_s")
-        if isinstance(learner, str) and isinstance(st, (int, float)) and st >= 0:
-            self.live[learner] = (self.clock(), float(st))
-
-    def _reject(self, header: DeltaHeader | None, ident: bytes | None, delta: str, reason: str,
-                category: str) -> None:
-        """Refused at ingest (never in a round): counted by ``category``, logged with the detail."""
-        self.stats.rejected += 1
-        self.stats.rejections[category] += 1
-        self._since_commit[category] += 1
-        self.events.emit("delta-rejected", delta=delta or (header.id if header else ""), reason=category,
-                         detail=reason)
-        if ident is not None and self.bus is not None and (delta or header):
-            self.bus.send_to(ident, Message("ack", {"delta_id": delta or header.id, "status": "rejected",
-                                                    "reason": reason}))
-
-    def _ingest_bus_delta(self, ident: bytes, msg: Message) -> None:
-        blob = msg.blob or b""
-        claimed = msg.fields.get("header", {})
-        claimed_id = ""
-        if isinstance(claimed, dict):
-            try:
-                claimed_id = DeltaHeader.from_dict(claimed).id
-            except FormatError:
-                pass
-        if digest(blob) != msg.fields.get("checksum"):
-            return self._reject(None, ident, claimed_id, "checksum of the delta frame does not match", "bad-checksum")
-        try:
-            opened = open_stored(blob, self.descriptor, self.roster, f"bus delta {claimed_id}")
-        except FormatError as exc:
-            return self._reject(None, ident, claimed_id, str(exc), "undecodable")
-        header = opened.header
-        if header.id != claimed_id:
-            return self._reject(header, ident, claimed_id, f"message header {claimed_id} != blob header {header.id}",
-                                "header-mismatch")
-        if msg.peer is not None and header.learner != msg.peer:
-            return self._reject(header, ident, claimed_id, f"peer {msg.peer} sent a delta of {header.learner}",
-                                "peer-mismatch")
-        if opened.reason == UNKNOWN_LEARNER:
-            return self._reject(header, ident, header.id, f"learner {header.learner} is not listed", "unknown-learner")
-        key = spill_key(header.learner, header.incarnation, header.seq)
-        held = self._admit(header, blob, key, "bus", opened)
-        status = "rejected" if opened.reason else "durable"
-        if held is None:
-            if self.bus is not None and header.fragment < self.descriptor.num_fragments:
-                # Already merged: durable as can be. Ack so the learner forgets it instead of spilling it.
-                self.bus.send_to(ident, Message("ack", {"delta_id": header.id, "status": status,
-                                                        "reason": opened.reason}))
-            return
-        try:
-            self.store.put_if_absent(key, blob)
-        except AlreadyExists:
-            try:   # first writer wins (the learner's own spill, or an earlier resend): merge what is stored
-                stored = self.store.get(key)
-            except StoreError:
-                stored = blob
-            if stored != blob:
-                # Other bytes under this id: the inbox object is judged on its own when the inbox is
-                # listed; this copy stays in memory only (not durable, so not acked).
-                held.inbox_key = ""
-                self.events.emit("inbox-conflict", delta=header.id, key=key)
-                return
-        except StoreError as exc:
-            # Not durable, so no ack: the learner will spill or resend. Keep it pending only if we can merge it
-            # safely later: we cannot (replay needs it stored), so forget it.
-            self.pending[header.fragment].pop(held.pkey, None)
-            self.events.emit("ingest-store-error", delta=header.id, error=str(exc))
-            return
-        self.stats.from_bus += 1
-        if self.bus is not None:
-            self.bus.send_to(ident, Message("ack", {"delta_id": header.id, "status": status, "reason": opened.reason}))
-
-    def _admit(self, header: DeltaHeader, blob: bytes, key: str, source: str,
-               opened: Opened | None = None) -> _Held | None:
-        """Place a delta in its fragment's pending set; None (and a clean-up) when it is not new."""
-        if not 0 <= header.fragment < self.descriptor.num_fragments:
-            self._reject(header, None, header.id, f"unknown fragment {header.fragment}", "unknown-fragment")
-            if source == "spill":
-                self.bad_inbox.add(key)
-            return None
-        held = _Held(header, blob, key, self.clock(), source, opened)
-        pend = self.pending[header.fragment]
-        hw = self.state.high_water[header.fragment].get(header.learner)
-        if not held.reason and hw is not None and header.order <= tuple(hw):
-            # At or below the high-water mark: merged already (its permanent copy exists: tidy the
-            # inbox), or overtaken by a newer delta of its learner before it arrived: then it goes
-            # to the next round, which records it as dropped rather than losing it silently.
-            try:
-                merged = self.store.exists(delta_key(header.learner, header.incarnation, header.seq))
-            except StoreError:
-                merged = True
-            if merged:
-                self.stats.duplicates += 1
-                if source == "spill":
-                    self._delete(key)
-                return None
-        if held.pkey in pend:
-            self.stats.duplicates += 1
-            if source == "spill" and pend[held.pkey].blob != blob:
-                self.bad_inbox.add(key)     # other bytes under a held id: evidence, never merged
-                self.events.emit("inbox-conflict", delta=header.id, key=key)
-            return pend[held.pkey] if source == "bus" else None
-        pend[held.pkey] = held
-        return held
-
-    def _ingest_spill(self) -> None:
-        known = {h.inbox_key for pend in self.pending for h in pend.values()} | self.bad_inbox
-        try:
-            keys = self.store.list(SPILL_PREFIX)
-        except StoreError as exc:
-            self.events.emit("store-error", op="list-inbox", error=str(exc))
-            return
-        n = 0
-        for key in keys:
-            if key in known:
-                continue
-            if n >= self.cfg.max_ingest_per_poll:
-                break
-            n += 1
-            try:
-                named = parse_spill_key(key)
-                size = self.store.head(key).size
-                if size > self.max_delta:   # checked before reading: a planted huge object must not exhaust memory
-                    raise FormatError(f"{key}: {size} bytes exceeds the run's delta size limit {self.max_delta}")
-                blob = self.store.get(key)
-                opened = open_stored(blob, self.descriptor, self.roster, key)
-                if (opened.header.learner, opened.header.incarnation, opened.header.seq) != tuple(named):
-                    raise FormatError(f"{key}: holds delta {opened.header.id}, not the one its key names")
-            except NotFound:
-                continue
-            except (FormatError, ValueError) as exc:
-                # A damaged or foreign object in the inbox: logged once and left untouched (never
-                # deleted: it is evidence), and kept out of every round.
-                self._reject(None, None, key, str(exc), "oversize" if "size limit" in str(exc) else "undecodable")
-                self.bad_inbox.add(key)
-                continue
-            except StoreError as exc:
-                self.events.emit("store-error", op="read-inbox", key=key, error=str(exc))
-                return
-            if opened.reason == UNKNOWN_LEARNER:
-                self._reject(opened.header, None, key, f"learner {opened.header.learner} is not listed",
-                             "unknown-learner")
-                self.bad_inbox.add(key)
-                self.unknown_inbox.add(key)
-                self.gate.soon()
-                continue
-            if self._admit(opened.header, blob, key, "spill", opened) is not None:
-                self.stats.from_spill += 1
-
-    def _delete(self, key: str) -> None:
-        try:
-            self.store.delete(key)
-        except StoreError:
-            pass   # best effort: a leftover inbox object is recognised as a duplicate next time
 
     # -- rounds ----------------------------------------------------------------------------------
     def _timing(self) -> Timing:
