@@ -40,6 +40,14 @@ def _delta(desc, seq: int, learner: str = "l0") -> tuple[DeltaHeader, bytes]:
     return h, encode("delta", h.to_dict(), tensors, CodecConfig(scheme="int8"))
 
 
+def _send(link: LearnerLink, msg: Message, timeout: float = 10.0) -> None:
+    """Send once the link is connected (IMMEDIATE: a send before the connection would block)."""
+    deadline = time.time() + timeout
+    while not link.send(msg):
+        assert time.time() < deadline, "the learner link never connected to the syncer"
+        time.sleep(0.05)
+
+
 def _run_syncer(store, bus, until, timeout=20.0) -> Syncer:
     syncer = Syncer(store, SyncerConfig(spill_poll_s=0.1), bus=bus)
     syncer.recover()
@@ -61,7 +69,7 @@ def test_same_delta_twice_and_spilled_is_merged_once(tiny):
     time.sleep(0.3)
     acks = []
     for _ in range(2):
-        assert link.send(msg)
+        _send(link, msg)
         reply = link.recv(5.0)
         acks.append(reply.fields if reply else None)
     acked.set()
@@ -85,7 +93,7 @@ def test_damaged_bus_message_is_rejected_and_changes_nothing(tiny):
     raw.connect(bus.ingest)
     link = LearnerLink(bus, b"l0")
     time.sleep(0.3)
-    link.send(Message("delta", {"header": h.to_dict(), "checksum": digest(bytes(bad))}, bytes(bad)))
+    _send(link, Message("delta", {"header": h.to_dict(), "checksum": digest(bytes(bad))}, bytes(bad)))
     raw.send_multipart([b"not an envelope"])
     reply = link.recv(5.0)
     t.join()
