@@ -173,7 +173,9 @@ def run_scenario(sc: Scenario, out: str | Path, seed: int = 0, events_path: str 
                 say(f"  syncer exited ({run.life('syncer').how}); restarting in {sc.restart_syncer_after_s} s")
                 sched.add(time.time() + sc.restart_syncer_after_s, "restart-syncer", lambda: run.start_syncer("syncer"))
             for what, fn in sched.due(time.time()):
-                if run.learners_done() and not what.startswith("restart"):
+                # Repairs (restart, restore, resume, s3-up) always run; only new faults are moot once
+                # every learner has finished.
+                if run.learners_done() and not what.startswith(("restart", "restore", "resume", "s3-up")):
                     skipped.append(what)
                     continue
                 fn()
