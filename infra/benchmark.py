@@ -12,7 +12,6 @@ Timing claims live here, never in tests.
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 import os
 import statistics
@@ -131,7 +130,6 @@ def _handle(args) -> int:
     figures["step_time_ratio_on_off"] = figures["step_time_sync_on_s"] / control
     lat = version_latencies(out / "decoupled-local", local["run_uri"])
     figures["latency_local_p50_s"], figures["latency_local_p99_s"] = _pct(lat, 50), _pct(lat, 99)
-    params = None
     from workers.model import GPTConfig, build_model
     params = sum(p.numel() for p in build_model(GPTConfig(), 0).parameters())
     sent = [v / args.steps for v in local["bytes_sent_per_learner"].values()]

@@ -31,7 +31,7 @@ from storage.layout import SPILL_PREFIX
 from storage.store import ObjectStore, open_store
 from .data import Corpus, evaluate
 from .events import EventLog, Tail, read_events
-from .job import JobSettings, dp_baseline, job_from
+from .job import JobSettings, dp_baseline
 from .keys import SYNCER, ensure_identities, key_paths
 from .launch import RunSettings, create_run
 from .model import EMBEDDING_TENSORS, GPT, GPTConfig, build_model
@@ -146,10 +146,8 @@ def run(args) -> int:
                 security="off" if args.insecure else "signed",
                 fragments=desc.num_fragments, sync_every=desc.sync_every, quorum=desc.quorum,
                 compression=desc.compression, params=int(sum(a.size for a in init.values())))
-    bus = [] if args.no_bus else ["--ingest", f"tcp://127.0.0.1:{_free_port()}",
-                                  "--announce", f"tcp://127.0.0.1:{_free_port()}"]
-    if args.no_bus:
-        bus = ["--no-bus"]
+    bus = ["--no-bus"] if args.no_bus else ["--ingest", f"tcp://127.0.0.1:{_free_port()}",
+                                            "--announce", f"tcp://127.0.0.1:{_free_port()}"]
     common = ["--store", store_uri, *_store_args(args), *bus]
 
     def key_args(name: str) -> list[str]:   # paths only: a secret never appears on a command line

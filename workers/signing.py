@@ -142,15 +142,19 @@ def sign_commit(record: CommitRecord, signer: Signer, run_id: str) -> CommitReco
     return dataclasses.replace(record, info={**{k: v for k, v in record.info.items() if k != "sig"}, "sig": sig})
 
 
-def commit_signature_ok(record: CommitRecord, public_hex: str, run_id: str) -> bool:
-    sig = record.info.get("sig")
+def _verify_hex(sig, public_hex: str, domain: str, run_id: str, payload: bytes) -> bool:
+    """``verify`` for a signature stored as hex text; anything that is not valid hex is simply bad."""
     if not isinstance(sig, str):
         return False
     try:
         raw = bytes.fromhex(sig)
     except ValueError:
         return False
-    return verify(public_hex, "commit", run_id, _commit_payload(record), raw)
+    return verify(public_hex, domain, run_id, payload, raw)
+
+
+def commit_signature_ok(record: CommitRecord, public_hex: str, run_id: str) -> bool:
+    return _verify_hex(record.info.get("sig"), public_hex, "commit", run_id, _commit_payload(record))
 
 
 def check_commit_signature(record: CommitRecord, public_hex: str, run_id: str, what: str = "") -> None:
@@ -174,14 +178,7 @@ def sign_version_meta(meta: dict, digest_hex: str, signer: Signer, run_id: str) 
 
 
 def version_signature_ok(meta: dict, digest_hex: str, public_hex: str, run_id: str) -> bool:
-    sig = meta.get("sig")
-    if not isinstance(sig, str):
-        return False
-    try:
-        raw = bytes.fromhex(sig)
-    except ValueError:
-        return False
-    return verify(public_hex, "version", run_id, _version_payload(meta, digest_hex), raw)
+    return _verify_hex(meta.get("sig"), public_hex, "version", run_id, _version_payload(meta, digest_hex))
 
 
 # -- checkpoints ---------------------------------------------------------------------------------
