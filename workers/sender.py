@@ -1,17 +1,29 @@
 """The learner's background sender (SPEC §3, §7): bus first, spill to storage when that fails.
 
 A delta is forgotten only once it is *durable*: acked ``durable`` by the syncer (which acks only
-after writing it to the inbox) or written by us to the spill location. At most ``max_pending``
-deltas are held; a newer delta for a fragment supersedes an older one that was never sent. The
-training thread only ever calls ``submit`` (a non-blocking queue put); everything else happens on
-this thread, which also owns the DEALER socket and sends heartbeats.
+after writing it to the inbox) or written by us to the spill location. The training thread only
+ever calls ``submit``, which never blocks and never does I/O; everything else happens on this
+thread, which also owns the DEALER socket and sends heartbeats.
+
+Bounded memory (issue 11 item 4): however slow or dead storage and the syncer are, what this
+sender holds is bounded. ``submit`` itself supersedes: a newer delta of the same fragment *and
+the same base version* replaces an older one that was never sent (a learner's delta is cumulative
+since its base, SPEC §3, so the newer one carries all of the older one's progress: nothing is
+lost). Beyond that, at most ``max_pending`` deltas and ``max_held_bytes`` bytes are held (raw
+queued deltas plus encoded pending ones); when a new delta would exceed either, the oldest one is
+evicted and counted as lost work (``delta-evicted``, ``stats.evicted_tokens``). A delta on
+another base is never superseded: its progress is not in any newer delta.
+
+A delta that cannot be encoded (non-finite values, issue 11 item 2) is dropped with a
+``delta-dropped`` event; it never stops this thread. A spill that fails (store down, disk full)
+is retried with backoff; failures are reported as ``spill-failed`` events (the 1st, 2nd, 4th ...
+in a row) and in ``stats.spill_errors`` / ``stats.last_error`` (issue 11 item 11).
 
 In a signed run ``seal`` wraps every encoded delta in the learner's signature (workers/signing.py)
 before it is sent or spilled, so the stored object verifies itself wherever it ends up.
 """
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -34,26 +46,38 @@ DELTA_KIND = "delta"
 @dataclass(frozen=True)
 class SenderConfig:
     ack_timeout_s: float = 2.0       # no ack by then: spill
-    max_pending: int = 16            # deltas held in memory at most
+    max_pending: int = 16            # deltas held in memory at most (queued + pending)
+    max_held_bytes: int = 256 << 20  # bytes held at most (raw queued deltas + encoded pending ones)
     heartbeat_s: float = 1.0
-    retry_s: float = 1.0             # pause before retrying a failed spill
+    retry_s: float = 1.0             # pause before retrying a failed spill (doubles while it keeps failing)
+    max_retry_s: float = 15.0        # longest pause between spill retries
     bus_enabled: bool = True
 
     def __post_init__(self) -> None:
         if self.ack_timeout_s <= 0 or self.heartbeat_s <= 0 or self.retry_s <= 0:
             raise ValueError("sender timeouts must be positive")
+        if self.max_retry_s < self.retry_s:
+            raise ValueError(f"max_retry_s ({self.max_retry_s}) must be >= retry_s ({self.retry_s})")
         if self.max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
+        if self.max_held_bytes < 1:
+            raise ValueError(f"max_held_bytes must be >= 1, got {self.max_held_bytes}")
 
 
 @dataclass
 class _Pending:
     header: DeltaHeader
     tensors: dict[str, np.ndarray] | None
+    size: int = 0                  # bytes held: raw tensors until encoded, then the blob
     blob: bytes | None = None
     checksum: str = ""
     sent_at: float | None = None
     spill_after: float = 0.0
+
+    @property
+    def lineage(self) -> tuple[int, int]:
+        """Deltas of one lineage measure the same progress; the newest carries all of it."""
+        return self.header.fragment, self.header.base_version
 
 
 @dataclass
@@ -61,13 +85,18 @@ class SenderStats:
     submitted: int = 0
     acked: int = 0
     spilled: int = 0
-    superseded: int = 0            # never sent: a newer delta of the same fragment replaced it
+    superseded: int = 0            # never sent: a newer delta of the same fragment and base replaced it (harmless)
     superseded_tokens: int = 0
+    evicted: int = 0               # dropped to bound memory: lost work
+    evicted_tokens: int = 0
+    nonfinite: int = 0             # dropped: its values were not finite (could not be encoded)
     rejected: int = 0
     bytes_sent: int = 0
     bytes_spilled: int = 0
-    spill_errors: int = 0
+    spill_errors: int = 0          # failed spill attempts (each is retried)
     last_error: str = ""
+    peak_held: int = 0             # most deltas held at once
+    peak_held_bytes: int = 0
 
 
 class Sender:
@@ -76,14 +105,20 @@ class Sender:
                  clock: Callable[[], float] = time.monotonic, curve=None, seal: Callable[[bytes], bytes] | None = None):
         self.store, self.codec, self.cfg, self.events, self.seal = store, codec, cfg, events, seal
         self.bus_cfg, self.identity, self.heartbeat, self.clock, self.curve = bus, identity, heartbeat, clock, curve
-        self.inbox: queue.Queue[_Pending] = queue.Queue()
+        # Everything held lives in ``queue`` (submitted, not yet taken by this thread; keyed by
+        # lineage) or ``pending`` (taken: being sent, awaiting an ack or a spill). One lock guards
+        # both and the byte count; no I/O or encoding happens under it.
+        self._lock = threading.Lock()
+        self.queue: dict[tuple[int, int], _Pending] = {}
         self.pending: dict[str, _Pending] = {}
+        self._held_bytes = 0
         self.stats = SenderStats()
         self._stop = threading.Event()
         self._idle = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sender", daemon=True)
         self._last_heard = -1e9
         self._link: LearnerLink | None = None
+        self._spill_failures = 0           # consecutive failed spills (for backoff and event thinning)
         self.failed: str | None = None     # set if the thread died; the training loop then stops loudly
 
     # -- training thread -------------------------------------------------------------------------
@@ -91,23 +126,82 @@ class Sender:
         self._thread.start()
 
     def submit(self, header: DeltaHeader, tensors: dict[str, np.ndarray]) -> None:
-        """Hand over a delta; never blocks."""
-        self.stats.submitted += 1
-        self._idle.clear()
-        self.inbox.put(_Pending(header, tensors))
+        """Hand over a delta; never blocks on I/O. Supersedes and evicts here, so that memory stays
+        bounded even while this thread is stuck in a slow spill (module docstring)."""
+        item = _Pending(header, tensors, size=sum(int(a.nbytes) for a in tensors.values()))
+        with self._lock:
+            self.stats.submitted += 1
+            self._idle.clear()
+            old = self.queue.pop(item.lineage, None)
+            if old is not None:
+                self._forget(old, "delta-superseded")
+            self.queue[item.lineage] = item
+            self._held_bytes += item.size
+            self._evict_queued(keep=item)
+            self._note_peak()
+
+    def held(self) -> tuple[int, int]:
+        """(deltas, bytes) held right now: queued plus pending."""
+        with self._lock:
+            return len(self.queue) + len(self.pending), self._held_bytes
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until every submitted delta is durable (or ``timeout_s``). True if all are."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.inbox.empty() and not self.pending and self._idle.is_set():
+            if self.undelivered() == 0 and self._idle.is_set():
                 return True
+            if self.failed is not None or not self._thread.is_alive():
+                break
             time.sleep(0.02)
-        return self.inbox.empty() and not self.pending
+        return self.undelivered() == 0
+
+    def undelivered(self) -> int:
+        """Deltas not (yet) durable."""
+        with self._lock:
+            return len(self.queue) + len(self.pending)
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+
+    # -- bookkeeping (under the lock) ------------------------------------------------------------
+    def _forget(self, p: _Pending, event: str) -> None:
+        """Drop a held delta that was never sent: ``delta-superseded`` (harmless: a newer delta of
+        its lineage carries its progress) or ``delta-evicted`` (lost work, to bound memory)."""
+        self._held_bytes -= p.size
+        if event == "delta-superseded":
+            self.stats.superseded += 1
+            self.stats.superseded_tokens += p.header.c_tokens
+        else:
+            self.stats.evicted += 1
+            self.stats.evicted_tokens += p.header.c_tokens
+        self.events.emit(event, delta=p.header.id, fragment=p.header.fragment, base=p.header.base_version,
+                         tokens=p.header.c_tokens)
+
+    def _over(self) -> bool:
+        return (len(self.queue) + len(self.pending) > self.cfg.max_pending
+                or self._held_bytes > self.cfg.max_held_bytes)
+
+    def _evict_queued(self, keep: _Pending) -> None:
+        """Oldest queued deltas go first; the newest one is always kept (it carries the most)."""
+        while self._over():
+            victim = next((k for k, p in self.queue.items() if p is not keep), None)
+            if victim is None:
+                return
+            self._forget(self.queue.pop(victim), "delta-evicted")
+
+    def _note_peak(self) -> None:
+        n = len(self.queue) + len(self.pending)
+        self.stats.peak_held = max(self.stats.peak_held, n)
+        self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, self._held_bytes)
+
+    def _release(self, did: str) -> _Pending | None:
+        with self._lock:
+            p = self.pending.pop(did, None)
+            if p is not None:
+                self._held_bytes -= p.size
+            return p
 
     # -- sender thread ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -133,51 +227,60 @@ class Sender:
                 self._send_unsent(now)
                 self._read_acks(0.02 if self.pending else 0.05)
                 self._spill_overdue(self.clock())
-                if self.inbox.empty() and not self.pending:
-                    self._idle.set()
+                with self._lock:
+                    if not self.queue and not self.pending:
+                        self._idle.set()
         finally:
             if self._link is not None:
                 self._link.close()
 
     def _take_new(self) -> None:
-        while True:
-            try:
-                item = self.inbox.get_nowait()
-            except queue.Empty:
-                return
-            # A never-sent older delta of the same fragment is superseded (its progress is in the new one,
-            # or was overwritten by a newer version anyway).
-            for did, old in list(self.pending.items()):
-                if old.header.fragment == item.header.fragment and old.sent_at is None:
-                    del self.pending[did]
-                    self.stats.superseded += 1
-                    self.stats.superseded_tokens += old.header.c_tokens
-                    self.events.emit("delta-superseded", delta=did, fragment=old.header.fragment,
-                                     tokens=old.header.c_tokens)
-            while len(self.pending) >= self.cfg.max_pending:
-                did, old = next(iter(self.pending.items()))   # oldest goes: bounded memory beats completeness
-                del self.pending[did]
-                self.stats.superseded += 1
-                self.stats.superseded_tokens += old.header.c_tokens
-                self.events.emit("delta-evicted", delta=did, fragment=old.header.fragment, tokens=old.header.c_tokens)
-            self.pending[item.header.id] = item
+        """Move queued deltas to pending. A never-sent pending delta of the same lineage is
+        superseded; beyond the bounds the oldest never-sent pending delta is evicted."""
+        with self._lock:
+            items, self.queue = list(self.queue.values()), {}
+            for item in items:
+                for did, old in list(self.pending.items()):
+                    if old.lineage == item.lineage and old.sent_at is None:
+                        self._forget(self.pending.pop(did), "delta-superseded")
+                self.pending[item.header.id] = item
+            while self._over():
+                # Sent ones may already be durable at the syncer: evict the oldest never-sent first.
+                unsent = [d for d, p in self.pending.items() if p.sent_at is None]
+                did = unsent[0] if unsent else next(iter(self.pending))
+                if len(self.pending) == 1:
+                    break
+                self._forget(self.pending.pop(did), "delta-evicted")
 
-    def _encode(self, p: _Pending) -> None:
-        if p.blob is None:
-            p.blob = encode(DELTA_KIND, p.header.to_dict(), p.tensors, self.codec)
-            if self.seal is not None:
-                p.blob = self.seal(p.blob)
-            p.checksum = digest(p.blob)
-            p.tensors = None   # the encoded blob is all we need from now on
+    def _encode(self, p: _Pending) -> bool:
+        """Encode (and seal) once. False: the delta cannot be encoded (non-finite values) and was
+        dropped with an event; the learner keeps training."""
+        if p.blob is not None:
+            return True
+        try:
+            blob = encode(DELTA_KIND, p.header.to_dict(), p.tensors, self.codec)
+        except ValueError as exc:
+            if self._release(p.header.id) is not None:
+                self.stats.nonfinite += 1
+                self.events.emit("delta-dropped", delta=p.header.id, fragment=p.header.fragment,
+                                 tokens=p.header.c_tokens, reason="non-finite", error=str(exc))
+            return False
+        if self.seal is not None:
+            blob = self.seal(blob)
+        with self._lock:
+            p.blob, p.checksum, p.tensors = blob, digest(blob), None   # the blob is all we need from now on
+            if p.header.id in self.pending:
+                self._held_bytes += len(blob) - p.size
+            p.size = len(blob)
+        return True
 
     def _syncer_alive(self, now: float) -> bool:
         return now - self._last_heard < max(3 * self.cfg.ack_timeout_s, 3 * self.cfg.heartbeat_s)
 
     def _send_unsent(self, now: float) -> None:
         for p in list(self.pending.values()):
-            if p.sent_at is not None:
+            if p.sent_at is not None or not self._encode(p):
                 continue
-            self._encode(p)
             p.sent_at = now
             p.spill_after = now + self.cfg.ack_timeout_s
             if self._link is None:
@@ -193,14 +296,14 @@ class Sender:
 
     def _read_acks(self, timeout_s: float) -> None:
         if self._link is None:
-            time.sleep(timeout_s)
+            self._stop.wait(timeout_s)
             return
         msg = self._link.recv(timeout_s)
         while msg is not None:
             self._last_heard = self.clock()
             if msg.type == "ack":
                 did = msg.fields.get("delta_id")
-                p = self.pending.pop(did, None)
+                p = self._release(did) if isinstance(did, str) else None
                 if p is not None:
                     if msg.fields.get("status") == "durable":
                         self.stats.acked += 1
@@ -212,20 +315,38 @@ class Sender:
 
     def _spill_overdue(self, now: float) -> None:
         for did, p in list(self.pending.items()):
-            if p.sent_at is None or now < p.spill_after:
+            if p.sent_at is None or now < p.spill_after or self._stop.is_set():
                 continue
-            self._encode(p)
+            if not self._encode(p):
+                continue
             key = spill_key(p.header.learner, p.header.incarnation, p.header.seq)
             try:
                 self.store.put_if_absent(key, p.blob)
             except AlreadyExists:
                 pass   # the syncer (or an earlier try of ours) already made it durable there
             except StoreError as exc:
-                self.stats.spill_errors += 1
-                self.stats.last_error = str(exc)
-                p.spill_after = now + self.cfg.retry_s   # keep it; try again (bounded by max_pending)
-                continue
-            del self.pending[did]
-            self.stats.spilled += 1
-            self.stats.bytes_spilled += len(p.blob)
-            self.events.emit("delta-spilled", delta=did, fragment=p.header.fragment, bytes=len(p.blob))
+                self._spill_failed(p, exc, now)
+                return   # the store is failing: do not block on every other delta too
+            if self._spill_failures:
+                self.events.emit("spill-recovered", after_failures=self._spill_failures)
+                self._spill_failures = 0
+            if self._release(did) is not None:
+                self.stats.spilled += 1
+                self.stats.bytes_spilled += len(p.blob)
+                self.events.emit("delta-spilled", delta=did, fragment=p.header.fragment, bytes=len(p.blob))
+
+    def _spill_failed(self, p: _Pending, exc: StoreError, now: float) -> None:
+        """Keep the delta (bounded by the caps) and retry with backoff; report the 1st, 2nd, 4th...
+        consecutive failure so that a long outage does not flood the log."""
+        self._spill_failures += 1
+        self.stats.spill_errors += 1
+        self.stats.last_error = str(exc)
+        backoff = min(self.cfg.retry_s * 2 ** min(self._spill_failures - 1, 16), self.cfg.max_retry_s)
+        for q in list(self.pending.values()):
+            if q.sent_at is not None:
+                q.spill_after = max(q.spill_after, now + backoff)
+        n = self._spill_failures
+        if n & (n - 1) == 0:
+            self.events.emit("spill-failed", delta=p.header.id, error=str(exc), consecutive=n,
+                             retryable=exc.retryable, retry_in_s=round(backoff, 3),
+                             undelivered=self.undelivered())

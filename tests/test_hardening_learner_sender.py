@@ -1,0 +1,151 @@
+"""Issue 11, learner side: the sender's memory stays bounded when storage is slow or down (item 4),
+a delta with non-finite values is dropped with an event instead of killing the sender (item 2),
+and persistent spill failures are reported (item 11). No bus: every delta goes to the spill.
+Tests wait on conditions with deadlines, never on sleeps."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from pipeline.codec import CodecConfig
+from pipeline.types import DeltaHeader
+from storage.errors import Unavailable
+from storage.layout import SPILL_PREFIX
+from storage.store import open_store
+from workers.events import EventLog
+from workers.sender import Sender, SenderConfig
+
+MB_FLOATS = (1 << 20) // 4          # one MiB of float32
+
+
+def wait_for(cond, timeout=20.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class BlockingStore:
+    """Every spill write blocks until released (a store that hangs), or fails (a store that is down)."""
+
+    def __init__(self, inner, mode: str = "block"):
+        self.inner, self.uri, self.mode = inner, inner.uri, mode
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.attempts = 0
+
+    def put_if_absent(self, key, data):
+        self.attempts += 1
+        self.entered.set()
+        if self.mode == "fail":
+            raise Unavailable("No space left on device", uri=self.uri, key=key)
+        self.release.wait(30)
+        return self.inner.put_if_absent(key, data)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class Recorder(EventLog):
+    def __init__(self):
+        super().__init__(None, "learner", "l0")
+        self.seen: list[dict] = []
+
+    def emit(self, event, **fields):
+        self.seen.append({"event": event, **fields})
+
+    def named(self, event):
+        return [e for e in list(self.seen) if e["event"] == event]
+
+
+def make_sender(store, **cfg):
+    events = Recorder()
+    sender = Sender(store, CodecConfig(scheme="fp32"), SenderConfig(retry_s=0.05, max_retry_s=0.2, **cfg), events,
+                    bus=None, identity=b"l0", heartbeat=dict)
+    sender.start()
+    return sender, events
+
+
+def header(seq, fragment, base=0, tokens=100):
+    return DeltaHeader("l0", 1, seq, fragment, base, c_steps=seq + 1, c_tokens=tokens * (seq + 1), learner_step=seq)
+
+
+def test_send_queue_stays_bounded_while_a_spill_hangs(tmp_path):
+    """Old code: 38 x 1 MB queued in 3 s and growing (an unbounded queue.Queue; superseding ran only
+    after the blocking spill). Now submit supersedes (same fragment and base) and caps count and bytes."""
+    store = BlockingStore(open_store(str(tmp_path / "run")))
+    sender, events = make_sender(store, max_pending=6, max_held_bytes=8 << 20)
+    try:
+        sender.submit(header(0, 0), {"w": np.ones(MB_FLOATS, np.float32)})
+        wait_for(store.entered.is_set, what="the first spill to start (and hang)")
+        peak = (0, 0)
+        for seq in range(1, 200):       # 4 fragments, the base changes every 10 deltas: many lineages
+            sender.submit(header(seq, seq % 4, base=seq // 10), {"w": np.full(MB_FLOATS, seq, np.float32)})
+            held = sender.held()
+            peak = (max(peak[0], held[0]), max(peak[1], held[1]))
+        assert peak[0] <= 6 + 1 and peak[1] <= (8 << 20) + (2 << 20), peak
+        s = sender.stats
+        assert s.superseded > 0 and s.evicted > 0
+        assert s.superseded + s.evicted + sender.held()[0] == s.submitted
+        assert events.named("delta-evicted") and events.named("delta-superseded")
+        # the newest delta is never the one evicted
+        queued = [p.header.seq for p in sender.queue.values()] + [p.header.seq for p in sender.pending.values()]
+        assert 199 in queued
+    finally:
+        store.release.set()
+    assert sender.drain(20), "once storage answers, everything still held becomes durable"
+    sender.stop()
+    assert len(store.inner.list(SPILL_PREFIX)) == sender.stats.spilled == sender.stats.submitted - \
+        sender.stats.superseded - sender.stats.evicted
+
+
+def test_superseding_keeps_deltas_of_another_base():
+    """A delta on another base holds progress no newer delta has: it is never superseded."""
+    sender = Sender(None, CodecConfig(scheme="fp32"), SenderConfig(), Recorder(), bus=None, identity=b"l0",
+                    heartbeat=dict)   # not started: submit alone must decide
+    sender.submit(header(0, 1, base=3), {"w": np.ones(4, np.float32)})
+    sender.submit(header(1, 1, base=3), {"w": np.ones(4, np.float32)})
+    sender.submit(header(2, 1, base=4), {"w": np.ones(4, np.float32)})
+    assert sorted(p.header.seq for p in sender.queue.values()) == [1, 2]
+    assert sender.stats.superseded == 1 and sender.stats.superseded_tokens == 100
+
+
+def test_non_finite_delta_is_dropped_not_fatal(tmp_path):
+    """Old code: encode raised in the sender thread, which died ("sender thread failed: ...
+    non-finite values") and the learner stopped. Now that delta is dropped with an event."""
+    store = open_store(str(tmp_path / "run"))
+    sender, events = make_sender(store)
+    bad = np.ones(16, np.float32)
+    bad[3] = np.nan
+    sender.submit(header(0, 0), {"w": bad})
+    sender.submit(header(1, 1), {"w": np.ones(16, np.float32)})
+    assert sender.drain(20)
+    sender.stop()
+    assert sender.failed is None
+    assert sender.stats.nonfinite == 1 and sender.stats.spilled == 1
+    (drop,) = events.named("delta-dropped")
+    assert drop["reason"] == "non-finite" and drop["delta"] == header(0, 0).id
+    assert len(store.list(SPILL_PREFIX)) == 1
+
+
+def test_persistent_spill_failure_is_reported(tmp_path):
+    """Old code: spill_errors/last_error were counted but never reported and no event was written."""
+    store = BlockingStore(open_store(str(tmp_path / "run")), mode="fail")
+    sender, events = make_sender(store)
+    for seq in range(3):
+        sender.submit(header(seq, seq), {"w": np.ones(16, np.float32)})
+    wait_for(lambda: len(events.named("spill-failed")) >= 3, what="three spill-failed events")
+    assert not sender.drain(0.2)
+    sender.stop()
+    s = sender.stats
+    assert s.spill_errors >= 3 and "No space left on device" in s.last_error
+    first = events.named("spill-failed")[0]
+    assert first["consecutive"] == 1 and "No space left" in first["error"] and first["undelivered"] == 3
+    counts = [e["consecutive"] for e in events.named("spill-failed")]
+    assert counts == sorted(counts) and all(n & (n - 1) == 0 for n in counts), "thinned: 1st, 2nd, 4th..."
+    assert sender.undelivered() == 3
