@@ -75,6 +75,10 @@ def create_run(store: ObjectStore, init: Mapping[str, np.ndarray], settings: Run
 
     ``syncer`` (its identity, secret included: it signs version 0) makes the run signed, listing
     ``learners``' public keys; more learners can join later (workers/keys.py ``add_member``)."""
+    wide = sorted(n for n, a in init.items() if str(a.dtype) in ("float64", "torch.float64"))
+    if wide:   # versions and deltas travel as fp32/bf16: a float64 model would silently lose precision
+        raise ValueError(f"the model has float64 tensors ({', '.join(wide[:3])}{' ...' if len(wide) > 3 else ''}); "
+                         "runs train float32 models: call model.float() before create_run and the Learner")
     if syncer is None and learners:
         raise ValueError("learner keys were given without the syncer's identity: a signed run needs both")
     if syncer is not None and syncer.public.role != "syncer":

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -36,8 +37,9 @@ from storage.store import ObjectStore, open_store
 from .bus import BusConfig
 from .events import EventLog
 from .keys import KeyRing, Roster, run_security
+from .nonfinite import NonFiniteGuard
 from .receiver import Receiver
-from .sender import Sender, SenderConfig
+from .sender import Sender, SenderConfig, SenderStats
 from .signing import seal_delta
 from .versions import VersionTracker
 
@@ -51,9 +53,12 @@ class LearnerConfig:
     poll_s: float = 0.5               # how often storage is polled for new versions
     drain_s: float = 30.0             # how long close() waits for deltas to become durable
     log_every: int = 10               # steps between progress events
+    stats_window: int = 1024          # recent steps kept for step-time and gap figures (bounded memory)
     keys: KeyRing | None = field(default=None, repr=False)   # required in a signed run, refused otherwise
 
     def __post_init__(self) -> None:
+        if not isinstance(self.stats_window, int) or self.stats_window < 20:
+            raise ValueError(f"stats_window must be an int >= 20, got {self.stats_window!r}")
         if self.poll_s <= 0 or self.drain_s < 0 or self.log_every < 1:
             raise ValueError("poll_s must be > 0, drain_s >= 0 and log_every >= 1")
 
@@ -82,14 +87,18 @@ class Learner:
         self.c_steps: list[int] = []
         self.c_tokens: list[int] = []
         self.tokens = 0
-        self.step_times: list[float] = []
-        self.gaps: list[float] = []        # wall time between consecutive step() calls' starts
+        # Bounded (issue 11 item 6): recent windows plus running aggregates, never per-step lists.
+        self.step_times: deque[float] = deque(maxlen=config.stats_window)
+        self.gaps: deque[float] = deque(maxlen=config.stats_window)   # between consecutive step() starts
+        self._max_gap = 0.0
+        self._step_total = (0, 0.0)       # (steps timed, seconds): the running mean step time
         self._last_start: float | None = None
         self._window_gap = 0.0             # longest gap since the last step event
         self.loss_ewma: float | None = None
         self.sender: Sender | None = None
         self.receiver: Receiver | None = None
         self.applied = 0
+        self.health = NonFiniteGuard()
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "Learner":
@@ -97,6 +106,7 @@ class Learner:
         self._check_model(d)
         curve, seal = self._security(d)
         tracker = VersionTracker(self.store, d)
+        self.health.tracker = VersionTracker(self.store, d)   # its own: the receiver's belongs to its thread
         values, versions = tracker.load_all()
         self._overwrite(values)
         for p in range(d.num_fragments):
@@ -156,6 +166,11 @@ class Learner:
         return keys.own.curve_keys(server=keys.syncer), (lambda blob: seal_delta(blob, self.id, signer, run_id))
 
     def _check_model(self, d: RunDescriptor) -> None:
+        wide = sorted(n for n, p in self.params.items() if p.dtype == torch.float64)
+        if wide:   # versions and deltas travel as fp32/bf16: a float64 model would silently lose precision
+            raise ValueError(f"learner {self.id}: the model has float64 parameters ({', '.join(wide[:3])}"
+                             f"{' ...' if len(wide) > 3 else ''}); runs train float32 models: call "
+                             "model.float() before creating the Learner (and before create_run)")
         want = {t.name: t.shape for t in d.tensors}
         have = {n: tuple(p.shape) for n, p in self.params.items()}
         if want != have:
@@ -204,11 +219,14 @@ class Learner:
         if self._last_start is not None:
             self.gaps.append(t0 - self._last_start)
             self._window_gap = max(self._window_gap, t0 - self._last_start)
+            self._max_gap = max(self._max_gap, t0 - self._last_start)
         self._last_start = t0
         self.apply_arrivals()
         self.optimizer.zero_grad(set_to_none=True)
         loss = closure()
         loss.backward()
+        if not self.health.check(self, loss):
+            return float(loss.detach())   # skipped, nothing counted; reported and repaired (workers/nonfinite.py)
         self.optimizer.step()
         d = self.descriptor
         for p in range(d.num_fragments):
@@ -220,7 +238,9 @@ class Learner:
         self.step_count += 1
         value = float(loss.detach())
         self.loss_ewma = value if self.loss_ewma is None else 0.9 * self.loss_ewma + 0.1 * value
-        self.step_times.append(self.clock() - t0)
+        took = self.clock() - t0
+        self.step_times.append(took)
+        self._step_total = (self._step_total[0] + 1, self._step_total[1] + took)
         if self.step_count % self.cfg.log_every == 0:
             self.events.emit("step", step=self.step_count, loss=round(value, 4), tokens=self.tokens,
                              step_time_s=round(self._step_time(), 5),
@@ -245,7 +265,7 @@ class Learner:
 
     # -- reporting -------------------------------------------------------------------------------
     def _step_time(self) -> float:
-        recent = self.step_times[-20:]
+        recent = list(self.step_times)[-20:]
         return statistics.median(recent) if recent else 0.0
 
     def _heartbeat(self) -> dict:
@@ -255,14 +275,24 @@ class Learner:
                 "loss": self.loss_ewma if self.loss_ewma is not None else -1.0}
 
     def stats(self) -> dict:
-        s = self.sender.stats if self.sender else None
-        gaps = sorted(self.gaps)
+        """Totals, and recent figures over bounded windows (issue 11 item 6). ``evicted``,
+        ``undelivered``, ``spill_errors``/``last_error`` say whether work was lost and why
+        (item 11); ``receiver_failed`` whether versions stopped arriving (item 12)."""
+        s = self.sender.stats if self.sender else SenderStats()
+        r = self.receiver
+        timed, seconds = self._step_total
         return {
-            "deltas": self.seq, "acked": s.acked if s else 0, "spilled": s.spilled if s else 0,
-            "superseded": s.superseded if s else 0, "superseded_tokens": s.superseded_tokens if s else 0,
-            "bytes_sent": s.bytes_sent if s else 0, "bytes_spilled": s.bytes_spilled if s else 0,
-            "versions_applied": self.applied, "receiver_errors": self.receiver.errors if self.receiver else 0,
-            "versions_refused": self.receiver.refused if self.receiver else 0,
+            "deltas": self.seq, "acked": s.acked, "spilled": s.spilled,
+            "superseded": s.superseded, "superseded_tokens": s.superseded_tokens,
+            "evicted": s.evicted, "evicted_tokens": s.evicted_tokens, "nonfinite_deltas": s.nonfinite,
+            "undelivered": self.sender.undelivered() if self.sender else 0,
+            "spill_errors": s.spill_errors, "last_error": s.last_error,
+            "bytes_sent": s.bytes_sent, "bytes_spilled": s.bytes_spilled,
+            "bytes_received": r.bytes_received if r else 0,
+            "versions_applied": self.applied, "receiver_errors": r.errors if r else 0,
+            "versions_refused": r.refused if r else 0, "receiver_failed": r.failed if r else None,
+            "nonfinite_steps": self.health.skipped, "fragments_reloaded": self.health.reloads,
             "median_step_s": statistics.median(self.step_times) if self.step_times else 0.0,
-            "max_gap_s": gaps[-1] if gaps else 0.0, "median_gap_s": statistics.median(gaps) if gaps else 0.0,
+            "mean_step_s": seconds / timed if timed else 0.0,
+            "max_gap_s": self._max_gap, "median_gap_s": statistics.median(self.gaps) if self.gaps else 0.0,
         }

@@ -6,6 +6,11 @@ newer than the newest it has handed over. The training thread collects them with
 which never blocks. The newest version per fragment wins: an older unapplied one is replaced.
 In a signed run a version whose commit or blob lacks the syncer's valid signature is refused
 (``VersionTracker.load``): logged as ``version-refused`` with the reason, counted, never applied.
+
+Health (issue 11 item 12): a commit whose version could not be loaded (storage failing) is
+retried until it loads or a newer commit supersedes it, never skipped; a failure that lasts
+(``FAIL_AFTER`` polls), a refused version or a crash of this thread shows in ``failed`` (and the
+learner's stats) and as a ``receiver-stuck`` event, so versions never silently stop arriving.
 """
 from __future__ import annotations
 
@@ -32,6 +37,9 @@ class Arrival:
     committed_at: float    # syncer wall time of the commit (from the record), for latency figures
 
 
+FAIL_AFTER = 3            # failed polls in a row before the receiver reports itself failed
+
+
 class Receiver:
     def __init__(self, tracker: VersionTracker, known: dict[int, int], events: EventLog,
                  bus: BusConfig | None, poll_s: float = 0.5, curve=None):
@@ -40,11 +48,14 @@ class Receiver:
         self._ready: dict[int, Arrival] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="receiver", daemon=True)
+        self._thread = threading.Thread(target=self._supervise, name="receiver", daemon=True)
         self.errors = 0
         self.refused = 0           # versions that failed their checks (signature, digest, size)
         self.last_error = ""
         self.syncer_epoch = -1
+        self._retry: dict[int, CommitRecord] = {}           # fragment -> commit whose version failed to load
+        self._failing: dict[str, tuple[int, str]] = {}      # what -> (failures in a row, last error)
+        self._bytes_at_start = tracker.bytes_loaded          # the start-up load is not steady-state traffic
 
     def start(self) -> None:
         self._thread.start()
@@ -84,33 +95,93 @@ class Receiver:
                 listener.close()
 
     def _poll(self, found_by: str) -> None:
+        """Read the commits after the cursor and load the newest version of each fragment they
+        name. A version that could not be loaded because storage failed is *not* passed by: its
+        commit is kept and retried every poll until it loads or a newer commit of the fragment
+        supersedes it (issue 11 item 12). One that fails its checks is refused (never applied)
+        and the fragment is reported failed until a newer version loads."""
         try:
             records = self.tracker.poll()
+            self._healthy("log")
+            self._healthy("thread")
         except (StoreError, FormatError) as exc:
-            self._error(f"log poll: {exc}")
-            return
-        newest: dict[int, CommitRecord] = {}
+            self._failing_now("log", f"log poll: {exc}")
+            records = []
+        newest: dict[int, CommitRecord] = dict(self._retry)
         for rec in records:
             if rec.kind in ("init", "merge") and rec.version > self.known.get(rec.fragment, -1):
                 newest[rec.fragment] = rec
         for p, rec in newest.items():
+            if rec.version <= self.known.get(p, -1):
+                self._retry.pop(p, None)
+                continue
             try:
                 values = self.tracker.load(rec)
             except FormatError as exc:
                 # A version that fails its checks is never applied; a later genuine one will be.
+                self._retry.pop(p, None)
                 self.refused += 1
                 self.events.emit("version-refused", fragment=p, version=rec.version, seq=rec.seq, reason=str(exc))
-                self._error(f"version {rec.output_key}: {exc}")
+                self._failing_now(f"fragment {p}", f"version {rec.version} ({rec.output_key}) refused: {exc}",
+                                  definite=True)
                 continue
             except StoreError as exc:
-                self._error(f"version {rec.output_key}: {exc}")
+                self._retry[p] = rec
+                self._failing_now(f"fragment {p}", f"version {rec.version} ({rec.output_key}): {exc}")
                 continue
+            self._retry.pop(p, None)
+            self._healthy(f"fragment {p}")
             self.known[p] = rec.version
             with self._lock:
                 self._ready[p] = Arrival(p, rec.version, rec.seq, values, found_by,
                                          float(rec.info.get("committed_at", 0.0)))
 
+    @property
+    def bytes_received(self) -> int:
+        """Bytes of version objects downloaded since start (the versions-down half of bandwidth)."""
+        return self.tracker.bytes_loaded - self._bytes_at_start
+
     def _error(self, text: str) -> None:
         self.errors += 1
         self.last_error = text
         self.events.emit("receiver-error", error=text)
+
+    # -- health (issue 11 item 12): a learner must never silently stop getting versions ------------
+    @property
+    def failed(self) -> str | None:
+        """Why versions are not arriving, once a failure has lasted ``FAIL_AFTER`` polls in a row
+        (or at once for a refused version, or a crash of this thread); None while healthy."""
+        with self._lock:
+            bad = [f"{key}: {text}" for key, (n, text) in sorted(self._failing.items()) if n >= FAIL_AFTER]
+        return "; ".join(bad) or None
+
+    def _failing_now(self, key: str, text: str, definite: bool = False) -> None:
+        """Count a failure of ``key`` ("log", "fragment P", "thread"); report the 1st, 2nd, 4th...
+        in a row, and ``receiver-stuck`` when it crosses ``FAIL_AFTER``."""
+        self.errors += 1
+        self.last_error = text
+        with self._lock:
+            n = self._failing.get(key, (0, ""))[0] + (FAIL_AFTER if definite else 1)
+            self._failing[key] = (n, text)
+        if n & (n - 1) == 0 or definite:
+            self.events.emit("receiver-error", error=text, what=key, consecutive=n)
+        if n >= FAIL_AFTER and n - (FAIL_AFTER if definite else 1) < FAIL_AFTER:
+            self.events.emit("receiver-stuck", what=key, error=text)
+
+    def _healthy(self, key: str) -> None:
+        with self._lock:
+            was = self._failing.pop(key, None)
+        if was is not None and was[0] >= FAIL_AFTER:
+            self.events.emit("receiver-recovered", what=key, after=was[0])
+
+    def _supervise(self) -> None:
+        """The thread's body: ``_run``, restarted after an unexpected error (reported, and shown
+        in ``failed`` until the next successful poll) - the receiver never dies silently."""
+        while not self._stop.is_set():
+            try:
+                self._run()
+                return
+            except Exception as exc:   # noqa: BLE001 - anything: a dead receiver means no more versions
+                self._failing_now("thread", f"receiver crashed, restarting: {exc.__class__.__name__}: {exc}",
+                                  definite=True)
+                self._stop.wait(1.0)

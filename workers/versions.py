@@ -19,7 +19,7 @@ from pipeline.checksum import tensor_digest
 from pipeline.codec import CodecConfig, decode, encode
 from pipeline.errors import FormatError
 from pipeline.types import CommitRecord, RunDescriptor
-from storage.errors import NotFound
+from storage.errors import NotFound, StoreError
 from storage.log import CommitLog
 from storage.store import ObjectStore
 from .keys import run_security
@@ -90,6 +90,7 @@ class VersionTracker:
         self.cursor = -1   # seq of the last commit seen
         self.security = run_security(descriptor)
         self.refused: list[str] = []       # commits skipped by latest() for a bad signature
+        self.bytes_loaded = 0              # bytes of version objects downloaded by load()
 
     def latest(self) -> dict[int, CommitRecord]:
         """The newest version-carrying commit of every fragment, scanning back from the tail.
@@ -114,12 +115,18 @@ class VersionTracker:
         return found
 
     def poll(self, limit: int = 256) -> list[CommitRecord]:
-        """Commits after the cursor (at most ``limit``); advances the cursor."""
+        """Commits after the cursor (at most ``limit``); the cursor moves past exactly the commits
+        returned. A read that fails after some commits were read returns those (the failing one is
+        read again next time); with none read, the error is raised."""
         out = []
         while len(out) < limit:
             try:
                 rec = self.log.read(self.cursor + 1)
             except NotFound:
+                break
+            except (StoreError, FormatError):
+                if not out:
+                    raise
                 break
             self.cursor += 1
             out.append(rec)
@@ -129,7 +136,9 @@ class VersionTracker:
         size, limit = self.store.head(record.output_key).size, max_version_bytes(self.descriptor)
         if size > limit:   # checked before downloading: a planted huge object must not exhaust memory
             raise FormatError(f"{record.output_key}: {size} bytes exceeds the run's version size limit {limit}")
-        return decode_version(self.store.get(record.output_key), self.descriptor, record)
+        blob = self.store.get(record.output_key)
+        self.bytes_loaded += len(blob)      # versions-down traffic, for bandwidth figures
+        return decode_version(blob, self.descriptor, record)
 
     def load_all(self) -> tuple[dict[str, np.ndarray], dict[int, int]]:
         """The full global model as it stands now: values and the version of each fragment."""
