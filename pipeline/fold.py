@@ -8,7 +8,8 @@ read-only and shared between successive states).
 
 Per round of fragment p, for each input (sorted by learner, incarnation, seq):
 dropped with a recorded reason if rejected by the caller, for another fragment, already merged
-(high-water mark), without steps, based on a future or forgotten version, undecodable, of the wrong
+(high-water mark; ``stale-incarnation`` when a newer life of its learner was merged), without steps or
+tokens, based on a future or forgotten version, undecodable, of the wrong
 shape, non-finite, or older than another delta of the same learner in the round. For survivors:
 ``theta_m = Theta^(base) - Delta_m`` and ``v_m = Theta^(current) - theta_m`` with published values
 (what learners received), computed as ``(Theta^(current) - Theta^(base)) + Delta_m`` in float64 so
@@ -37,6 +38,7 @@ __all__ = ["FragmentState", "SyncerState", "RoundInput", "FoldResult", "ReplayMi
            "initial_state", "fold", "fold_fence", "check_commit", "CHECKPOINT_KIND", "CHECKPOINT_VERSION"]
 
 CHECKPOINT_KIND = "syncer-checkpoint"
+NON_FINITE_RESULT = "non-finite-result"   # the merged step overflowed: the round's survivors are dropped
 CHECKPOINT_VERSION = 1
 
 
@@ -235,17 +237,25 @@ def _check_seq(state: SyncerState, seq: int) -> None:
 
 
 def _why_dropped(inp: RoundInput, fragment: int, fs: FragmentState, hw: Mapping[str, tuple[int, int]],
-                 specs: Mapping[str, tuple[int, ...]], seen: set[str]) -> str:
-    """The reason to drop one input, or "" to keep it. Metadata first, then contents."""
+                 specs: Mapping[str, tuple[int, ...]], seen: set[str], legacy: bool = False) -> str:
+    """The reason to drop one input, or "" to keep it. Metadata first, then contents.
+    ``legacy``: a learner-driven run's log, replayed with the reasons it was written with."""
     h = inp.header
     if inp.reject_reason:
         return inp.reject_reason
     if h.fragment != fragment:
         return "wrong-fragment"
-    if h.id in seen or (h.learner in hw and h.order <= hw[h.learner]):
+    mark = hw.get(h.learner)
+    if h.id in seen or (mark is not None and h.order <= tuple(mark)):
+        if not legacy and h.id not in seen and h.incarnation < mark[0]:
+            # A newer life of this learner id was merged: this life restarted since, or two processes
+            # run under one id (each claims its own incarnation from storage; issue 11 item 13).
+            return f"stale-incarnation: incarnation {mark[0]} of {h.learner} was merged since"
         return "duplicate"
     if h.c_steps == 0:
         return "zero-steps"
+    if h.c_tokens == 0:    # weighs nothing (SPEC §4 token weight) and must never reach token_weights
+        return "zero-tokens"
     if h.base_version > fs.version:
         return "base-from-future"
     if h.base_version not in fs.history:
@@ -261,6 +271,19 @@ def _why_dropped(inp: RoundInput, fragment: int, fs: FragmentState, hw: Mapping[
     return ""
 
 
+def _lineage(h: DeltaHeader, schedule: str) -> tuple:
+    """Deltas that measure the same progress: the newest of a lineage carries all of it.
+
+    A learner's delta is cumulative since its base version, so a newer delta on the same base
+    (same learner life) holds an older one's progress and supersedes it. On another base the
+    learner applied a version in between: the older delta's progress (a late answer, SPEC §4) is not
+    in the newer one and both are merged. Learner-driven runs (old logs) kept one delta per learner.
+    """
+    if schedule == "learner":
+        return (h.learner,)
+    return (h.learner, h.incarnation, h.base_version)
+
+
 def _dropped(inp: RoundInput, reason: str) -> DroppedRecord:
     h = inp.header
     return DroppedRecord(h.id, h.learner, inp.key, inp.checksum, reason, h.c_tokens)
@@ -268,7 +291,7 @@ def _dropped(inp: RoundInput, reason: str) -> DroppedRecord:
 
 def fold(state: SyncerState, descriptor: RunDescriptor, fragment: int, inputs: Sequence[RoundInput], *,
          seq: int, epoch: int, output_key: str, quorum: int = 0, grace_wait_s: float = 0.0,
-         info: dict | None = None) -> FoldResult:
+         info: dict | None = None, round_id: int = -1) -> FoldResult:
     """Fold one round of ``fragment`` into the next state and its commit record (see module doc)."""
     _check_seq(state, seq)
     if not 0 <= fragment < descriptor.num_fragments or len(state.fragments) != descriptor.num_fragments:
@@ -283,24 +306,28 @@ def fold(state: SyncerState, descriptor: RunDescriptor, fragment: int, inputs: S
     candidates: list[RoundInput] = []
     seen: set[str] = set()
     for inp in ordered:
-        reason = _why_dropped(inp, fragment, fs, hw, specs, seen)
+        reason = _why_dropped(inp, fragment, fs, hw, specs, seen, descriptor.schedule == "learner")
         if reason:
             dropped.append(_dropped(inp, reason))
         else:                                    # a later copy of a kept delta (fast path + spill) is a duplicate
             seen.add(inp.header.id)
             candidates.append(inp)
-    newest = {i.header.learner: i for i in candidates}          # sorted ascending: the last one per learner wins
-    survivors = [i for i in candidates if newest[i.header.learner] is i]
-    dropped += [_dropped(i, "superseded") for i in candidates if newest[i.header.learner] is not i]
+    newest = {_lineage(i.header, descriptor.schedule): i for i in candidates}   # sorted ascending: the last wins
+    survivors = [i for i in candidates if newest[_lineage(i.header, descriptor.schedule)] is i]
+    dropped += [_dropped(i, "superseded") for i in candidates
+                if newest[_lineage(i.header, descriptor.schedule)] is not i]
     dropped.sort(key=lambda d: (d.learner, d.delta_id, d.key))
     info = dict(info or {})
 
-    if not survivors:
+    def drop_commit(dropped: list[DroppedRecord]) -> FoldResult:
         new_state = SyncerState(list(state.fragments), list(state.high_water), seq, state.run_id)
         record = CommitRecord(seq=seq, epoch=epoch, kind="drop", fragment=fragment, version=fs.version,
                               dropped=tuple(dropped), high_water={m: list(o) for m, o in sorted(hw.items())},
-                              quorum=quorum, grace_wait_s=float(grace_wait_s), info=info)
+                              quorum=quorum, grace_wait_s=float(grace_wait_s), info=info, round=round_id)
         return FoldResult(new_state, record, None)
+
+    if not survivors:
+        return drop_commit(dropped)
 
     current = fs.history[fs.version]
     grads = []
@@ -316,6 +343,11 @@ def fold(state: SyncerState, descriptor: RunDescriptor, fragment: int, inputs: S
     cfg = MergeConfig(descriptor.merge, frozenset(descriptor.embedding_tensors))
     g = merge_fragment(grads, weights, cfg)
     params, momentum = nesterov_step(fs.params, fs.momentum, g, descriptor.outer_lr, descriptor.outer_momentum)
+    if not all(np.all(np.isfinite(a)) for d in (params, momentum) for a in d.values()):
+        # Finite inputs whose merge overflows float32 (only without the norm guard, which caps
+        # them): recorded, never published, never raised (issue 11 item 1).
+        every = dropped + [_dropped(i, NON_FINITE_RESULT) for i in survivors]
+        return drop_commit(sorted(every, key=lambda d: (d.learner, d.delta_id, d.key)))
     params = {n: _frozen(a) for n, a in params.items()}
     momentum = {n: _frozen(a) for n, a in momentum.items()}
     version = fs.version + 1
@@ -337,12 +369,12 @@ def fold(state: SyncerState, descriptor: RunDescriptor, fragment: int, inputs: S
                                 seq=i.header.seq, key=i.key, checksum=i.checksum, base_version=i.header.base_version,
                                 c_steps=i.header.c_steps, c_tokens=i.header.c_tokens,
                                 learner_step=i.header.learner_step, weight=float(w),
-                                staleness=fs.version - i.header.base_version)
+                                staleness=fs.version - i.header.base_version, round=i.header.round)
                     for i, w in zip(survivors, weights))
     record = CommitRecord(seq=seq, epoch=epoch, kind="merge", fragment=fragment, version=version, inputs=records,
                           dropped=tuple(dropped), output_key=output_key, output_checksum=tensor_digest(pub),
                           high_water={m: list(o) for m, o in sorted(new_hw.items())}, quorum=quorum,
-                          grace_wait_s=float(grace_wait_s), info=info)
+                          grace_wait_s=float(grace_wait_s), info=info, round=round_id)
     return FoldResult(new_state, record, pub)
 
 
@@ -410,6 +442,7 @@ def check_commit(state: SyncerState, descriptor: RunDescriptor, record: CommitRe
     if record.kind not in ("merge", "drop"):
         raise ValueError(f"check_commit: a {record.kind!r} commit is not produced by fold")
     res = fold(state, descriptor, record.fragment, inputs, seq=record.seq, epoch=record.epoch,
-               output_key=record.output_key, quorum=record.quorum, grace_wait_s=record.grace_wait_s, info=record.info)
+               output_key=record.output_key, quorum=record.quorum, grace_wait_s=record.grace_wait_s, info=record.info,
+               round_id=record.round)
     _compare(record, res.record, recorded_output, res.published)
     return res

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["PolicyConfig", "Pending", "Timing", "Decision", "Ewma", "grace_window", "decide"]
+__all__ = ["PolicyConfig", "Pending", "Timing", "Decision", "Ewma", "grace_window", "decide", "late_deadline"]
 
 
 def _finite(name: str, value: float, minimum: float = 0.0) -> None:
@@ -54,6 +54,7 @@ class Pending:
     arrived_at: float
     c_steps: int
     c_tokens: int
+    round: int = -1             # the round it answers (-1: learner-driven runs)
 
 
 @dataclass(frozen=True)
@@ -117,14 +118,18 @@ def grace_window(cfg: PolicyConfig, timing: Timing, quorum_wait_s: float) -> flo
 
 
 def decide(pending: Sequence[Pending], now: float, cfg: PolicyConfig, timing: Timing,
-           live_learners: int | None = None) -> Decision:
+           live_learners: int | None = None, round_id: int | None = None) -> Decision:
     """Decide one fragment's round from its pending deltas at time ``now``.
 
     Per learner only the newest delta counts (older ones are superseded). Learners whose newest
-    delta has ``c_steps == 0`` do not count toward the quorum. The quorum is met when the K-th
-    distinct learner had a pending delta (its first pending arrival); the round started at the
+    delta has ``c_steps == 0`` or ``c_tokens == 0`` do not count toward the quorum (the fold drops
+    them). The quorum is met when the K-th distinct learner had a pending delta (its first pending arrival); the round started at the
     earliest pending arrival among counting learners. If ``live_learners`` is known and every live
     learner has reported, the round closes at once.
+
+    ``round_id`` (syncer-driven rounds, SPEC §4): only answers to this round (or a later one) count
+    toward its quorum; late answers to earlier rounds are merged with it but never close it.
+    ``merge`` then lists every pending delta: the fold decides which supersede which.
     """
     _finite("now", now, minimum=-math.inf)
     if live_learners is not None and (not isinstance(live_learners, int) or live_learners < 0):
@@ -142,7 +147,16 @@ def decide(pending: Sequence[Pending], now: float, cfg: PolicyConfig, timing: Ti
     merge_set = tuple(newest[learner].delta_id for learner in sorted(newest))
     if not newest:
         return Decision((), (), None, None, None, "empty")
-    counting = sorted((first_arrival[m], m) for m, p in newest.items() if p.c_steps > 0)
+    if round_id is not None:
+        merge_set = tuple(p.delta_id for p in sorted(pending, key=lambda p: (p.learner, p.order, p.delta_id)))
+        superseded = ()
+        answers = [p for p in pending if p.round >= round_id and p.c_steps > 0 and p.c_tokens > 0]
+        first_arrival = {}
+        for p in answers:
+            first_arrival[p.learner] = min(first_arrival.get(p.learner, p.arrived_at), p.arrived_at)
+        counting = sorted((t, m) for m, t in first_arrival.items())
+    else:
+        counting = sorted((first_arrival[m], m) for m, p in newest.items() if p.c_steps > 0 and p.c_tokens > 0)
     if len(counting) < cfg.quorum:
         return Decision((), superseded, None, None, None, "quorum-not-met")
     round_start = counting[0][0]
@@ -154,3 +168,17 @@ def decide(pending: Sequence[Pending], now: float, cfg: PolicyConfig, timing: Ti
     if now >= close_at:
         return Decision(merge_set, superseded, 0.0, quorum_met_at, grace, "grace-expired")
     return Decision((), superseded, close_at - now, quorum_met_at, grace, "grace")
+
+
+def late_deadline(oldest_arrival: float, step_time_s: float, sync_every: int) -> float:
+    """When late answers that no round took stop waiting for one (SPEC §4, syncer-driven rounds).
+
+    A late answer joins its fragment's next round; if that round cannot close (no learner left
+    to answer it: the run is ending, or everyone stalled) it is merged on its own once two full
+    round periods (2·H steps) have passed since it arrived, so no delta waits forever.
+    """
+    _finite("oldest_arrival", oldest_arrival, minimum=-math.inf)
+    _finite("step_time_s", step_time_s)
+    if not isinstance(sync_every, int) or sync_every < 1:
+        raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
+    return oldest_arrival + 2 * sync_every * step_time_s

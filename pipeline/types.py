@@ -55,6 +55,7 @@ class DeltaHeader:
     c_steps: int
     c_tokens: int
     learner_step: int
+    round: int = -1       # the syncer's round this delta answers (SPEC §4); -1: learner-driven (old runs)
 
     KIND = "delta-header"
     VERSION = 1
@@ -65,6 +66,8 @@ class DeltaHeader:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"delta header field {name} must be a non-negative int, got {v!r}")
+        if not isinstance(self.round, int) or isinstance(self.round, bool) or self.round < -1:
+            raise ValueError(f"delta header field round must be an int >= -1, got {self.round!r}")
 
     @property
     def id(self) -> str:
@@ -84,6 +87,8 @@ class DeltaHeader:
         kw = {"learner": _get(d, "learner", str, what)}
         for name in ("incarnation", "seq", "fragment", "base_version", "c_steps", "c_tokens", "learner_step"):
             kw[name] = _get(d, name, int, what)
+        if isinstance(d, dict) and "round" in d:      # absent in headers written before syncer-driven rounds
+            kw["round"] = _get(d, "round", int, what)
         try:
             return cls(**kw)
         except ValueError as exc:
@@ -149,6 +154,7 @@ class InputRecord:
     learner_step: int
     weight: float         # normalised token weight used in the merge
     staleness: int        # current version minus base version at merge time
+    round: int = -1       # the round the delta answered (its header's); -1 in learner-driven runs
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -158,6 +164,8 @@ class InputRecord:
         what = "commit input"
         kw: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
+            if f.name == "round" and isinstance(d, dict) and "round" not in d:
+                continue                              # records written before syncer-driven rounds
             typ = {"str": str, "int": int, "float": float}[f.type if isinstance(f.type, str) else f.type.__name__]
             kw[f.name] = _get(d, f.name, typ, what)
         return cls(**kw)
@@ -185,6 +193,7 @@ class DroppedRecord:
 
 
 COMMIT_KINDS = ("init", "fence", "merge", "drop")  # drop: deltas rejected, no new version
+SCHEDULES = ("syncer", "learner")
 
 
 @dataclass(frozen=True)
@@ -205,6 +214,7 @@ class CommitRecord:
     quorum: int = 0
     grace_wait_s: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)  # timings, syncer id; never secrets
+    round: int = -1       # the round this commit closed (SPEC §4); -1: none (learner-driven runs, drops)
 
     KIND = "commit"
     VERSION = 1
@@ -223,6 +233,7 @@ class CommitRecord:
             "output_checksum": self.output_checksum,
             "high_water": {k: list(v) for k, v in self.high_water.items()},
             "quorum": self.quorum, "grace_wait_s": self.grace_wait_s, "info": dict(self.info),
+            "round": self.round,
         }
 
     @classmethod
@@ -241,6 +252,7 @@ class CommitRecord:
                 output_key=_get(d, "output_key", str, what), output_checksum=_get(d, "output_checksum", str, what),
                 high_water={k: list(v) for k, v in hw.items()}, quorum=_get(d, "quorum", int, what),
                 grace_wait_s=_get(d, "grace_wait_s", float, what), info=_get(d, "info", dict, what),
+                round=_get(d, "round", int, what) if isinstance(d, dict) and "round" in d else -1,
             )
         except ValueError as exc:
             if isinstance(exc, FormatError):
@@ -284,6 +296,8 @@ class RunDescriptor:
     retain_versions: int = 16
     mixing_alpha: float = 0.0
     fragment_strategy: str = "balanced"
+    schedule: str = "syncer"             # syncer: rounds opened by the syncer (SPEC §3-4); learner: old runs
+    keep_progress: bool = False          # learners keep their steps since the answer when a version lands
     seed: int = 0
     model: dict[str, Any] = field(default_factory=dict)   # model config for jobs that build one
     extra: dict[str, Any] = field(default_factory=dict)   # forward-compatible, never secrets
@@ -323,6 +337,8 @@ class RunDescriptor:
             raise ValueError(f"retain_versions must be >= 1, got {self.retain_versions}")
         if not 0.0 <= self.mixing_alpha < 1.0:
             raise ValueError(f"mixing_alpha must lie in [0, 1), got {self.mixing_alpha}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule {self.schedule!r} not one of {SCHEDULES}")
 
     @property
     def num_fragments(self) -> int:
@@ -360,6 +376,9 @@ class RunDescriptor:
             kw["fragments"] = tuple(tuple(f) for f in _get(d, "fragments", list, what))
             kw["offsets"] = tuple(_get(d, "offsets", list, what))
             kw["embedding_tensors"] = tuple(kw.get("embedding_tensors", ()))
+            # Descriptors written before syncer-driven rounds had learners send on their own step
+            # counters: their logs replay with that run's rules (pipeline/fold.py).
+            kw.setdefault("schedule", "learner")
             return cls(**kw)
         except (TypeError, ValueError) as exc:
             if isinstance(exc, FormatError):

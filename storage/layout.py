@@ -9,6 +9,7 @@ is one directory level deep, where every backend (SeaweedFS included) lists in b
     epochs/0000000001                           syncer epoch claims (create-if-absent)
     log/00000000000000000000                    commit records (create-if-absent, never deleted)
     hints/log-head                              advisory: last known commit seq (overwritten)
+    hints/round-clock                           the syncer's global step, for bus-less learners (overwritten)
     versions/f00000/v000000000000[-e<epoch>]    fragment versions (written before their commit)
     deltas/<learner>/i0000000000/s000000000000  deltas a commit merged (written before it)
     spill/<learner>/i0000000000/s000000000000   deltas learners spilled when the fast path failed
@@ -34,6 +35,7 @@ DESCRIPTOR_KEY = "run.descriptor"
 EPOCH_PREFIX = "epochs/"
 LOG_PREFIX = "log/"
 HEAD_HINT_KEY = "hints/log-head"
+CLOCK_KEY = "hints/round-clock"     # pipeline/schedule.py ClockRecord: where rounds stand (advisory)
 VERSION_PREFIX = "versions/"
 DELTA_PREFIX = "deltas/"
 SPILL_PREFIX = "spill/"

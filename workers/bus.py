@@ -1,7 +1,7 @@
 """The ZeroMQ fast path between learners and the syncer (docs/protocol.md, SPEC §7).
 
 Two sockets: *ingest* (syncer ROUTER <- learner DEALER: hello, delta, heartbeat up; ack down) and
-*announce* (syncer PUB -> learner SUB: version, syncer-heartbeat). Every message is multipart:
+*announce* (syncer PUB -> learner SUB: round, version, syncer-heartbeat). Every message is multipart:
 frame 0 a sealed ``bus`` record, frame 1 an optional blob. Receivers enforce a byte limit through
 ``ZMQ_MAXMSGSIZE`` (libzmq drops the message before allocating it) and again when decoding.
 Nothing here is needed for correctness: storage is the truth, the bus only makes things faster.
@@ -16,6 +16,7 @@ small records, so their size limit is the head limit.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -28,7 +29,7 @@ from pipeline.errors import FormatError
 
 BUS_KIND = "bus"
 BUS_VERSION = 1
-MESSAGE_TYPES = ("hello", "heartbeat", "delta", "ack", "version", "syncer-heartbeat")
+MESSAGE_TYPES = ("hello", "heartbeat", "delta", "ack", "version", "syncer-heartbeat", "round")
 HEAD_MAX_BYTES = 64 << 10   # frame 0 is a small record; anything bigger is hostile or broken
 
 
@@ -214,8 +215,9 @@ class LearnerLink:
     """A learner's DEALER to the syncer's ingest socket. Used by the sender thread only."""
 
     def __init__(self, cfg: BusConfig, identity: bytes, ctx: zmq.Context | None = None,
-                 curve: CurveKeys | None = None):
+                 curve: CurveKeys | None = None, wake_fd: int | None = None):
         self.cfg = cfg
+        self.wake_fd = wake_fd      # a pipe the training thread writes to: recv() returns at once
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         _limit(self.sock, cfg, 2 * HEAD_MAX_BYTES)    # it only receives acks
@@ -225,6 +227,8 @@ class LearnerLink:
         self.sock.connect(cfg.ingest)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
+        if wake_fd is not None:
+            self.poller.register(wake_fd, zmq.POLLIN)
 
     def send(self, msg: Message) -> bool:
         """Queue ``msg``; False when it would block (not connected or high-water mark)."""
@@ -235,7 +239,10 @@ class LearnerLink:
             return False
 
     def recv(self, timeout_s: float) -> Message | None:
-        if not self.poller.poll(max(0, int(timeout_s * 1000))):
+        ready = dict(self.poller.poll(max(0, int(timeout_s * 1000))))
+        if self.wake_fd is not None and self.wake_fd in ready:
+            drain_wake(self.wake_fd)
+        if self.sock not in ready:
             return None
         frames = self.sock.recv_multipart()
         try:
@@ -270,6 +277,15 @@ class AnnounceListener:
 
     def close(self) -> None:
         self.sock.close(0)
+
+
+def drain_wake(fd: int) -> None:
+    """Empty a non-blocking wake-up pipe."""
+    try:
+        while os.read(fd, 4096):
+            pass
+    except (BlockingIOError, OSError):
+        pass
 
 
 def _bind(sock: zmq.Socket, endpoint: str) -> str:

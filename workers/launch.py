@@ -37,12 +37,12 @@ class RunSettings:
 
     fragments: int = 4                 # P
     sync_every: int = 8                # H (each fragment synced every H steps)
-    overlap: int = 1                   # tau
+    overlap: int = 2                   # tau (the paper's main setting)
     quorum: int = 1                    # K
     compression: str = "int4"
     block_size: int = 64
     zstd_level: int = 3
-    version_dtype: str = "fp32"
+    version_dtype: str = "bf16"        # versions travel in bf16; the syncer keeps fp32 master state
     merge: str = "rda"
     strategy: str = "balanced"
     outer_lr: float = 0.7
@@ -51,6 +51,7 @@ class RunSettings:
     grace_cap_s: float = 0.0
     retain_versions: int = 16
     mixing_alpha: float = 0.0
+    keep_progress: bool = False        # learners keep their steps since the answer (issue "Rounds")
     seed: int = 0
     run_id: str = ""
     norm_guard: NormGuardConfig | None = None     # off by default (pipeline/guard.py)
@@ -100,7 +101,8 @@ def create_run(store: ObjectStore, init: Mapping[str, np.ndarray], settings: Run
         version_dtype=settings.version_dtype, merge=settings.merge, embedding_tensors=emb,
         outer_lr=settings.outer_lr, outer_momentum=settings.outer_momentum, grace_gamma=settings.grace_gamma,
         grace_cap_s=settings.grace_cap_s, retain_versions=settings.retain_versions,
-        mixing_alpha=settings.mixing_alpha, fragment_strategy=settings.strategy, seed=settings.seed,
+        mixing_alpha=settings.mixing_alpha, keep_progress=settings.keep_progress,
+        fragment_strategy=settings.strategy, seed=settings.seed,
         model=dict(settings.model), extra=extra)
     write_descriptor(store, desc)
     values = published({n: np.asarray(a, dtype=np.float32) for n, a in init.items()}, desc.version_dtype)

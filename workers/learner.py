@@ -9,9 +9,12 @@ Public API (the default job uses it too)::
         learner.step(lambda: loss_fn(model(x), y), tokens=x.numel())
     learner.close()                        # waits (bounded) until its deltas are durable
 
-Each ``step``: apply fragment versions that arrived (overwrite θ_p, reset p's counters, remember the
-version as base), one inner optimizer step, bump the counters, and when fragment p is due hand
-``Δ = base_p − θ_p`` to the background sender. Nothing in ``step`` touches the network or storage.
+Each ``step`` (SPEC §3): answer every round the syncer opened since the last step (hand
+``Δ_p = base_p − θ_p`` to the background sender, header naming the round), apply fragment versions
+that arrived (overwrite θ_p, reset p's counters, remember the version as base) - answering first
+for a version whose round it still owes, so that no unsent work is overwritten - then one inner
+optimizer step and bump the counters. The syncer, not the learner, decides when p is synced.
+Nothing in ``step`` touches the network or storage.
 
 Security (docs/security.md): a signed run needs ``LearnerConfig.keys`` (the learner's identity and
 the syncer's pinned public key); the learner then signs its deltas, talks CURVE to the syncer, and
@@ -30,7 +33,7 @@ import numpy as np
 import torch
 
 from pipeline.codec import CodecConfig
-from pipeline.fragment import due_fragments, extract
+from pipeline.fragment import extract
 from pipeline.types import DeltaHeader, RunDescriptor, check_learner_id
 from storage.layout import read_descriptor
 from storage.store import ObjectStore, open_store
@@ -84,6 +87,8 @@ class Learner:
         self.seq = 0
         self.base: dict[int, dict[str, np.ndarray]] = {}
         self.base_version: dict[int, int] = {}
+        self.answered: dict[int, tuple[int, int]] = {}   # fragment -> (syncer epoch, round) last answered
+        self._at_answer: dict[int, tuple] = {}   # keep_progress: fragment -> (θ_p, c_steps, c_tokens) at the answer
         self.c_steps: list[int] = []
         self.c_tokens: list[int] = []
         self.tokens = 0
@@ -103,6 +108,9 @@ class Learner:
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "Learner":
         d = self.descriptor = read_descriptor(self.store)
+        if d.schedule != "syncer":
+            raise ValueError(f"run {d.run_id} was created before syncer-driven rounds (schedule {d.schedule!r}): "
+                             "its log still replays, but learners of this version cannot train it; create a new run")
         self._check_model(d)
         curve, seal = self._security(d)
         tracker = VersionTracker(self.store, d)
@@ -112,6 +120,7 @@ class Learner:
         for p in range(d.num_fragments):
             self.base[p] = {n: values[n].copy() for n in d.fragments[p]}
             self.base_version[p] = versions[p]
+            self.answered[p] = (-1, -1)
         self.c_steps = [0] * d.num_fragments
         self.c_tokens = [0] * d.num_fragments
         codec = CodecConfig(scheme=d.compression, block_size=d.block_size, zstd_level=d.zstd_level)
@@ -191,17 +200,35 @@ class Learner:
             else:
                 self.params[name].copy_(t)
 
+    @torch.no_grad()
+    def _carry(self, p: int, values: dict[str, np.ndarray], at_answer: dict[str, np.ndarray], steps: int,
+               tokens: int) -> None:
+        """``keep_progress`` (an option beyond the paper, issue "Rounds"): θ_p ← Θ_new + (θ_p − θ_p at
+        the answer). The steps taken since the answer are not overwritten: the counters keep them and
+        the next answer (against Θ_new) carries them to the syncer."""
+        for name, v in values.items():
+            since = self.params[name] - torch.from_numpy(at_answer[name]).to(self.params[name].dtype)
+            self.params[name].copy_(torch.from_numpy(v).to(self.params[name].dtype) + since)
+        self.c_steps[p] = max(0, self.c_steps[p] - steps)
+        self.c_tokens[p] = max(0, self.c_tokens[p] - tokens)
+
     def apply_arrivals(self) -> int:
         """Apply every version that arrived since the last step; returns how many."""
         n = 0
         for a in self.receiver.take():
             if a.version <= self.base_version[a.fragment]:
                 continue
-            self._overwrite(a.values)
+            if a.round >= 0 and (a.epoch, a.round) > self.answered[a.fragment]:
+                self._answer(a.fragment, (a.epoch, a.round))   # never overwrite work not yet sent
+            kept = self._at_answer.pop(a.fragment, None) if self.descriptor.keep_progress else None
+            if kept is None:
+                self._overwrite(a.values)
+                self.c_steps[a.fragment] = 0
+                self.c_tokens[a.fragment] = 0
+            else:
+                self._carry(a.fragment, a.values, *kept)
             self.base[a.fragment] = a.values
             self.base_version[a.fragment] = a.version
-            self.c_steps[a.fragment] = 0
-            self.c_tokens[a.fragment] = 0
             self.applied += 1
             n += 1
             self.events.emit("version-applied", fragment=a.fragment, version=a.version, seq=a.seq,
@@ -210,7 +237,9 @@ class Learner:
         return n
 
     def step(self, closure: Callable[[], torch.Tensor], tokens: int) -> float:
-        """One inner step. ``closure`` computes the loss (forward); ``tokens`` it consumed."""
+        """One inner step. ``closure`` computes the loss (forward); ``tokens`` it consumed (> 0)."""
+        if not isinstance(tokens, (int, np.integer)) or isinstance(tokens, bool) or tokens <= 0:   # SPEC §4 weights
+            raise ValueError(f"learner {self.id}: step(tokens=...) must be a positive int, got {tokens!r}")
         if self.sender is None:
             raise RuntimeError("call start() before step()")
         if self.sender.failed is not None:
@@ -221,6 +250,7 @@ class Learner:
             self._window_gap = max(self._window_gap, t0 - self._last_start)
             self._max_gap = max(self._max_gap, t0 - self._last_start)
         self._last_start = t0
+        self.answer_rounds()
         self.apply_arrivals()
         self.optimizer.zero_grad(set_to_none=True)
         loss = closure()
@@ -233,8 +263,6 @@ class Learner:
             self.c_steps[p] += 1
             self.c_tokens[p] += tokens
         self.tokens += tokens
-        for p in due_fragments(self.step_count, d.sync_every, d.offsets):
-            self._emit_delta(p)
         self.step_count += 1
         value = float(loss.detach())
         self.loss_ewma = value if self.loss_ewma is None else 0.9 * self.loss_ewma + 0.1 * value
@@ -251,16 +279,35 @@ class Learner:
             self._window_gap = 0.0
         return value
 
-    def _emit_delta(self, p: int) -> None:
+    def answer_rounds(self) -> int:
+        """Answer every round opened since the last step boundary (the newest one per fragment);
+        returns how many deltas were handed to the sender."""
+        n = 0
+        for p, opened in sorted(self.receiver.opened().items()):
+            if opened > self.answered.get(p, (-1, -1)):
+                n += self._answer(p, opened)
+        return n
+
+    def _answer(self, p: int, opened: tuple[int, int]) -> int:
+        self.answered[p] = opened
+        if self.c_steps[p] == 0:
+            return 0        # nothing trained on p since its last version: nothing to say
+        self._emit_delta(p, opened[1])
+        return 1
+
+    def _emit_delta(self, p: int, round_id: int) -> None:
         names = self.descriptor.fragments[p]
         current = extract(self.params, names)
         delta = {n: self.base[p][n] - current[n] for n in names}
+        # learner_step = the last step whose work the delta holds (steps are counted after they end).
         header = DeltaHeader(self.id, self.incarnation, self.seq, p, self.base_version[p], self.c_steps[p],
-                             self.c_tokens[p], self.step_count)
+                             self.c_tokens[p], max(self.step_count - 1, 0), round_id)
         self.seq += 1
+        if self.descriptor.keep_progress:
+            self._at_answer[p] = (current, header.c_steps, header.c_tokens)
         # Every produced delta is logged, so a run's ledger can account for each one (docs/chaos.md).
         self.events.emit("delta", delta=header.id, fragment=p, base=header.base_version, steps=header.c_steps,
-                         tokens=header.c_tokens, step=header.learner_step)
+                         tokens=header.c_tokens, step=header.learner_step, round=round_id)
         self.sender.submit(header, delta)
 
     # -- reporting -------------------------------------------------------------------------------
@@ -268,10 +315,16 @@ class Learner:
         recent = list(self.step_times)[-20:]
         return statistics.median(recent) if recent else 0.0
 
+    def _period(self) -> float:
+        """Step-to-step time (training, data and any pause between steps): the pace the syncer's
+        global clock follows (SPEC §2)."""
+        recent = list(self.gaps)[-20:]
+        return statistics.median(recent) if recent else self._step_time()
+
     def _heartbeat(self) -> dict:
         st = self._step_time()
         return {"learner": self.id, "incarnation": self.incarnation, "step": self.step_count,
-                "step_time_s": st, "tokens_per_s": (self.tokens / max(self.step_count, 1)) / st if st else 0.0,
+                "step_time_s": self._period(), "tokens_per_s": (self.tokens / max(self.step_count, 1)) / st if st else 0.0,
                 "loss": self.loss_ewma if self.loss_ewma is not None else -1.0}
 
     def stats(self) -> dict:

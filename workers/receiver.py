@@ -4,6 +4,12 @@ It listens to the syncer's announcements and polls the commit log every ``poll_s
 only loads versions named by a commit (checked against the commit's digest), and only versions
 newer than the newest it has handed over. The training thread collects them with ``take()``,
 which never blocks. The newest version per fragment wins: an older unapplied one is replaced.
+
+Rounds (SPEC §3-4): the syncer's ``round`` announcements say which round of which fragment is
+open; the training thread reads them with ``opened()`` and answers at its next step boundary.
+When no announcement was heard for a while (no bus, or the bus is down) the openings are computed
+from the round clock the syncer keeps in storage (pipeline/schedule.py), so a learner keeps
+answering rounds whatever happens to the fast path.
 In a signed run a version whose commit or blob lacks the syncer's valid signature is refused
 (``VersionTracker.load``): logged as ``version-refused`` with the reason, counted, never applied.
 
@@ -21,7 +27,9 @@ import numpy as np
 
 from pipeline.errors import FormatError
 from pipeline.types import CommitRecord
-from storage.errors import StoreError
+from pipeline.schedule import ClockRecord
+from storage.errors import NotFound, StoreError
+from storage.layout import CLOCK_KEY
 from .bus import AnnounceListener, BusConfig
 from .events import EventLog
 from .versions import VersionTracker
@@ -35,9 +43,12 @@ class Arrival:
     values: dict[str, np.ndarray]
     found_by: str          # "announce" or "poll"
     committed_at: float    # syncer wall time of the commit (from the record), for latency figures
+    epoch: int = -1        # the committing syncer's epoch
+    round: int = -1        # the round the commit closed (-1: none)
 
 
 FAIL_AFTER = 3            # failed polls in a row before the receiver reports itself failed
+BUS_ROUNDS_FRESH_S = 3.0   # round announcements heard this recently make the storage clock unnecessary
 
 
 class Receiver:
@@ -56,6 +67,8 @@ class Receiver:
         self._retry: dict[int, CommitRecord] = {}           # fragment -> commit whose version failed to load
         self._failing: dict[str, tuple[int, str]] = {}      # what -> (failures in a row, last error)
         self._bytes_at_start = tracker.bytes_loaded          # the start-up load is not steady-state traffic
+        self._opened: dict[int, tuple[int, int]] = {}   # fragment -> newest (epoch, round) heard open
+        self._bus_round_at = -1e9                        # when a round announcement was last heard
 
     def start(self) -> None:
         self._thread.start()
@@ -70,6 +83,36 @@ class Receiver:
             self._ready.clear()
         return out
 
+    def opened(self) -> dict[int, tuple[int, int]]:
+        """The newest open round of every fragment heard of, as (syncer epoch, round id)."""
+        with self._lock:
+            return dict(self._opened)
+
+    def _open(self, epoch, fragment, rnd) -> None:
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (epoch, fragment, rnd)):
+            return
+        if fragment not in self.known or rnd < 0:
+            return
+        with self._lock:
+            if (epoch, rnd) > self._opened.get(fragment, (-1, -1)):
+                self._opened[fragment] = (epoch, rnd)
+
+    def _poll_clock(self) -> None:
+        """Rounds from the syncer's clock in storage, when no announcement was heard lately."""
+        if time.monotonic() - self._bus_round_at < BUS_ROUNDS_FRESH_S:
+            return
+        try:
+            clock = ClockRecord.from_bytes(self.tracker.store.get(CLOCK_KEY), CLOCK_KEY)
+        except NotFound:
+            return
+        except (StoreError, FormatError) as exc:
+            self._error(f"round clock: {exc}")
+            return
+        now = time.time()
+        for p in self.known:
+            if p < len(clock.offsets):
+                self._open(clock.epoch, p, clock.round_at(p, now))
+
     def _run(self) -> None:
         listener = AnnounceListener(self.bus_cfg, curve=self.curve) if self.bus_cfg is not None else None
         next_poll = 0.0
@@ -83,12 +126,16 @@ class Receiver:
                         p = msg.fields.get("fragment")
                         if isinstance(p, int) and isinstance(v, int) and v > self.known.get(p, -1):
                             found_by, next_poll = "announce", 0.0
+                    elif msg is not None and msg.type == "round":
+                        self._bus_round_at = time.monotonic()
+                        self._open(msg.fields.get("epoch"), msg.fields.get("fragment"), msg.fields.get("round"))
                     elif msg is not None and msg.type == "syncer-heartbeat":
                         self.syncer_epoch = msg.fields.get("epoch", -1)
                 else:
                     self._stop.wait(min(self.poll_s, 0.2))
                 if time.monotonic() >= next_poll:
                     self._poll(found_by)
+                    self._poll_clock()
                     next_poll = time.monotonic() + self.poll_s
         finally:
             if listener is not None:
@@ -134,7 +181,7 @@ class Receiver:
             self.known[p] = rec.version
             with self._lock:
                 self._ready[p] = Arrival(p, rec.version, rec.seq, values, found_by,
-                                         float(rec.info.get("committed_at", 0.0)))
+                                         float(rec.info.get("committed_at", 0.0)), rec.epoch, rec.round)
 
     @property
     def bytes_received(self) -> int:

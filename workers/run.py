@@ -34,6 +34,7 @@ from .events import EventLog, Tail, read_events
 from .job import JobSettings, dp_baseline
 from .keys import SYNCER, ensure_identities, key_paths
 from .launch import RunSettings, create_run
+from .lockstep import OuterSettings, diloco_baseline
 from .model import EMBEDDING_TENSORS, GPT, GPTConfig, build_model
 from .progress import Progress
 from .report import plot_run
@@ -55,7 +56,9 @@ def configure(parser):
     a("--s3-endpoint", default=None, help="S3 endpoint URL (default: AWS_ENDPOINT_URL)")
     a("--data", default=None, help="text file or directory (default: the Python standard library's sources)")
     a("--seed", type=int, default=0)
-    a("--mode", default="decoupled", choices=("decoupled", "dp"))
+    a("--mode", default="decoupled", choices=("decoupled", "dp", "diloco"),
+      help="decoupled: M learner processes + syncer; dp: lock-step data parallelism; diloco: lock-step "
+           "DiLoCo with the same H (everyone waits for each full sync), both in one process")
     a("--out", default=None, help="output directory (default runs/<time>)")
     a("--summary", default=None, help="also write the summary JSON here")
     a("--layers", type=int, default=2, help="transformer layers")
@@ -65,6 +68,9 @@ def configure(parser):
     a("--outer-lr", type=float, default=0.7)
     # DiLoCo's 0.7/0.9 are tuned for H in the hundreds; at this job's H=16, 0.5 measured better (README).
     a("--outer-momentum", type=float, default=0.5)
+    a("--grace-gamma", type=float, default=0.5, help="gamma of the adaptive grace window (SPEC §4)")
+    a("--keep-progress", action="store_true",
+      help="learners keep their steps since answering a round when its version lands (instead of overwriting)")
     a("--no-bus", action="store_true", help="no ZeroMQ: deltas and versions go through storage only")
     a("--eval-every", type=float, default=10.0, help="seconds between global-model evaluations")
     a("--plain", action="store_true", help="plain progress lines instead of a live table")
@@ -75,6 +81,11 @@ def configure(parser):
     a("--create-only", action="store_true",
       help="only create the run (descriptor + version 0) and exit; start roles with ddiloco syncer/learner")
     return run
+
+
+def default_sync_every(fragments: int) -> int:
+    """The demo job's H for P fragments (the README's sweep)."""
+    return 4 * fragments
 
 
 @dataclass
@@ -117,15 +128,16 @@ def run(args) -> int:
     if args.tokens is not None:
         steps = max(1, args.tokens // (args.batch_size * gcfg.block_size))
     job = JobSettings(steps=steps, batch_size=args.batch_size, lr=args.lr, data=args.data, shards=args.learners)
-    if args.mode == "dp":
-        return _run_dp(args, out, gcfg, job)
+    if args.mode in ("dp", "diloco"):
+        return _run_baseline(args, out, gcfg, job)
     store_uri = args.store or str(out / "store")
     store = open_store(store_uri, s3_endpoint=args.s3_endpoint)
     model = build_model(gcfg, args.seed)
     init = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
-    settings = RunSettings(fragments=args.fragments, sync_every=args.sync_every or 4 * args.fragments,
+    settings = RunSettings(fragments=args.fragments, sync_every=args.sync_every or default_sync_every(args.fragments),
                            quorum=args.quorum, compression=args.compression, strategy=args.strategy,
                            outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, seed=args.seed,
+                           keep_progress=args.keep_progress, grace_gamma=args.grace_gamma,
                            model=gcfg.to_dict(), extra={"job": job.to_dict()},
                            norm_guard=NormGuardConfig(factor=args.norm_guard) if args.norm_guard else None)
     keydir = Path(args.keys or out / "keys")
@@ -292,14 +304,19 @@ def _write_outputs(out: Path, summary: dict, events: list[dict], args) -> None:
     print(f"  {'summary':<20} {out / 'summary.json'}")
 
 
-def _run_dp(args, out: Path, gcfg: GPTConfig, job: JobSettings) -> int:
-    events = EventLog(out / "logs" / "dp.jsonl", "dp", "dp")
+def _run_baseline(args, out: Path, gcfg: GPTConfig, job: JobSettings) -> int:
+    events = EventLog(out / "logs" / f"{args.mode}.jsonl", args.mode, args.mode)
     t0 = time.time()
-    res = dp_baseline(gcfg, job, args.learners, args.seed, events)
+    if args.mode == "dp":
+        res = dp_baseline(gcfg, job, args.learners, args.seed, events)
+    else:
+        outer = OuterSettings(sync_every=args.sync_every or default_sync_every(args.fragments), fragments=1,
+                              latency=0, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
+        res = diloco_baseline(gcfg, job, args.learners, args.seed, events, outer)
     events.close()
-    summary = {"ok": True, "mode": "dp", "run_uri": None, "learners": args.learners,
+    summary = {"ok": True, "mode": args.mode, "run_uri": None, "learners": args.learners,
                "tokens_trained": res["tokens"], "initial_eval_loss": res["initial_eval_loss"],
                "final_eval_loss": res["final_eval_loss"], "wall_s": round(time.time() - t0, 2),
                "bytes_per_learner_per_step": res["bytes_per_learner_per_step"]}
-    _write_outputs(out, summary, read_events(out / "logs" / "dp.jsonl"), args)
+    _write_outputs(out, summary, read_events(out / "logs" / f"{args.mode}.jsonl"), args)
     return 0

@@ -24,6 +24,8 @@ before it is sent or spilled, so the stored object verifies itself wherever it e
 """
 from __future__ import annotations
 
+import os
+import select
 import threading
 import time
 from dataclasses import dataclass
@@ -37,7 +39,7 @@ from pipeline.types import DeltaHeader
 from storage.errors import AlreadyExists, StoreError
 from storage.layout import spill_key
 from storage.store import ObjectStore
-from .bus import BusConfig, LearnerLink, Message
+from .bus import BusConfig, LearnerLink, Message, drain_wake
 from .events import EventLog
 
 DELTA_KIND = "delta"
@@ -120,6 +122,11 @@ class Sender:
         self._link: LearnerLink | None = None
         self._spill_failures = 0           # consecutive failed spills (for backoff and event thinning)
         self.failed: str | None = None     # set if the thread died; the training loop then stops loudly
+        # submit() wakes the sender thread through this pipe, so an answer leaves at once instead of
+        # after the thread's next poll timeout (latency is what rounds lose work to, SPEC §3).
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
 
     # -- training thread -------------------------------------------------------------------------
     def start(self) -> None:
@@ -139,6 +146,10 @@ class Sender:
             self._held_bytes += item.size
             self._evict_queued(keep=item)
             self._note_peak()
+        try:
+            os.write(self._wake_w, b"w")
+        except (BlockingIOError, OSError):
+            pass     # the pipe is full: the thread is awake already
 
     def held(self) -> tuple[int, int]:
         """(deltas, bytes) held right now: queued plus pending."""
@@ -214,7 +225,7 @@ class Sender:
 
     def _loop(self) -> None:
         if self.bus_cfg is not None and self.cfg.bus_enabled:
-            self._link = LearnerLink(self.bus_cfg, self.identity, curve=self.curve)
+            self._link = LearnerLink(self.bus_cfg, self.identity, curve=self.curve, wake_fd=self._wake_r)
             self._link.send(Message("hello", {"learner": self.identity.decode(), "incarnation": 0}))
         next_beat = 0.0
         try:
@@ -296,7 +307,8 @@ class Sender:
 
     def _read_acks(self, timeout_s: float) -> None:
         if self._link is None:
-            self._stop.wait(timeout_s)
+            if select.select([self._wake_r], [], [], timeout_s)[0]:
+                drain_wake(self._wake_r)
             return
         msg = self._link.recv(timeout_s)
         while msg is not None:

@@ -29,21 +29,25 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from pipeline.envelope import digest
+from pipeline.errors import FormatError
 from pipeline.fold import FoldResult, SyncerState, fold, fold_fence
 from pipeline.guard import NormWindow, apply_guard, guard_config
-from pipeline.policy import Decision, Ewma, Pending, PolicyConfig, Timing, decide
+from pipeline.policy import Decision, Ewma, Pending, PolicyConfig, Timing, decide, late_deadline
 from pipeline.types import RunDescriptor
 from storage.checkpoints import write_checkpoint
 from storage.errors import AlreadyExists, Fenced, StoreError
-from storage.layout import delta_key, quarantine_key, read_descriptor, version_key
+from storage.layout import CLOCK_KEY, delta_key, quarantine_key, read_descriptor, version_key
 from storage.log import CommitLog, claim_epoch
 from storage.probe import probe_conditional_writes
 from storage.store import ObjectStore, open_store
 from .bus import HEAD_MAX_BYTES, BusConfig, Message, SyncerBus
 from .deltas import max_delta_bytes, round_input
+from .aggregate import RunningMean
 from .events import EventLog
+from .gc import RetentionConfig, SyncerRetention
 from .keys import Gate, KeyRing, Roster, check_syncer_keys
 from .replay import rebuild
+from .rounds import RoundBook
 from .signing import seal_checkpoint, sign_commit
 from .syncer_ingest import SyncerIngest, _Held
 from .versions import encode_version
@@ -84,6 +88,8 @@ class SyncerConfig:
     max_retry_s: float = 5.0
     max_ingest_per_poll: int = 256
     members_poll_s: float = 5.0        # how often membership records are re-read (signed runs)
+    retention: RetentionConfig = RetentionConfig()   # after each checkpoint (workers/gc.py, docs/storage.md)
+    initial_step_s: float = 0.1        # the global clock's pace before any learner's was measured
 
     def __post_init__(self) -> None:
         for name in ("spill_poll_s", "heartbeat_s", "live_timeout_s", "retry_s", "max_retry_s", "members_poll_s"):
@@ -104,8 +110,9 @@ class SyncerStats:
     drops: Counter = field(default_factory=Counter)        # recorded drops by reason (in commits)
     from_bus: int = 0
     from_spill: int = 0
-    grace_waits: list[float] = field(default_factory=list)
-    quorum_sizes: list[int] = field(default_factory=list)
+    # running aggregates, not one entry per commit (issue 11 item 6)
+    grace_waits: RunningMean = field(default_factory=RunningMean)
+    quorum_sizes: RunningMean = field(default_factory=RunningMean)
 
 
 class Syncer(SyncerIngest):
@@ -135,8 +142,8 @@ class Syncer(SyncerIngest):
                                    gamma=self.descriptor.grace_gamma, cap_s=self.descriptor.grace_cap_s)
         self.pending: list[dict[str, _Held]] = [{} for _ in range(self.descriptor.num_fragments)]
         self.quorum_met: list[float | None] = [None] * self.descriptor.num_fragments
-        self.live: dict[str, tuple[float, float]] = {}      # learner -> (last heard, step time)
-        self.step_time = Ewma(0.2)
+        # The global step, open rounds and the learners' pace (syncer-driven rounds, SPEC §2-4).
+        self.rounds = RoundBook(self.descriptor, cfg.live_timeout_s, cfg.initial_step_s)
         self.sync_time = Ewma(0.2)
         self.stats = SyncerStats()
         self.state: SyncerState | None = None
@@ -149,6 +156,7 @@ class Syncer(SyncerIngest):
         # Object writes of one commit are independent until the commit itself: do them in parallel
         # (each is an fsync or an HTTP round trip), and tidy the inbox in the background.
         self.io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="syncer-io")
+        self.retention = SyncerRetention(self.store, cfg.retention, self.events, self.io)
         self._crash_after = fault_injection(os.environ.get(FAULT_ENV, ""))
 
     # -- start-up --------------------------------------------------------------------------------
@@ -163,8 +171,22 @@ class Syncer(SyncerIngest):
         for note in rs.rejected_checkpoints:
             self.events.emit("checkpoint-refused", error=note)
         self.state = fold_fence(self.state, fence_seq, self.epoch).state
+        # Round ids are global steps: a new syncer goes on after the newest round in the log, so
+        # that (epoch, round) orders every opening learners ever heard.
+        self.rounds.clock.step = self._last_round(fence_seq - 1) + 1
         self.events.emit("syncer-recovered", epoch=self.epoch, fence_seq=fence_seq, replayed=rs.commits,
                          from_checkpoint=rs.from_checkpoint, seconds=round(self.clock() - t0, 3))
+
+    def _last_round(self, tail: int) -> int:
+        """The newest round closed by the last few commits (-1: none; old learner-driven runs)."""
+        best, seq = -1, tail
+        while seq >= 0 and tail - seq < 4 * self.descriptor.num_fragments:
+            try:
+                best = max(best, self.log.read(seq).round)
+            except (StoreError, FormatError):
+                break
+            seq -= 1
+        return best
 
     def open_bus(self) -> None:
         if self.security is None:
@@ -211,8 +233,10 @@ class Syncer(SyncerIngest):
                 if self.bus is not None and now >= next_beat:
                     self.bus.announce(Message("syncer-heartbeat", {"epoch": self.epoch, "tail": self.state.last_seq}))
                     next_beat = now + self.cfg.heartbeat_s
+                self._tick_rounds()
                 wait = self._close_rounds()
-                timeout = min(wait if wait is not None else 1.0, max(0.0, next_spill - self.clock()), 0.2)
+                timeout = min(wait if wait is not None else 1.0, max(0.0, next_spill - self.clock()), 0.2,
+                              self.rounds.clock.wait_s(self.clock()))
                 self._ingest_bus(timeout)
         finally:
             if self.bus is not None:
@@ -223,17 +247,28 @@ class Syncer(SyncerIngest):
 
     # -- rounds ----------------------------------------------------------------------------------
     def _timing(self) -> Timing:
-        now = self.clock()
-        recent = [st for (heard, st) in self.live.values() if now - heard < self.cfg.live_timeout_s and st > 0]
-        if recent:
-            self.step_time = self.step_time.update(statistics.median(recent))
-        return Timing(self.step_time.value, self.sync_time.value or 0.0)
+        return Timing(self.rounds.step_time(self.clock()), self.sync_time.value or 0.0)
 
     def _live_count(self) -> int | None:
-        if self.bus is None:
-            return None
-        now = self.clock()
-        return sum(1 for heard, _ in self.live.values() if now - heard < self.cfg.live_timeout_s) or None
+        return len(self.rounds.live(self.clock())) or None
+
+    def _tick_rounds(self) -> None:
+        """Open the rounds that fall due on the global clock and tell the learners: over the bus,
+        and in storage (the round clock) for learners without one (SPEC §4)."""
+        if self.descriptor.schedule != "syncer" or self.fenced:
+            return
+        for r, p in self.rounds.tick(self.clock()):
+            if self.bus is not None:
+                self.bus.announce(Message("round", {"epoch": self.epoch, "round": r, "fragment": p}))
+        rec = self.rounds.clock_record(self.epoch, self.wall())
+        if rec is not None:
+            self.io.submit(self._put_clock, rec.to_bytes())
+
+    def _put_clock(self, blob: bytes) -> None:
+        try:
+            self.store.put(CLOCK_KEY, blob)
+        except StoreError as exc:   # advisory: learners with a bus do not need it
+            self.events.emit("store-error", op="round-clock", error=str(exc))
 
     def _close_rounds(self) -> float | None:
         """Merge every fragment whose round may close; return the shortest wait for the others.
@@ -242,14 +277,27 @@ class Syncer(SyncerIngest):
         waits = []
         timing = self._timing()
         live = self._live_count()
+        syncer_driven = self.descriptor.schedule == "syncer"
         for p, pend in enumerate(self.pending):
             if not pend or self.fenced:
                 continue
             valid = [h for h in pend.values() if not h.reason]
             rejected = [h.pkey for h in pend.values() if h.reason]
             items = [Pending(h.header.id, h.header.learner, h.header.order, h.arrived_at, h.header.c_steps,
-                             h.header.c_tokens) for h in valid]
-            d = decide(items, self.clock(), self.policy, timing, live)
+                             h.header.c_tokens, h.header.round) for h in valid]
+            opened = self.rounds.open[p]
+            if syncer_driven and opened is None:
+                d = Decision((), (), None, None, None, "no-round")   # late answers wait for p's next round
+            else:
+                d = decide(items, self.clock(), self.policy, timing, live,
+                           round_id=opened.round if syncer_driven else None)
+            if syncer_driven and not d.merge and items:
+                due = late_deadline(min(i.arrived_at for i in items), timing.step_time_s or self.cfg.initial_step_s,
+                                    self.descriptor.sync_every)
+                if self.clock() >= due:
+                    d = Decision(tuple(i.delta_id for i in items), (), 0.0, None, None, "late-expired")
+                else:
+                    waits.append(due - self.clock())
             if d.merge:
                 self._merge(p, list(d.merge) + list(d.superseded) + rejected, d)
             elif rejected and (not valid or len(rejected) >= REJECTED_FLUSH):
@@ -268,8 +316,9 @@ class Syncer(SyncerIngest):
             inputs.append(round_input(h.blob, key, self.descriptor, self.roster, h.opened))
         norms: dict[str, float] = {}
         if self.guard is not None:
-            inputs, norms = apply_guard(inputs, self.window.history(p), self.guard)
+            inputs, norms = apply_guard(inputs, self.window.history(p), self.guard, self.state.fragments[p].params)
         seq = self.state.last_seq + 1
+        opened = self.rounds.open[p] if decision.merge else None
         grace = max(0.0, t0 - decision.quorum_met_at) if decision.quorum_met_at is not None else 0.0
         version = self.state.fragments[p].version + 1
         info = {"syncer": self.cfg.syncer_id, "decided": decision.reason, "live": self._live_count() or 0,
@@ -279,7 +328,7 @@ class Syncer(SyncerIngest):
         res = fold(self.state, self.descriptor, p, inputs, seq=seq, epoch=self.epoch,
                    output_key=version_key(p, version, self.epoch),
                    quorum=len(set(h.header.learner for h in held if not h.reason)),
-                   grace_wait_s=round(grace, 4), info=info)
+                   grace_wait_s=round(grace, 4), info=info, round_id=opened.round if opened is not None else -1)
         rec = res.record
         if self.guard is not None and rec.kind == "merge":
             rec = dataclasses.replace(rec, info={**rec.info, "norms": [norms[i.checksum] for i in rec.inputs]})
@@ -300,6 +349,8 @@ class Syncer(SyncerIngest):
                         self.bad_inbox.add(h.inbox_key)
             return
         self.state = res.state
+        if opened is not None:
+            self.rounds.close(p)
         self._since_commit.clear()
         if self.window is not None and rec.kind == "merge":
             self.window.push(p, rec.info["norms"])
@@ -317,11 +368,11 @@ class Syncer(SyncerIngest):
         if rec.kind == "merge" and self.bus is not None:
             self.bus.announce(Message("version", {"seq": rec.seq, "fragment": p, "version": rec.version,
                                                   "key": rec.output_key, "checksum": rec.output_checksum,
-                                                  "epoch": self.epoch}))
+                                                  "epoch": self.epoch, "round": rec.round}))
         self.events.emit("commit", seq=rec.seq, kind=rec.kind, fragment=p, version=rec.version,
                          inputs=[i.delta_id for i in rec.inputs], weights=[round(i.weight, 4) for i in rec.inputs],
                          staleness=[i.staleness for i in rec.inputs],
-                         dropped=[[d.delta_id, d.reason] for d in rec.dropped], quorum=rec.quorum,
+                         dropped=[[d.delta_id, d.reason] for d in rec.dropped], quorum=rec.quorum, round=rec.round,
                          grace_s=rec.grace_wait_s, reason=decision.reason, rejected=rec.info.get("rejected", {}),
                          tokens=sum(i.c_tokens for i in rec.inputs), sync_s=round(self.clock() - t0, 4))
         if rec.seq % self.cfg.checkpoint_every == 0:
@@ -380,6 +431,7 @@ class Syncer(SyncerIngest):
                 payload = seal_checkpoint(payload, self.state.last_seq, self.signer, self.descriptor.run_id)
             write_checkpoint(self.store, self.state.last_seq, payload)
             self.events.emit("checkpoint", seq=self.state.last_seq)
+            self.retention.after_checkpoint(self.state.last_seq)   # in the background; never blocks merging
         except StoreError as exc:
             self.events.emit("store-error", op="checkpoint", error=str(exc))
 
@@ -389,8 +441,8 @@ class Syncer(SyncerIngest):
                 "duplicates": s.duplicates, "rejected": s.rejected, "from_bus": s.from_bus,
                 "from_spill": s.from_spill, "last_seq": self.state.last_seq if self.state else -1,
                 "versions": [f.version for f in self.state.fragments] if self.state else [],
-                "mean_quorum": statistics.fmean(s.quorum_sizes) if s.quorum_sizes else 0.0,
-                "mean_grace_s": statistics.fmean(s.grace_waits) if s.grace_waits else 0.0,
+                "mean_quorum": s.quorum_sizes.mean, "mean_grace_s": s.grace_waits.mean,
+                "retention_deleted": self.retention.deleted,
                 "security": "signed" if self.security is not None else "off",
                 "rejections": dict(sorted((s.rejections + Counter(
                     {"unknown-key": self.gate.denied_total() if self.gate else 0})).items())),

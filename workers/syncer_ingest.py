@@ -7,6 +7,7 @@ here runs on the syncer's one loop thread and uses its state (``pending``, ``sta
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -17,6 +18,9 @@ from storage.errors import AlreadyExists, NotFound, StoreError
 from storage.layout import SPILL_PREFIX, parse_spill_key, spill_key
 from .bus import Message
 from .deltas import UNKNOWN_LEARNER, Opened, open_stored
+from .replay import PENDING_OVERFLOW
+
+BELOW_HIGH_WATER = "below-high-water"   # held out of the quorum; the fold records the reason
 
 
 @dataclass
@@ -28,11 +32,12 @@ class _Held:
     source: str            # "bus" | "spill"
     opened: Opened | None = None   # the verdict on these bytes (workers/deltas.py), reused at merge
     pkey: str = ""                 # its key in the pending set (below)
+    hold: str = ""                 # why the syncer keeps it out of every quorum (issue 11 items 5, 13)
 
     @property
     def reason(self) -> str:
-        """Why it will be dropped ("" = a candidate for merging)."""
-        return self.opened.reason if self.opened is not None else ""
+        """Why it will be dropped or kept out of the quorum ("" = a candidate for merging)."""
+        return (self.opened.reason if self.opened is not None else "") or self.hold
 
     def __post_init__(self) -> None:
         # Rejected deltas are keyed by content, so a forgery never shadows the real delta's id.
@@ -64,8 +69,9 @@ class SyncerIngest:
 
     def _heartbeat(self, f: dict) -> None:
         learner, st = f.get("learner"), f.get("step_time_s")
-        if isinstance(learner, str) and isinstance(st, (int, float)) and st >= 0:
-            self.live[learner] = (self.clock(), float(st))
+        if isinstance(learner, str) and isinstance(st, (int, float)) and not isinstance(st, bool) \
+                and 0 <= st < 3600:
+            self.rounds.heartbeat(learner, float(st), self.clock())
 
     def _reject(self, header: DeltaHeader | None, ident: bytes | None, delta: str, reason: str,
                 category: str) -> None:
@@ -103,7 +109,10 @@ class SyncerIngest:
                                 "peer-mismatch")
         if opened.reason == UNKNOWN_LEARNER:
             return self._reject(header, ident, header.id, f"learner {header.learner} is not listed", "unknown-learner")
-        key = spill_key(header.learner, header.incarnation, header.seq)
+        try:
+            key = spill_key(header.learner, header.incarnation, header.seq)
+        except ValueError as exc:    # a valid header whose numbers do not fit the run's keys
+            return self._reject(header, ident, header.id, str(exc), "bad-header")
         held = self._admit(header, blob, key, "bus", opened)
         status = "rejected" if opened.reason else "durable"
         if held is None:
@@ -143,14 +152,16 @@ class SyncerIngest:
             if source == "spill":
                 self.bad_inbox.add(key)
             return None
-        held = _Held(header, blob, key, self.clock(), source, opened)
-        pend = self.pending[header.fragment]
         hw = self.state.high_water[header.fragment].get(header.learner)
+        below = hw is not None and header.order < tuple(hw) and not (opened is not None and opened.reason)
+        # Anything *below* the mark is held out of every quorum (issue 11 item 13) and goes to the
+        # next commit, whose fold records why ("duplicate", or "stale-incarnation" when a newer life
+        # of the learner was merged): it may have been merged before, or overtaken, or persisted by a
+        # syncer fenced before its commit - a copy alone proves nothing, and nothing vanishes unrecorded.
+        held = _Held(header, blob, key, self.clock(), source, opened, hold=BELOW_HIGH_WATER if below else "")
+        pend = self.pending[header.fragment]
         if not held.reason and hw is not None and header.order == tuple(hw):
             # Exactly the newest merged delta of its learner: merged for certain, tidy the inbox.
-            # Anything *below* the mark goes to the next round, which records it ("duplicate"):
-            # it may have been merged before, or overtaken, or persisted by a syncer that was fenced
-            # before its commit - a permanent copy alone proves nothing, and nothing vanishes unrecorded.
             self.stats.duplicates += 1
             if source == "spill":
                 self._delete(key)
@@ -162,7 +173,41 @@ class SyncerIngest:
                 self.events.emit("inbox-conflict", delta=header.id, key=key)
             return pend[held.pkey] if source == "bus" else None
         pend[held.pkey] = held
-        return held
+        if not held.reason:
+            self.rounds.delta_arrived(header.learner, header.learner_step, held.arrived_at)
+        return self._bound_pending(header.fragment).get(held.pkey, held)
+
+    def _bound_pending(self, p: int) -> dict[str, _Held]:
+        """Keep at most ``cfg.max_pending`` candidates of fragment ``p`` (issue 11 item 5): while its
+        quorum is not met they would pile up without bound. The excess - superseded deltas first (an
+        older delta of the same learner life on the same base, whose progress a newer one holds),
+        then the oldest arrivals - is dropped with reason ``pending-overflow: ...`` in the next commit
+        (rejected deltas are bounded by their own flush, REJECTED_FLUSH in workers/syncer.py).
+        Returns the evicted entries by their former pending key (they are re-keyed by content)."""
+        pend = self.pending[p]
+        valid = [h for h in pend.values() if not h.reason]
+        excess = len(valid) - self.cfg.max_pending
+        moved: dict[str, _Held] = {}
+        if excess <= 0:
+            return moved
+        newest: dict[tuple, int] = {}
+        for h in valid:
+            lineage = (h.header.learner, h.header.incarnation, h.header.base_version)
+            newest[lineage] = max(newest.get(lineage, -1), h.header.seq)
+
+        def superseded(h: _Held) -> bool:
+            return h.header.seq < newest[(h.header.learner, h.header.incarnation, h.header.base_version)]
+        for h in sorted(valid, key=lambda h: (not superseded(h), h.arrived_at, h.header.id))[:excess]:
+            reason = f"{PENDING_OVERFLOW}: {'superseded' if superseded(h) else 'oldest'}"
+            opened = dataclasses.replace(h.opened, reason=reason) if h.opened is not None else \
+                Opened(h.header, h.blob, reason)
+            pend.pop(h.pkey, None)
+            evicted = _Held(h.header, h.blob, h.inbox_key, h.arrived_at, h.source, opened, hold=reason)
+            moved[h.pkey] = pend.setdefault(evicted.pkey, evicted)
+            self.stats.evicted += 1
+            self.events.emit("delta-evicted", delta=h.header.id, fragment=p, reason=reason,
+                             pending=len(valid), limit=self.cfg.max_pending)
+        return moved
 
     def _ingest_spill(self) -> None:
         known = {h.inbox_key for pend in self.pending for h in pend.values()} | self.bad_inbox

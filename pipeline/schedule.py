@@ -1,0 +1,124 @@
+"""The syncer's global step and its rounds (SPEC §2-4, the paper's Algorithm 2).
+
+The syncer, not the learners, decides when fragment p is synced: it keeps a global step that
+advances one tick per smoothed inner step time of the live learners, and at global step t it opens
+the round for every fragment p with ``t mod H == t_p``. The round's id is that global step, so
+round ids grow with the run and, with the syncer's epoch, order every opening ever made.
+
+Learners hear an opening over ZeroMQ, or compute it from the :class:`ClockRecord` the syncer keeps
+in storage (bucket-only learners, other regions): ``round_at`` gives the round of p open at a wall
+time. Both are pure and deterministic here; the caller supplies the time and the step period.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from .envelope import pack_record, unpack_record
+from .errors import FormatError
+
+__all__ = ["RoundClock", "ClockRecord", "latest_round", "CLOCK_KIND", "CLOCK_VERSION"]
+
+CLOCK_KIND, CLOCK_VERSION = "round-clock", 1
+
+
+def _check_offsets(H: int, offsets: Sequence[int]) -> None:
+    if not isinstance(H, int) or isinstance(H, bool) or H < 1:
+        raise ValueError(f"H must be an int >= 1, got {H!r}")
+    if len(set(offsets)) != len(offsets) or any(not 0 <= t < H for t in offsets):
+        raise ValueError(f"offsets {list(offsets)} must be distinct and lie in 0..{H - 1}")
+
+
+def latest_round(step: int, H: int, offset: int) -> int:
+    """The newest global step <= ``step`` at which the round of a fragment with ``offset`` opened
+    (-1 if none yet)."""
+    r = step - ((step - offset) % H)
+    return r if r >= 0 else -1
+
+
+@dataclass
+class RoundClock:
+    """The global step. ``advance(now, period)`` ticks as many steps as ``period`` seconds fit
+    since the last tick and returns the ``(round, fragment)`` openings they bring, oldest first.
+
+    After a pause longer than H periods (a stalled syncer) it resumes from now instead of bursting
+    through the missed steps: the openings missed would only be replaced at once, and each would
+    cost every learner an answer. Shorter delays are caught up, so the pace holds on average.
+    """
+
+    H: int
+    offsets: tuple[int, ...]
+    step: int = 0                     # the next global step to tick
+    next_at: float | None = None      # when it ticks (None: at the next call)
+    _by_offset: dict[int, int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_offsets(self.H, self.offsets)
+        if not isinstance(self.step, int) or self.step < 0:
+            raise ValueError(f"clock step must be an int >= 0, got {self.step!r}")
+        self._by_offset = {t: p for p, t in enumerate(self.offsets)}
+
+    def advance(self, now: float, period_s: float) -> list[tuple[int, int]]:
+        if not (isinstance(period_s, (int, float)) and math.isfinite(period_s) and period_s > 0):
+            raise ValueError(f"clock period must be a finite number > 0, got {period_s!r}")
+        if self.next_at is None or now - self.next_at > self.H * period_s:
+            self.next_at = now
+        opened = []
+        while self.next_at <= now:
+            p = self._by_offset.get(self.step % self.H)
+            if p is not None:
+                opened.append((self.step, p))
+            self.step += 1
+            self.next_at += period_s
+        return opened
+
+    def wait_s(self, now: float) -> float:
+        """Seconds until the next tick (0 when due, or before the first)."""
+        return 0.0 if self.next_at is None else max(0.0, self.next_at - now)
+
+
+@dataclass(frozen=True)
+class ClockRecord:
+    """What the syncer publishes in storage so that learners without the bus find rounds: global
+    step ``step`` ticked at syncer wall time ``at``, one tick per ``period_s``; ``epoch`` orders
+    syncers. Envelope kind ``round-clock`` v1 (docs/formats.md)."""
+
+    epoch: int
+    step: int
+    at: float
+    period_s: float
+    H: int
+    offsets: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        _check_offsets(self.H, self.offsets)
+        if self.epoch < 0 or self.step < 0:
+            raise ValueError(f"clock epoch/step must be >= 0, got {self.epoch}/{self.step}")
+        if not (math.isfinite(self.at) and math.isfinite(self.period_s) and self.period_s > 0):
+            raise ValueError(f"clock at/period must be finite with period > 0, got {self.at}/{self.period_s}")
+
+    def step_at(self, wall: float) -> int:
+        """The global step at wall time ``wall`` (never before the recorded one)."""
+        return self.step + max(0, int((wall - self.at) // self.period_s))
+
+    def round_at(self, fragment: int, wall: float) -> int:
+        """The round of ``fragment`` open at ``wall`` (-1: none yet)."""
+        return latest_round(self.step_at(wall), self.H, self.offsets[fragment])
+
+    def to_bytes(self) -> bytes:
+        return pack_record(CLOCK_KIND, CLOCK_VERSION, {"epoch": self.epoch, "step": self.step, "at": self.at,
+                                                       "period_s": self.period_s, "H": self.H,
+                                                       "offsets": list(self.offsets)})
+
+    @classmethod
+    def from_bytes(cls, blob: bytes, what: str = "round clock") -> "ClockRecord":
+        _, d = unpack_record(blob, CLOCK_KIND, CLOCK_VERSION, what=what)
+        try:
+            return cls(int(d["epoch"]), int(d["step"]), float(d["at"]), float(d["period_s"]), int(d["H"]),
+                       tuple(int(t) for t in d["offsets"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"{what}: {exc.__class__.__name__}: {exc}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "step": self.step, "at": self.at, "period_s": self.period_s}

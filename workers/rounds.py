@@ -1,0 +1,104 @@
+"""The syncer's round book (SPEC §2-4, the paper's Algorithm 2): the global step, the open round of
+every fragment, and the pace of the live learners that drives them.
+
+The syncer owns one; everything runs on its loop thread. Pure decisions live in
+pipeline/schedule.py (the clock) and pipeline/policy.py (when a round closes); this part keeps the
+state between calls and measures the learners' pace:
+
+* from heartbeats (``step_time_s`` = a learner's step-to-step period), and
+* from the deltas themselves (their ``learner_step`` against arrival times), so that learners
+  without a bus - bucket-only, other regions - set the pace too.
+
+A learner counts as live while it was heard within ``live_timeout_s``. With nobody live the clock
+keeps its last pace: openings nobody answers cost nothing, and a learner that comes back finds
+rounds open.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from pipeline.policy import Ewma
+from pipeline.schedule import ClockRecord, RoundClock
+from pipeline.types import RunDescriptor
+
+
+@dataclass(frozen=True)
+class OpenRound:
+    round: int          # the global step it opened at: its id
+    opened_at: float    # syncer monotonic time
+
+
+@dataclass
+class _Pace:
+    heard: float                 # last time anything was heard from the learner
+    period_s: float = 0.0        # its step-to-step period (0: unknown)
+    ref: tuple[int, float] | None = None   # (learner step, arrival) of an earlier delta, for the period
+
+
+class RoundBook:
+    def __init__(self, descriptor: RunDescriptor, live_timeout_s: float, initial_step_s: float,
+                 start_step: int = 0):
+        if initial_step_s <= 0:
+            raise ValueError(f"initial_step_s must be > 0, got {initial_step_s}")
+        self.clock = RoundClock(descriptor.sync_every, descriptor.offsets, step=start_step)
+        self.open: list[OpenRound | None] = [None] * descriptor.num_fragments
+        self.live_timeout_s = live_timeout_s
+        self.initial_step_s = initial_step_s
+        self.learners: dict[str, _Pace] = {}
+        self.period = Ewma(0.2)
+        self.published: ClockRecord | None = None
+
+    # -- the learners' pace ----------------------------------------------------------------------
+    def heartbeat(self, learner: str, period_s: float, now: float) -> None:
+        pace = self.learners.setdefault(learner, _Pace(now))
+        pace.heard = now
+        if period_s > 0:
+            pace.period_s = period_s
+
+    def delta_arrived(self, learner: str, learner_step: int, now: float) -> None:
+        """A delta is a sign of life, and two of them far enough apart give the learner's period
+        (when it has no bus to send heartbeats on)."""
+        pace = self.learners.setdefault(learner, _Pace(now))
+        pace.heard = now
+        if pace.ref is None or learner_step < pace.ref[0]:
+            pace.ref = (learner_step, now)
+        elif learner_step - pace.ref[0] >= 8 and now > pace.ref[1]:
+            sample = (now - pace.ref[1]) / (learner_step - pace.ref[0])
+            pace.period_s = sample if pace.period_s <= 0 else 0.5 * (pace.period_s + sample)
+            pace.ref = (learner_step, now)
+
+    def live(self, now: float) -> list[str]:
+        return sorted(m for m, p in self.learners.items() if now - p.heard < self.live_timeout_s)
+
+    def step_time(self, now: float) -> float | None:
+        """Smoothed median period of the live learners (None before any was measured)."""
+        periods = [self.learners[m].period_s for m in self.live(now) if self.learners[m].period_s > 0]
+        if periods:
+            self.period = self.period.update(statistics.median(periods))
+        return self.period.value
+
+    # -- rounds ----------------------------------------------------------------------------------
+    def tick(self, now: float) -> list[tuple[int, int]]:
+        """Advance the global step; open (and return) the rounds that fall due. A round still open
+        when its fragment's next one opens is replaced: its answers are then late (SPEC §4)."""
+        opened = self.clock.advance(now, self.step_time(now) or self.initial_step_s)
+        for r, p in opened:
+            self.open[p] = OpenRound(r, now)
+        return opened
+
+    def close(self, fragment: int) -> None:
+        self.open[fragment] = None
+
+    def clock_record(self, epoch: int, wall: float) -> ClockRecord | None:
+        """A new clock record to publish, or None when the published one is still good (same
+        epoch, pace within 10%, younger than 10 s): bus-less learners poll it, it costs one PUT."""
+        period = self.period.value or self.initial_step_s
+        old = self.published
+        if old is not None and old.epoch == epoch and abs(old.period_s - period) <= 0.1 * old.period_s \
+                and wall - old.at < 10.0:
+            return None
+        # The step ticked now is clock.step - 1; its wall time is about now.
+        rec = ClockRecord(epoch, max(0, self.clock.step - 1), wall, period, self.clock.H, self.clock.offsets)
+        self.published = rec
+        return rec
