@@ -149,11 +149,12 @@ def _learner_rows(run: ChaosRun, records) -> dict[str, dict]:
 
 def hetero(out: Path, seed: int = 0, quick: bool = False) -> dict:
     steps, pace = (120, 0.05) if quick else (300, 0.05)
-    configs = {"K=M": (4, 0.5), "K=1": (1, 0.0), "K=1+grace": (1, 0.5)}
+    configs = {"K=M": (4, 0.5, False), "K=1": (1, 0.0, False), "K=1+grace": (1, 0.5, False),
+               "K=1+grace+keep": (1, 0.5, True)}
     slow = {"l2": 1.18, "l3": 1.18}
     result = {}
-    for label, (k, gamma) in configs.items():
-        spec = RunSpec(learners=4, steps=steps, quorum=k, grace_gamma=gamma, seed=seed, slow=1.0)
+    for label, (k, gamma, keep) in configs.items():
+        spec = RunSpec(learners=4, steps=steps, quorum=k, grace_gamma=gamma, seed=seed, slow=1.0, keep_progress=keep)
         with ChaosRun(spec, out / label.replace("=", "").replace("+", "-")) as run:
             run.create()
             run.start_syncer()
@@ -165,7 +166,7 @@ def hetero(out: Path, seed: int = 0, quick: bool = False) -> dict:
             rows = _learner_rows(run, records)
             loss = run.global_loss()
         merges = [r for r in records if r.kind == "merge"]
-        result[label] = {"quorum": k, "grace_gamma": gamma, "final_eval_loss": round(loss, 4),
+        result[label] = {"quorum": k, "grace_gamma": gamma, "keep_progress": keep, "final_eval_loss": round(loss, 4),
                          "merge_commits": len(merges),
                          "mean_quorum": round(statistics.fmean(r.quorum for r in merges), 3) if merges else None,
                          "mean_grace_s": round(statistics.fmean(r.grace_wait_s for r in merges), 4) if merges else None,

@@ -69,6 +69,7 @@ class RunSpec:
     checkpoint_every: int = 10
     lr: float = 3e-3
     grace_gamma: float = 0.5           # 0: no grace window (the round closes as soon as K report)
+    keep_progress: bool = False        # learners keep their steps since the answer (issue "Rounds")
     shards: int | None = None          # data shards of the job (default: learners)
 
     def __post_init__(self) -> None:
@@ -161,7 +162,7 @@ class ChaosRun:
         idents = ensure_identities(self.keydir, [SYNCER, *names, ROGUE])
         settings = RunSettings(fragments=spec.fragments, sync_every=spec.sync_every, quorum=spec.quorum,
                                retain_versions=spec.retain_versions, seed=spec.seed, model=gcfg.to_dict(),
-                               grace_gamma=spec.grace_gamma,
+                               grace_gamma=spec.grace_gamma, keep_progress=spec.keep_progress,
                                extra={"job": job.to_dict()})
         self.descriptor = create_run(self.store, init, settings, embedding_tensors=EMBEDDING_TENSORS,
                                      syncer=idents[SYNCER], learners=[idents[n].public for n in (*names, ROGUE)])
