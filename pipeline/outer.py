@@ -31,16 +31,44 @@ def fma32(a: np.ndarray, b: np.ndarray | float, c: np.ndarray | float) -> np.nda
 
     ``a``, ``b`` and ``c`` are float32 values (scalars are first rounded to float32, as torch does
     with a Python ``alpha``).
+
+    Fast path: the float64 sum ``s`` rounds correctly to float32 unless it lies exactly on a
+    float32 rounding midpoint - its 29 low mantissa bits read 1000...0 - or outside float32's
+    normal range (subnormal results, overflow). Only those elements (rare) take the exact TwoSum
+    correction, so the cost is a few vector passes and results are unchanged bit for bit.
     """
     a64 = np.asarray(a, dtype=np.float32).astype(np.float64)
     p = np.float32(b).astype(np.float64) if np.isscalar(b) else np.asarray(b, dtype=np.float32).astype(np.float64)
     p = p * (np.float32(c).astype(np.float64) if np.isscalar(c) else np.asarray(c, dtype=np.float32).astype(np.float64))
-    s = a64 + p                        # product exact (24+24 bits); this sum rounds once to 53 bits
+    s = np.asarray(a64 + p)            # product exact (24+24 bits); this sum rounds once to 53 bits
     r = s.astype(np.float32)           # second rounding: wrong only when s is exactly a float32 midpoint
+    flat_s = s.reshape(-1)
+    with np.errstate(invalid="ignore"):
+        mag = np.abs(flat_s)
+        suspect = ((flat_s.view(np.uint64) & _LOW29) == _MID29) | (mag < _F32_MIN_NORMAL) | ~(mag <= _F32_MAX)
+    if not suspect.any():
+        return r
+    idx = np.flatnonzero(suspect)
+    a_s = np.broadcast_to(a64, s.shape).reshape(-1)[idx]
+    p_s = np.broadcast_to(p, s.shape).reshape(-1)[idx]
+    fixed = _fma32_exact(a_s, p_s, flat_s[idx], r.reshape(-1)[idx])
+    out = r.reshape(-1).copy()
+    out[idx] = fixed
+    return out.reshape(s.shape)
+
+
+_LOW29 = np.uint64((1 << 29) - 1)
+_MID29 = np.uint64(1 << 28)
+_F32_MIN_NORMAL = float(np.finfo(np.float32).tiny)
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _fma32_exact(a64: np.ndarray, p: np.ndarray, s: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """The exact correction for elements whose float64 sum ``s = a64 + p`` may round twice."""
     r64 = r.astype(np.float64)
     inexact = r64 != s
     if not np.any(inexact):
-        return np.asarray(r)
+        return r
     # TwoSum: err is the exact rounding error of s = a64 + p, so the true value is s + err.
     bv = s - a64
     err = (a64 - (s - bv)) + (p - bv)
@@ -52,7 +80,7 @@ def fma32(a: np.ndarray, b: np.ndarray | float, c: np.ndarray | float) -> np.nda
         use_other = midpoint & ((err > 0) == (other.astype(np.float64) > r64))
     if np.any(use_other):
         r = np.where(use_other, other, r).astype(np.float32)
-    return np.asarray(r)
+    return r
 
 
 def _check_scalar(name: str, value: float) -> float:
