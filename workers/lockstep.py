@@ -41,6 +41,7 @@ class OuterSettings:
     outer_lr: float = 0.7
     outer_momentum: float = 0.5
     merge: str = "rda"
+    keep_progress: bool = False    # replicas keep their steps since the answer when the version lands
 
     def __post_init__(self) -> None:
         if self.fragments < 1 or self.sync_every < self.fragments:
@@ -80,6 +81,7 @@ def diloco_baseline(gcfg: GPTConfig, job: JobSettings, learners: int, seed: int,
     c_tokens = [[0] * outer.fragments for _ in range(learners)]
     c_steps = [[0] * outer.fragments for _ in range(learners)]
     arriving: list[tuple[int, int, dict[str, np.ndarray]]] = []     # (apply after step, fragment, values)
+    at_answer: list[dict[int, tuple]] = [{} for _ in range(learners)]
     tokens, t_start = 0, time.monotonic()
     for step in range(job.steps):
         for m, (model, opt, s) in enumerate(zip(models, opts, streams)):
@@ -96,9 +98,10 @@ def diloco_baseline(gcfg: GPTConfig, job: JobSettings, learners: int, seed: int,
                 continue
             names = layout[p]
             grads = []
-            for model in models:                                    # v_m = Theta_current - theta_m
-                cur = dict(model.named_parameters())
-                grads.append({n: (published[n] - cur[n].detach().numpy()).astype(np.float32) for n in names})
+            for m, model in enumerate(models):                      # v_m = Theta_current - theta_m
+                cur = {n: t.detach().numpy().copy() for n, t in model.named_parameters() if n in names}
+                at_answer[m][p] = (cur, c_steps[m][p], c_tokens[m][p])
+                grads.append({n: (published[n] - cur[n]).astype(np.float32) for n in names})
             w = token_weights([c_tokens[m][p] for m in range(learners)], [c_steps[m][p] for m in range(learners)])
             g = merge_fragment(grads, w, cfg)
             new_p, new_b = nesterov_step({n: master[n] for n in names}, {n: momentum[n] for n in names}, g,
@@ -112,9 +115,16 @@ def diloco_baseline(gcfg: GPTConfig, job: JobSettings, learners: int, seed: int,
             _, p, version = item
             arriving.remove(item)
             for m, model in enumerate(models):       # overwrite: the latency's steps on p are lost
-                _load(model, version)
-                c_steps[m][p] = 0
-                c_tokens[m][p] = 0
+                cur, s0, k0 = at_answer[m].pop(p)
+                if outer.keep_progress:              # ... or kept: Theta_new + (theta - theta at the answer)
+                    params = dict(model.named_parameters())
+                    _load(model, {n: version[n] + (params[n].detach().numpy() - cur[n]) for n in version})
+                    c_steps[m][p] -= s0
+                    c_tokens[m][p] -= k0
+                else:
+                    _load(model, version)
+                    c_steps[m][p] = 0
+                    c_tokens[m][p] = 0
         if (step + 1) % 10 == 0:
             events.emit("step", step=step + 1, tokens=tokens)
         if (step + 1) % eval_every == 0:
