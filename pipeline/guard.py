@@ -1,16 +1,29 @@
-"""Norm guard: drop a delta whose norm is far beyond the recent median (issue "Security").
+"""Norm guard: drop a delta whose norm is far out of line (issue "Security", issue 11 item 2).
 
-Optional and off by default; a run turns it on at creation with
-``RunDescriptor.extra["norm_guard"] = {"factor": F, "window": W, "min_history": N}``. A delta of
-fragment p is dropped with reason ``norm-outlier`` when its L2 norm exceeds F times the median
-norm of the last W deltas merged into p (no verdict before N of them exist). It bounds how far
-one signed-but-wrong learner (a bug, a bit flip, a compromised key) can push a fragment in one
-round; RDA already bounds the merged norm by the weighted mean of the inputs' norms (SPEC §4),
-so without the guard one huge delta moves the fragment by a weighted share of its norm.
+On by default for new runs (``create_run`` writes ``RunDescriptor.extra["norm_guard"]``, map
+version 2: ``{"version": 2, "factor": F, "window": W, "min_history": N, "cap": C, "enabled": E}``).
+A delta of fragment p is dropped with reason ``norm-outlier`` when either
 
-Deterministic, so replay reaches the same verdicts: the median comes from the norms the syncer
-*recorded* in earlier merge commits (``info["norms"]``, one per merged input, in record order),
-and the norm of a new delta is a float64 sum over its tensors in sorted name order.
+- its L2 norm exceeds ``C * max(|Theta_p|, sqrt(n_p))`` (``|Theta_p|`` the norm of the fragment's
+  current exact parameters, ``n_p`` its number of values: the cap never collapses to 0 for a
+  fragment of zeros). This holds from the very first round, before any history exists, and stops
+  a finite "value bomb" (a delta filled with 1e4) outright; or
+- at least N merged norms of p are known and its norm exceeds ``F`` times the median of the last
+  W of them (a median of 0 gives no verdict).
+
+It bounds how far one signed-but-wrong learner (a bug, a bit flip, a compromised key) can push a
+fragment in one round; RDA already bounds the merged norm by the weighted mean of the inputs'
+norms (SPEC §4), so without the guard one huge delta moves the fragment by a weighted share of it.
+Descriptors without the key (runs made before it was on by default, hand-built ones) and maps with
+``enabled: false`` have no guard; version-1 maps (no ``version`` key) have no cap, as before.
+
+Deterministic, so replay reaches the same verdicts (SPEC §7 'Replay'): the median comes from the
+norms the syncer *recorded* in earlier merge commits (``info["norms"]``, one per merged input, in
+record order); the cap from the state before the commit; and every norm is bit-stable whatever the
+BLAS thread count (issue 11 item 3): float32 values are squared exactly in float64, summed per
+fixed chunk of ``CHUNK`` values with numpy's pairwise sum (never ``np.dot``/BLAS, whose blocking
+depends on its thread count), and the chunk sums are added with ``math.fsum`` (correctly rounded,
+so independent of order).
 """
 from __future__ import annotations
 
@@ -27,16 +40,23 @@ from .fold import RoundInput
 from .types import RunDescriptor
 
 OUTLIER = "norm-outlier"
+GUARD_MAP_VERSION = 2
+CHUNK = 1 << 16           # values per pairwise-summed chunk (fixed: part of the replayed format)
+_SLAB = 64 * CHUNK        # values squared at a time (bounds the float64 scratch memory)
 
 
 @dataclass(frozen=True)
 class NormGuardConfig:
-    factor: float = 10.0      # drop when the norm exceeds factor x the recent median
-    window: int = 32          # recent merged deltas per fragment that make the median
-    min_history: int = 8      # no verdict until this many merged deltas are known
+    factor: float = 10.0          # drop when the norm exceeds factor x the recent median
+    window: int = 32              # recent merged deltas per fragment that make the median
+    min_history: int = 8          # no median verdict until this many merged deltas are known
+    cap: float | None = 10.0      # drop when the norm exceeds cap x max(|Theta_p|, sqrt(n_p)); None: no cap
+    enabled: bool = True          # False: the run has no guard (recorded, so replay knows)
+    version: int = GUARD_MAP_VERSION   # 1: maps written before the cap (np.dot norms, no cap)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.factor, (int, float)) or not math.isfinite(self.factor) or self.factor <= 1.0:
+        if not isinstance(self.factor, (int, float)) or isinstance(self.factor, bool) \
+                or not math.isfinite(self.factor) or self.factor <= 1.0:
             raise ValueError(f"norm guard factor must be a finite number > 1, got {self.factor!r}")
         for name in ("window", "min_history"):
             v = getattr(self, name)
@@ -44,49 +64,106 @@ class NormGuardConfig:
                 raise ValueError(f"norm guard {name} must be an int >= 1, got {v!r}")
         if self.min_history > self.window:
             raise ValueError(f"norm guard min_history {self.min_history} exceeds window {self.window}")
+        if self.cap is not None and (not isinstance(self.cap, (int, float)) or isinstance(self.cap, bool)
+                                     or not math.isfinite(self.cap) or self.cap <= 0):
+            raise ValueError(f"norm guard cap must be None or a finite number > 0, got {self.cap!r}")
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"norm guard enabled must be a bool, got {self.enabled!r}")
+        if self.version not in (1, GUARD_MAP_VERSION):
+            raise ValueError(f"norm guard map version {self.version!r} not one of 1, {GUARD_MAP_VERSION}")
+        if self.version == 1 and self.cap is not None:
+            raise ValueError("a version-1 norm guard map has no cap")
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.version == 1:            # written exactly as before the cap existed
+            return {k: d[k] for k in ("factor", "window", "min_history")}
+        return d
 
 
 def guard_config(descriptor: RunDescriptor) -> NormGuardConfig | None:
-    """The run's norm guard, or None when it is off (the default)."""
+    """The run's norm guard, or None when it has none (no key, or ``enabled: false``)."""
     d = descriptor.extra.get("norm_guard")
     if d is None:
         return None
-    if not isinstance(d, dict) or not set(d) <= {"factor", "window", "min_history"}:
-        raise FormatError(f"run {descriptor.run_id}: norm_guard must be a map of factor, window, min_history")
+    fields = {f.name for f in dataclasses.fields(NormGuardConfig)}
+    if not isinstance(d, dict) or not set(d) <= fields:
+        raise FormatError(f"run {descriptor.run_id}: norm_guard must be a map of {sorted(fields)}")
+    kw = dict(d)
+    if "version" not in kw:              # a version-1 map: no cap, as it was written
+        kw.update(version=1, cap=None)
     try:
-        return NormGuardConfig(**d)
+        cfg = NormGuardConfig(**kw)
     except (TypeError, ValueError) as exc:
         raise FormatError(f"run {descriptor.run_id}: {exc}") from None
+    return cfg if cfg.enabled else None
+
+
+def _sumsq_parts(a: np.ndarray) -> list[float]:
+    """Sums of squares of fixed ``CHUNK``-value chunks of ``a`` (C order), in float64."""
+    x = np.asarray(a).ravel()
+    parts: list[float] = []
+    for lo in range(0, x.size, _SLAB):
+        s = np.asarray(x[lo:lo + _SLAB], dtype=np.float64)
+        s = s * s                                     # exact for float32 values
+        full = s.size - s.size % CHUNK
+        if full:
+            parts.extend(s[:full].reshape(-1, CHUNK).sum(axis=1).tolist())
+        if full < s.size:
+            parts.append(float(s[full:].sum()))
+    return parts
 
 
 def delta_norm(tensors: Mapping[str, np.ndarray]) -> float:
-    """L2 norm over all tensors (float64, sorted names): inf or nan if any value is not finite."""
-    total = 0.0
+    """L2 norm over all tensors, bit-stable (see the module docstring): inf or nan if a value is
+    not finite."""
+    parts: list[float] = []
     for name in sorted(tensors):
-        a = np.asarray(tensors[name], dtype=np.float64).ravel()
-        total += float(np.dot(a, a))
-    return math.sqrt(total) if math.isfinite(total) else total
+        parts.extend(_sumsq_parts(tensors[name]))
+    if any(math.isnan(p) for p in parts):
+        return math.nan
+    if any(math.isinf(p) for p in parts):
+        return math.inf
+    return math.sqrt(math.fsum(parts))
 
 
-def verdict(norm: float, history: Sequence[float], cfg: NormGuardConfig) -> str:
-    """``norm-outlier`` or "" (non-finite norms are left to the fold, which says ``non-finite``)."""
-    if not math.isfinite(norm) or len(history) < cfg.min_history:
+def cap_limit(params: Mapping[str, np.ndarray], cfg: NormGuardConfig) -> float | None:
+    """The absolute norm cap for a fragment whose current exact parameters are ``params``."""
+    if cfg.cap is None:
+        return None
+    n = sum(int(np.size(a)) for a in params.values())
+    return cfg.cap * max(delta_norm(params), math.sqrt(n))
+
+
+def median(values: Sequence[float]) -> float:
+    h = sorted(values)
+    return h[len(h) // 2] if len(h) % 2 else 0.5 * (h[len(h) // 2 - 1] + h[len(h) // 2])
+
+
+def verdict(norm: float, history: Sequence[float], cfg: NormGuardConfig, limit: float | None = None) -> str:
+    """``norm-outlier`` or "" (non-finite norms are left to the fold, which says ``non-finite``).
+    ``limit``: the absolute cap (``cap_limit``), checked from the first round on."""
+    if not math.isfinite(norm):
         return ""
-    h = sorted(history)
-    median = h[len(h) // 2] if len(h) % 2 else 0.5 * (h[len(h) // 2 - 1] + h[len(h) // 2])
-    return OUTLIER if norm > cfg.factor * median else ""
+    if limit is not None and norm > limit:
+        return OUTLIER
+    if len(history) < cfg.min_history:
+        return ""
+    m = median(history)
+    return OUTLIER if m > 0 and norm > cfg.factor * m else ""
 
 
-def apply_guard(inputs: Sequence[RoundInput], history: Sequence[float],
-                cfg: NormGuardConfig) -> tuple[list[RoundInput], dict[str, float]]:
+def apply_guard(inputs: Sequence[RoundInput], history: Sequence[float], cfg: NormGuardConfig,
+                params: Mapping[str, np.ndarray] | None = None) -> tuple[list[RoundInput], dict[str, float]]:
     """Mark outliers among ``inputs`` (those not already rejected) with ``norm-outlier``.
 
-    Returns the inputs (outliers replaced by copies carrying the reason) and every computed norm
-    by the input's checksum, so the caller can record the merged inputs' norms.
+    ``params``: the fragment's current exact parameters (``FragmentState.params``), required when
+    the guard has a cap. Returns the inputs (outliers replaced by copies carrying the reason) and
+    every computed norm by the input's checksum, so the caller can record the merged inputs' norms.
     """
+    if cfg.cap is not None and params is None:
+        raise ValueError("apply_guard: this norm guard has a cap, pass the fragment's current params")
+    limit = cap_limit(params, cfg) if params is not None else None
     out, norms = [], {}
     for inp in inputs:
         if inp.reject_reason or inp.tensors is None:
@@ -94,9 +171,18 @@ def apply_guard(inputs: Sequence[RoundInput], history: Sequence[float],
             continue
         n = delta_norm(inp.tensors)
         norms[inp.checksum] = n
-        reason = verdict(n, history, cfg)
+        reason = verdict(n, history, cfg, limit)
         out.append(dataclasses.replace(inp, reject_reason=reason) if reason else inp)
     return out, norms
+
+
+def norms_agree(recorded: Sequence[float], computed: Sequence[float | None], cfg: NormGuardConfig) -> bool:
+    """Whether recomputed norms match the recorded ones: bit for bit, except for version-1 maps,
+    whose norms came from ``np.dot`` (BLAS, thread-count dependent) and may differ in the last bits."""
+    if cfg.version >= 2:
+        return list(recorded) == list(computed)
+    return len(recorded) == len(computed) and all(
+        c is not None and math.isclose(r, c, rel_tol=1e-9, abs_tol=0.0) for r, c in zip(recorded, computed))
 
 
 class NormWindow:

@@ -85,9 +85,12 @@ def list_checkpoints(store: ObjectStore) -> list[int]:
     return sorted(parse_checkpoint_key(k) for k in store.list(CHECKPOINT_PREFIX))
 
 
-def latest_checkpoint(store: ObjectStore, at_or_before: int | None = None) -> tuple[int, bytes] | None:
+def latest_checkpoint(store: ObjectStore, at_or_before: int | None = None,
+                      skipped: list[str] | None = None) -> tuple[int, bytes] | None:
     """The newest valid checkpoint with seq ``<= at_or_before`` (any, if None): ``(seq, payload)``,
-    or ``None`` when there is none (recovery then folds from the start)."""
+    or ``None`` when there is none (recovery then folds from the start). Every damaged one passed
+    over is logged and, when ``skipped`` is given, appended to it: falling back to an older
+    checkpoint is never silent (issue 11 item 10; the syncer reports them as events)."""
     for seq in reversed(list_checkpoints(store)):
         if at_or_before is not None and seq > at_or_before:
             continue
@@ -95,4 +98,6 @@ def latest_checkpoint(store: ObjectStore, at_or_before: int | None = None) -> tu
             return seq, read_checkpoint(store, seq)
         except (FormatError, NotFound) as exc:
             log.warning("skipping checkpoint %d: %s", seq, exc)
+            if skipped is not None:
+                skipped.append(f"checkpoint {seq} skipped: {exc}")
     return None
