@@ -22,12 +22,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Iterator, NamedTuple, TypeVar
 
+from pipeline.envelope import pack_record
 from pipeline.errors import FormatError
 from pipeline.types import CommitRecord
 
 from .errors import AlreadyExists, Conflict, Fenced, NotFound, StoreError, Unavailable
 from .layout import (EPOCH_PREFIX, HEAD_HINT_KEY, LOG_PREFIX, EpochRecord, commit_key, epoch_key,
-                     pack_head_hint, parse_commit_key, parse_epoch_key, unpack_head_hint)
+                     incarnation_key, incarnation_prefix, pack_head_hint, parse_commit_key, parse_epoch_key,
+                     parse_incarnation_key, unpack_head_hint)
 from .store import ObjectStore
 
 T = TypeVar("T")
@@ -143,6 +145,25 @@ class CommitLog:
             raise NotFound(f"commit {expected} does not exist yet (asked for commits {start}..{end - 1})",
                            uri=self.store.uri, key=commit_key(expected))
 
+    def gaps(self, upto: int) -> list[int]:
+        """Seqs ``<= upto`` that have no commit object although a later one exists (one LIST of
+        the whole log, paged). A deleted or lost commit makes replay before it impossible; recovery
+        reports every gap loudly rather than appending silently after it (issue 11 item 10)."""
+        missing: list[int] = []
+        expected, after = 0, None
+        while expected <= upto:
+            keys = self._do(lambda: self.store.list(LOG_PREFIX, start_after=after, limit=1000))
+            if not keys:
+                break
+            for key in keys:
+                seq = parse_commit_key(key)
+                if seq > upto:
+                    return missing
+                missing.extend(range(expected, seq))
+                expected = seq + 1
+            after = keys[-1]
+        return missing
+
     def check_fenced(self) -> None:
         """Raise ``Fenced`` if the log's last commit carries a newer epoch than ours (a cheap
         check for an idle syncer; an active one learns it from its next ``append``)."""
@@ -240,8 +261,15 @@ def current_epoch(store: ObjectStore) -> int:
 
 
 def claim_epoch(store: ObjectStore, syncer_id: str, *, retry: RetryPolicy = RetryPolicy(),
-                sleep: Callable[[float], None] = time.sleep, max_races: int = 64) -> SyncerClaim:
+                sleep: Callable[[float], None] = time.sleep, max_races: int = 64,
+                sign: Callable[[CommitRecord], CommitRecord] | None = None,
+                info: dict | None = None) -> SyncerClaim:
     """Claim a new syncer epoch and fence every older syncer (see the module docstring).
+
+    ``sign``: returns the fence record signed (a signed run's syncer key, workers/signing.py
+    ``sign_commit``), so that nobody who can merely write to the bucket can forge a fence (issue 11
+    item 14; recovery and replay verify it). ``info``: more to record in the fence (e.g. what
+    recovery had to salvage); ``syncer`` and ``nonce`` are always there.
 
     Raises ``Fenced`` if a newer syncer claimed and fenced meanwhile (lost the start race),
     ``Conflict`` if an older syncer won ``max_races`` seqs in a row against our fence.
@@ -257,7 +285,10 @@ def claim_epoch(store: ObjectStore, syncer_id: str, *, retry: RetryPolicy = Retr
         if tail >= 0 and log.read(tail).epoch > epoch:
             raise Fenced(f"syncer {syncer_id!r}: epoch {epoch} is already superseded by epoch "
                          f"{log._max_epoch} (commit {tail})", uri=store.uri)
-        fence = CommitRecord(seq=tail + 1, epoch=epoch, kind="fence", info={"syncer": syncer_id, "nonce": nonce})
+        fence = CommitRecord(seq=tail + 1, epoch=epoch, kind="fence",
+                             info={**(info or {}), "syncer": syncer_id, "nonce": nonce})
+        if sign is not None:
+            fence = sign(fence)
         existing = log._create(fence)
         if existing is None:
             return SyncerClaim(epoch, fence.seq, log)
@@ -283,3 +314,39 @@ def _claim_epoch_object(store: ObjectStore, syncer_id: str, nonce: str, log: Com
         if log._do(attempt):
             return epoch
         epoch += 1
+
+
+INCARNATION_KIND, INCARNATION_VERSION = "learner-incarnation", 1
+
+
+def claim_incarnation(store: ObjectStore, learner: str, *, floor: int = 1, retry: RetryPolicy = RetryPolicy(),
+                      sleep: Callable[[float], None] = time.sleep, max_races: int = 64) -> int:
+    """Claim a new incarnation of ``learner`` from storage, never from a clock (issue 11 item 13).
+
+    The incarnation is one above every life claimed before (and at least ``floor``: a run whose
+    learners once took wall-clock incarnations passes the newest one it merged, plus one), created
+    with create-if-absent on ``incarnations/<learner>/i<n>``: two processes started under one id
+    get different incarnations, and a host whose clock is behind cannot go back in a learner's
+    history. The claim object is a sealed ``learner-incarnation`` v1 record {learner, incarnation,
+    nonce} (the nonce recognises our own claim after an ambiguous write)."""
+    if not isinstance(floor, int) or isinstance(floor, bool) or floor < 0:
+        raise ValueError(f"incarnation floor must be an int >= 0, got {floor!r}")
+    nonce = uuid.uuid4().hex
+    keys = retry.run(lambda: store.list(incarnation_prefix(learner)), sleep)
+    n = max([parse_incarnation_key(k)[1] for k in keys] + [floor - 1, 0]) + 1
+    for _ in range(max_races):
+        key = incarnation_key(learner, n)   # ValueError past 10 digits: the id's lives are used up
+        data = pack_record(INCARNATION_KIND, INCARNATION_VERSION, {"learner": learner, "incarnation": n,
+                                                                   "nonce": nonce})
+
+        def attempt() -> bool:
+            try:
+                store.put_if_absent(key, data)
+                return True
+            except AlreadyExists:
+                return store.get(key) == data     # ours if an earlier attempt landed
+        if retry.run(attempt, sleep):
+            return n
+        n += 1
+    raise Conflict(f"learner {learner!r}: {max_races} incarnations in a row were claimed by others",
+                   uri=store.uri, key=incarnation_prefix(learner))

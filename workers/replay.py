@@ -12,6 +12,7 @@ error naming the object, the commit that names it and what is wrong (never a sil
 """
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping
@@ -19,7 +20,7 @@ from typing import Callable, Iterator, Mapping
 import numpy as np
 
 from pipeline.errors import FormatError
-from pipeline.fold import FoldResult, ReplayMismatch, SyncerState, check_commit, initial_state
+from pipeline.fold import FoldResult, ReplayMismatch, RoundInput, SyncerState, check_commit, initial_state
 from pipeline.types import CommitRecord, RunDescriptor
 from storage.checkpoints import latest_checkpoint
 from storage.errors import NotFound
@@ -28,9 +29,14 @@ from storage.store import ObjectStore
 from .deltas import load_inputs
 from .versions import decode_version
 # issue "Security": signatures, checkpoints the syncer signed, the norm guard's window
-from pipeline.guard import NormWindow, apply_guard, guard_config, recorded_norms
+from pipeline.guard import NormWindow, apply_guard, guard_config, norms_agree, recorded_norms
 from .keys import Roster, RunSecurity, run_security
 from .signing import check_commit_signature, open_checkpoint
+
+# Drop reasons replay takes from the commit record rather than recomputing: what the live syncer
+# decided about the *set* of a round (issue 11 item 5), not about a delta's bytes.
+PENDING_OVERFLOW = "pending-overflow"
+RECORDED_REASONS = (PENDING_OVERFLOW,)
 
 
 @dataclass
@@ -80,7 +86,7 @@ def _load_checkpoint(store: ObjectStore, descriptor: RunDescriptor, sec: RunSecu
     """The newest usable checkpoint at or before ``upto``: in a signed run, only one the syncer signed."""
     at = upto
     while at >= 0:
-        found = latest_checkpoint(store, at_or_before=at)
+        found = latest_checkpoint(store, at_or_before=at, skipped=stats.rejected_checkpoints)
         if found is None:
             return None
         seq, blob = found
@@ -99,13 +105,90 @@ def _load_checkpoint(store: ObjectStore, descriptor: RunDescriptor, sec: RunSecu
 
 def _backfill(log: CommitLog, window: NormWindow, before: int, fragments: int) -> None:
     """Fill the norm window from the merge commits before ``before`` (newest first), as far back as
-    needed: the window at a commit is a function of the log before it, wherever a replay starts."""
+    needed: the window at a commit is a function of the log before it, wherever a replay starts.
+    A commit that is missing or damaged, or whose norms are not valid, adds nothing (recovery's
+    salvage, workers/recovery.py, skips it the same way, so both rebuild the same window)."""
     seq = before - 1
     while seq >= 0 and not all(window.full(p) for p in range(fragments)):
-        rec = log.read(seq)
-        if rec.kind == "merge" and not window.full(rec.fragment):
-            window.prepend(rec.fragment, recorded_norms(rec.info, len(rec.inputs), f"commit {rec.seq}"))
+        try:
+            rec = log.read(seq)
+            if rec.kind == "merge" and 0 <= rec.fragment < fragments and not window.full(rec.fragment):
+                window.prepend(rec.fragment, recorded_norms(rec.info, len(rec.inputs), f"commit {rec.seq}"))
+        except (NotFound, FormatError):
+            pass
         seq -= 1
+
+
+def with_recorded_decisions(record: CommitRecord, inputs: list[RoundInput]) -> list[RoundInput]:
+    """Inputs as ``load_inputs`` returns them (merged, then dropped, in record order), with the drops
+    that only the live syncer could decide taken from the record (``RECORDED_REASONS``): which deltas
+    a round contains is the syncer's choice, not a function of the bytes (issue 11 item 5)."""
+    out = list(inputs)
+    for k, d in enumerate(record.dropped):
+        i = len(record.inputs) + k
+        if d.reason.split(":")[0] in RECORDED_REASONS and i < len(out):
+            out[i] = dataclasses.replace(out[i], reject_reason=d.reason, tensors=None)
+    return out
+
+
+def commit_signed(descriptor: RunDescriptor, record: CommitRecord) -> bool:
+    """Whether ``record`` must carry the syncer's signature in a signed run: merges and drops
+    always; fences in runs created with syncer-driven rounds (issue 11 item 14: fences were unsigned
+    before, and the log of such a run replays as written)."""
+    return record.kind in ("merge", "drop") or (record.kind == "fence" and descriptor.schedule != "learner")
+
+
+@dataclass
+class Refolder:
+    """What re-folding one commit needs besides the state: the store, the run, its keys, the guard."""
+
+    store: ObjectStore
+    descriptor: RunDescriptor
+    sec: RunSecurity | None
+    roster: Roster | None
+    window: NormWindow | None
+
+    def __post_init__(self) -> None:
+        self.guard = guard_config(self.descriptor)
+
+    def check_signature(self, rec: CommitRecord) -> bool:
+        """Raise FormatError on a missing or bad syncer signature; True if one was verified."""
+        if self.sec is None or not commit_signed(self.descriptor, rec):
+            return False
+        check_commit_signature(rec, self.sec.syncer.sign, self.descriptor.run_id)
+        return True
+
+    def refold(self, state: SyncerState, rec: CommitRecord,
+               recorded: Mapping[str, np.ndarray] | None = None) -> FoldResult:
+        """Recompute one commit from the inputs it names and check it bit for bit (norms included);
+        the norm window advances only when it reproduces."""
+        if rec.kind == "init":
+            raise FormatError(f"commit {rec.seq}: an init commit after the start of the run")
+        if rec.kind in ("merge", "drop") and not 0 <= rec.fragment < self.descriptor.num_fragments:
+            raise FormatError(f"commit {rec.seq}: fragment {rec.fragment} is not one of the run's "
+                              f"{self.descriptor.num_fragments}")
+        inputs = load_inputs(self.store, self.descriptor, rec, self.roster) if rec.kind in ("merge", "drop") else []
+        inputs = with_recorded_decisions(rec, inputs)
+        norms: dict[str, float] = {}
+        if self.guard is not None and inputs:
+            inputs, norms = apply_guard(inputs, self.window.history(rec.fragment), self.guard,
+                                        state.fragments[rec.fragment].params)
+        result = check_commit(state, self.descriptor, rec, inputs, recorded_output=recorded)
+        if self.guard is not None and rec.kind == "merge":
+            want = recorded_norms(rec.info, len(rec.inputs), f"commit {rec.seq}")
+            got = [norms.get(i.checksum) for i in rec.inputs]
+            if not norms_agree(want, got, self.guard):
+                raise ReplayMismatch(rec.seq, rec.fragment, "", None,
+                                     f"recorded input norms {want} but the inputs have norms {got}")
+            self.window.push(rec.fragment, want)
+        return result
+
+
+def origin_state(store: ObjectStore, descriptor: RunDescriptor, log: CommitLog, upto: int, *,
+                use_checkpoint: bool, sec: RunSecurity | None, stats: ReplayStats) -> SyncerState:
+    """The newest usable checkpoint at or before ``upto``, else the init commits."""
+    state = _load_checkpoint(store, descriptor, sec, upto, stats) if use_checkpoint else None
+    return state if state is not None else init_state(store, descriptor, log)
 
 
 def rebuild(store: ObjectStore, descriptor: RunDescriptor, upto: int, *, use_checkpoint: bool = True,
@@ -120,54 +203,37 @@ def rebuild(store: ObjectStore, descriptor: RunDescriptor, upto: int, *, use_che
     commit or version whose signature does not verify).
 
     ``roster``: the signed run's key list (default: the descriptor's plus the membership records
-    in the store). ``window``: with the norm guard on, an empty window to fill (the syncer keeps
-    using it); by default a private one. ``load_output(record)``: the stored values of a merge
-    commit's version, handed to ``check_commit`` so that a mismatch names the tensor (replay's
-    loader, instead of ``verify_outputs``' checksum-checked one). ``on_commit(record, result)``:
-    called after each commit reproduced, with the fold's result (replay checks stored versions
-    and checkpoints against it)."""
+    in the store). ``window``: with the norm guard on, the window to use (the syncer keeps using
+    it): an empty one is filled from the log before the start; one given together with
+    ``start_state`` is taken as that state's window and continued. By default a private one.
+    ``load_output(record)``: the stored values of a merge commit's version, handed to
+    ``check_commit`` so that a mismatch names the tensor (replay's loader, instead of
+    ``verify_outputs``' checksum-checked one). ``on_commit(record, result)``: called after each
+    commit reproduced, with the fold's result (replay checks stored versions and checkpoints)."""
     log = CommitLog(store)
     stats = ReplayStats()
-    sec = run_security(descriptor)
-    if sec is not None and roster is None:
-        roster = Roster(descriptor, sec)
-        roster.refresh(store)
+    sec, roster = security_of(store, descriptor, roster)
     guard = guard_config(descriptor)
+    continued = window is not None and start_state is not None
     if guard is not None and window is None:
         window = NormWindow(descriptor.num_fragments, guard)
     state = start_state
-    if state is None and use_checkpoint:
-        state = _load_checkpoint(store, descriptor, sec, upto, stats)
     if state is None:
-        state = init_state(store, descriptor, log)
+        state = origin_state(store, descriptor, log, upto, use_checkpoint=use_checkpoint, sec=sec, stats=stats)
     stats.start_seq = state.last_seq + 1
-    if guard is not None:
+    if guard is not None and not continued:
         _backfill(log, window, stats.start_seq, descriptor.num_fragments)
+    folder = Refolder(store, descriptor, sec, roster, window)
     if upto > state.last_seq:
         for rec in log.read_range(state.last_seq + 1, upto + 1):
-            if rec.kind == "init":
-                raise FormatError(f"commit {rec.seq}: an init commit after the start of the run")
-            if sec is not None and rec.kind in ("merge", "drop"):
-                check_commit_signature(rec, sec.syncer.sign, descriptor.run_id)
-                stats.signatures += 1
+            stats.signatures += folder.check_signature(rec)
             recorded = None
             if verify_outputs and rec.kind == "merge":
                 recorded = decode_version(store.get(rec.output_key), descriptor, rec)
             elif load_output is not None and rec.kind == "merge":
                 recorded = load_output(rec)
-            inputs = load_inputs(store, descriptor, rec, roster) if rec.kind in ("merge", "drop") else []
-            norms: dict[str, float] = {}
-            if guard is not None and inputs:
-                inputs, norms = apply_guard(inputs, window.history(rec.fragment), guard)
-            result = check_commit(state, descriptor, rec, inputs, recorded_output=recorded)
+            result = folder.refold(state, rec, recorded)
             state = result.state
-            if guard is not None and rec.kind == "merge":
-                want = recorded_norms(rec.info, len(rec.inputs), f"commit {rec.seq}")
-                got = [norms.get(i.checksum) for i in rec.inputs]
-                if got != want:
-                    raise ReplayMismatch(rec.seq, rec.fragment, "", None,
-                                         f"recorded input norms {want} but the inputs have norms {got}")
-                window.push(rec.fragment, want)
             if on_commit is not None:
                 on_commit(rec, result)
             stats.commits += 1
@@ -176,3 +242,13 @@ def rebuild(store: ObjectStore, descriptor: RunDescriptor, upto: int, *, use_che
             if progress is not None:
                 progress(rec, stats)
     return state, stats
+
+
+def security_of(store: ObjectStore, descriptor: RunDescriptor,
+                roster: Roster | None) -> tuple[RunSecurity | None, Roster | None]:
+    """The run's keys and its roster (the descriptor's plus the membership records in the store)."""
+    sec = run_security(descriptor)
+    if sec is not None and roster is None:
+        roster = Roster(descriptor, sec)
+        roster.refresh(store)
+    return sec, roster

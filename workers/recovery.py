@@ -1,0 +1,259 @@
+"""The syncer's restart recovery, which no single damaged object can stop (issue 11 items 9, 10, 14).
+
+SPEC §7-8: the syncer restarts from the log and loses nothing that was committed. Recovery re-folds
+every commit after the newest usable checkpoint with the same code as replay (``Refolder`` in
+workers/replay.py), so every restart is a replay check. Unlike replay, which stops at the first
+problem (it must report, never repair), recovery *salvages* what it can and says so:
+
+- a checkpoint that is damaged, forged or for another commit: the next older one is used
+  (``checkpoint ... skipped`` notes);
+- a commit that does not re-fold (a deleted or damaged input, a record that no longer reproduces):
+  its fragment is **adopted** from the commit's stored version, checked against the commit's
+  output checksum and, in a signed run, the syncer's signatures: the published values become the
+  fragment's parameters, its outer momentum restarts at zero, its high-water marks are the
+  record's; that fragment's later commits are adopted the same way (the exact momentum is gone);
+- a merge whose version object is lost too: the fragment keeps its values under the recorded
+  version number (a number is never reused) and the record's high-water marks;
+- a commit that is missing or does not open (a gap, a flipped byte): what it did is unknown;
+  every fragment's next merge is adopted, and a fragment with none takes one version number more;
+- a fence or drop that cannot be checked (a forged or damaged record) changes nothing but the seq;
+- gaps anywhere in the log, before the checkpoint too, are reported: the syncer never appends
+  silently after one.
+
+Every note goes into an event, and the notes before the claim into the new fence commit
+(``info["recovery"]``); a salvaged state is checkpointed at the fence at once, so that
+``ddiloco replay --from`` after it verifies everything the new syncer does. docs/replay.md lists
+what cannot be repaired. ``recover_state`` is read-only: the syncer calls it *before* claiming its
+epoch (a failed rebuild leaves the old syncer running), then once more after the claim to fold any
+commits the old syncer made in between. ``republish_damaged`` is the one writer here (after the
+claim): it rewrites a damaged or missing newest version object from the recovered state, when its
+values match the commit's checksum.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipeline.checksum import tensor_digest
+from pipeline.errors import FormatError
+from pipeline.fold import FragmentState, SyncerState, fold_fence, published
+from pipeline.guard import NormWindow, guard_config, recorded_norms
+from pipeline.types import CommitRecord, RunDescriptor
+from storage.errors import NotFound, StoreError
+from storage.log import CommitLog
+from storage.store import ObjectStore
+from .keys import Roster
+from .replay import Refolder, ReplayStats, _backfill, origin_state, security_of
+from .signing import Signer
+from .versions import VersionTracker, decode_version, encode_version
+
+NOTE_CHARS = 400          # a note is one line of an event or of the fence commit's info
+FENCE_NOTES = 16          # notes recorded in the fence commit (all of them go to events)
+
+
+@dataclass
+class Recovery:
+    """The recovered state and what it took. ``salvaged``: the state is not a pure re-fold of the
+    log (checkpoint it at once); ``uncertain``: fragments whose exact state was lost (their commits
+    are adopted); ``to_bump``: fragments a lost commit may have merged, none adopted since."""
+
+    state: SyncerState
+    stats: ReplayStats
+    notes: list[str] = field(default_factory=list)
+    salvaged: bool = False
+    gaps: list[int] = field(default_factory=list)
+    uncertain: set[int] = field(default_factory=set)
+    to_bump: set[int] = field(default_factory=set)
+
+    def fence_info(self) -> dict:
+        """What the fence commit records about this recovery ({} when nothing was salvaged)."""
+        return {"recovery": self.notes[:FENCE_NOTES]} if self.notes else {}
+
+
+def _ranges(seqs: list[int]) -> str:
+    out, i = [], 0
+    while i < len(seqs):
+        j = i
+        while j + 1 < len(seqs) and seqs[j + 1] == seqs[j] + 1:
+            j += 1
+        out.append(str(seqs[i]) if i == j else f"{seqs[i]}..{seqs[j]}")
+        i = j + 1
+    return ", ".join(out[:8]) + (" ..." if len(out) > 8 else "")
+
+
+def recover_state(store: ObjectStore, descriptor: RunDescriptor, upto: int, *, roster: Roster | None = None,
+                  window: NormWindow | None = None, start: Recovery | None = None,
+                  finish: bool = True) -> Recovery:
+    """Read-only: the syncer state after commit ``upto``, salvaging damage (module docstring).
+    ``start``: an earlier recovery to continue (with the same ``window``); ``finish=False`` when
+    one will continue this one (a fragment's version number is skipped only at the end). Raises only when no
+    starting state exists (no usable checkpoint and a damaged init commit or version 0), or on a
+    store error that may pass (``Unavailable``: the caller retries)."""
+    log = CommitLog(store)
+    sec, roster = security_of(store, descriptor, roster)
+    if guard_config(descriptor) is not None and window is None:
+        window = NormWindow(descriptor.num_fragments, guard_config(descriptor))
+    stats = ReplayStats()
+    if start is None:
+        rec = Recovery(SyncerState([], [], -1), stats, gaps=log.gaps(upto))
+        if rec.gaps:
+            rec.notes.append(f"the commit log has gaps: commits {_ranges(rec.gaps)} are missing; replay before "
+                             "them is impossible (docs/replay.md 'Damage')")
+        rec.state = origin_state(store, descriptor, log, upto, use_checkpoint=True, sec=sec, stats=stats)
+        rec.notes += stats.rejected_checkpoints
+        if window is not None:
+            _backfill(log, window, rec.state.last_seq + 1, descriptor.num_fragments)
+    else:
+        rec = dataclasses.replace(start, stats=stats, notes=list(start.notes), uncertain=set(start.uncertain),
+                                  to_bump=set(start.to_bump))
+    stats.start_seq = rec.state.last_seq + 1
+    salvage = _Salvage(Refolder(store, descriptor, sec, roster, window), log, rec)
+    for seq in range(rec.state.last_seq + 1, upto + 1):
+        rec.state = salvage.step(rec.state, seq)
+        stats.commits += 1
+        stats.end_seq = seq
+    for p in sorted(rec.to_bump) if finish else ():
+        rec.state = _bump(rec.state, p, descriptor)
+        rec.notes.append(f"fragment {p}: no commit after the lost one to adopt; it goes on at version "
+                         f"{rec.state.fragments[p].version} (one number skipped, never reused)")
+    if finish:
+        rec.to_bump.clear()
+    rec.notes = [n if len(n) <= NOTE_CHARS else n[:NOTE_CHARS - 1] + "…" for n in rec.notes]
+    return rec
+
+
+class _Salvage:
+    """Re-folds one commit at a time, and decides what to do when one cannot be re-folded."""
+
+    def __init__(self, folder: Refolder, log: CommitLog, rec: Recovery):
+        self.folder, self.log, self.rec = folder, log, rec
+        self.descriptor = folder.descriptor
+
+    def note(self, text: str) -> None:
+        self.rec.notes.append(text)
+        self.rec.salvaged = True
+
+    def step(self, state: SyncerState, seq: int) -> SyncerState:
+        try:
+            rec = self.log.read(seq)
+        except (NotFound, FormatError) as exc:
+            self.note(f"commit {seq} is missing or damaged ({exc}); what it did is lost: each fragment's next "
+                      "merge is adopted from its stored version")
+            self.rec.uncertain.update(range(self.descriptor.num_fragments))
+            self.rec.to_bump.update(range(self.descriptor.num_fragments))
+            return _advance(state, seq)
+        try:
+            self.folder.check_signature(rec)
+        except FormatError as exc:
+            self.note(f"{exc}: skipped (it changes nothing)")
+            return _advance(state, seq)
+        if rec.kind == "fence":
+            return fold_fence(state, seq, rec.epoch, rec.info).state
+        if rec.kind not in ("merge", "drop") or not 0 <= rec.fragment < self.descriptor.num_fragments:
+            self.note(f"commit {seq}: a {rec.kind!r} commit of fragment {rec.fragment} here is not valid: skipped")
+            return _advance(state, seq)
+        if rec.fragment not in self.rec.uncertain:
+            try:
+                return self.folder.refold(state, rec).state
+            except (NotFound, FormatError, ValueError) as exc:   # ReplayMismatch is a FormatError
+                self.note(f"commit {seq} (fragment {rec.fragment}) does not re-fold: {exc}")
+        if rec.kind == "drop":
+            return _advance(state, seq)      # a drop changes nothing else; its drops stand as recorded
+        return self.adopt(state, rec)
+
+    def adopt(self, state: SyncerState, rec: CommitRecord) -> SyncerState:
+        p, fs = rec.fragment, state.fragments[rec.fragment]
+        self.rec.uncertain.add(p)
+        self.rec.to_bump.discard(p)
+        if rec.version <= fs.version:
+            self.note(f"commit {rec.seq}: version {rec.version} of fragment {p} is not newer than {fs.version}: skipped")
+            return _advance(state, rec.seq)
+        try:
+            values = decode_version(self.folder.store.get(rec.output_key), self.descriptor, rec)
+            pub = published(values, self.descriptor.version_dtype)
+            params, momentum = pub, {n: np.zeros(a.shape, np.float32) for n, a in pub.items()}
+            self.note(f"fragment {p}: adopted version {rec.version} from commit {rec.seq}'s stored values; "
+                      "its outer momentum restarts at zero")
+        except (NotFound, FormatError) as exc:
+            pub, params, momentum = fs.history[fs.version], fs.params, fs.momentum
+            self.note(f"fragment {p}: commit {rec.seq}'s version {rec.version} is lost too ({exc}); it keeps "
+                      f"version {fs.version}'s values under number {rec.version}")
+        keep = range(rec.version - self.descriptor.retain_versions + 1, rec.version)
+        history = {v: fs.history[v] for v in sorted(fs.history) if v in keep}
+        history[rec.version] = pub
+        fragments = list(state.fragments)
+        fragments[p] = FragmentState(rec.version, _frozen(params), _frozen(momentum), history)
+        high_water = list(state.high_water)
+        high_water[p] = {m: (int(o[0]), int(o[1])) for m, o in rec.high_water.items()}
+        window = self.folder.window
+        if window is not None:
+            try:
+                window.push(p, recorded_norms(rec.info, len(rec.inputs), f"commit {rec.seq}"))
+            except FormatError:
+                pass              # the replay's backfill skips it the same way
+        return SyncerState(fragments, high_water, rec.seq, state.run_id)
+
+
+def _frozen(d: dict) -> dict:
+    out = {}
+    for n, a in d.items():
+        a = np.array(a, dtype=np.float32, copy=True)
+        a.flags.writeable = False
+        out[n] = a
+    return out
+
+
+def _advance(state: SyncerState, seq: int) -> SyncerState:
+    """Only the seq moves (what a fence does)."""
+    return SyncerState(list(state.fragments), list(state.high_water), seq, state.run_id)
+
+
+def _bump(state: SyncerState, p: int, descriptor: RunDescriptor) -> SyncerState:
+    """Fragment ``p`` one version number on, same values: the lost commit may have used the number."""
+    fs = state.fragments[p]
+    version = fs.version + 1
+    keep = range(version - descriptor.retain_versions + 1, version)
+    history = {v: fs.history[v] for v in sorted(fs.history) if v in keep}
+    history[version] = fs.history[fs.version]
+    fragments = list(state.fragments)
+    fragments[p] = FragmentState(version, fs.params, fs.momentum, history)
+    return SyncerState(fragments, list(state.high_water), state.last_seq, state.run_id)
+
+
+def republish_damaged(store: ObjectStore, descriptor: RunDescriptor, state: SyncerState,
+                      signer: Signer | None) -> list[str]:
+    """Rewrite the newest version object of every fragment that is missing or damaged, from the
+    recovered state, when the state holds exactly the values its commit names (same digest): new
+    learners load it again (issue 11 item 10). Returns one note per object repaired or not."""
+    tracker = VersionTracker(store, descriptor)
+    try:
+        newest = tracker.latest()
+    except (FormatError, StoreError) as exc:
+        return [f"could not check the newest versions: {exc}"]
+    notes = []
+    for p, rec in sorted(newest.items()):
+        fs = state.fragments[p]
+        if rec.version != fs.version or rec.version not in fs.history:
+            continue
+        try:
+            decode_version(store.get(rec.output_key), descriptor, rec)
+            continue
+        except (NotFound, FormatError) as exc:
+            damage = exc
+        except StoreError as exc:
+            notes.append(f"could not check {rec.output_key}: {exc}")
+            continue
+        values = {n: fs.history[rec.version][n] for n in descriptor.fragments[p]}
+        if tensor_digest(values) != rec.output_checksum:
+            notes.append(f"{rec.output_key} is damaged ({damage}) and the recovered values differ from commit "
+                         f"{rec.seq}'s checksum: not republished; learners use an older version")
+            continue
+        try:
+            store.put(rec.output_key, encode_version(descriptor, p, rec.version, rec.seq, rec.epoch, values,
+                                                     signer, rec.output_checksum))
+            notes.append(f"republished version {rec.version} of fragment {p} at {rec.output_key} ({damage})")
+        except StoreError as exc:
+            notes.append(f"could not republish {rec.output_key}: {exc}")
+    return notes
