@@ -32,6 +32,7 @@ from typing import Callable
 import numpy as np
 
 from workers.events import Tail
+from workers.utilisation import latency_steps, p50, useful_steps
 from .harness import ChaosRun, RunSpec
 from .scenarios import draw_failures
 
@@ -88,30 +89,6 @@ def _merged_by_learner(records) -> dict[str, dict]:
     return out
 
 
-def useful_steps(records, fragments: int, produced: set[str] | None = None) -> dict[str, float]:
-    """Per learner: inner steps whose progress entered the global model. A merged delta of fragment
-    p carries that learner's steps (learner_step - c_steps, learner_step] on p; consecutive deltas
-    of p overlap until the learner applies a new version, so steps are a union per (learner life,
-    fragment), and a fragment counts 1/P of a step. ``produced``: only these delta ids."""
-    spans: dict[tuple[str, int, int], list[tuple[int, int]]] = {}
-    for r in records:
-        if r.kind != "merge":
-            continue
-        for i in r.inputs:
-            if produced is None or i.delta_id in produced:
-                spans.setdefault((i.learner, i.incarnation, r.fragment), []).append(
-                    (i.learner_step + 1 - i.c_steps, i.learner_step + 1))
-    out: dict[str, float] = {}
-    for (learner, _, _), iv in spans.items():
-        covered, end = 0, -1
-        for a, b in sorted(iv):
-            if b > end:
-                covered += b - max(a, end)
-                end = b
-        out[learner] = out.get(learner, 0.0) + covered / fragments
-    return out
-
-
 def _learner_rows(run: ChaosRun, records) -> dict[str, dict]:
     """Per learner: steps/s; busy = the share of its training time spent in steps (it never waits);
     utilisation = the share of its steps whose progress entered the global model (``useful_steps``);
@@ -137,6 +114,7 @@ def _learner_rows(run: ChaosRun, records) -> dict[str, dict]:
             "busy_frac": round(min(1.0, busy), 3) if busy is not None else None,
             "deltas_produced": len(produced), "deltas_merged": m["deltas"],
             "utilisation": round(useful.get(name, 0.0) / n_steps, 4) if n_steps else None,
+            "latency_steps_p50": p50(latency_steps(records, {name: ev})[name]),
             "weight_share": round(m["weight"] / merges, 4) if merges else None,
             "mean_weight": round(m["weight"] / m["deltas"], 4) if m["deltas"] else None,
             "mean_round_wait_s": round(statistics.fmean(waits), 3) if waits else None,
@@ -154,7 +132,9 @@ def hetero(out: Path, seed: int = 0, quick: bool = False) -> dict:
     slow = {"l2": 1.18, "l3": 1.18}
     result = {}
     for label, (k, gamma, keep) in configs.items():
-        spec = RunSpec(learners=4, steps=steps, quorum=k, grace_gamma=gamma, seed=seed, slow=1.0, keep_progress=keep)
+        # The demo job's round shape (P=4, H=16: workers/run.py) so utilisation reads as it would there.
+        spec = RunSpec(learners=4, steps=steps, quorum=k, grace_gamma=gamma, seed=seed, slow=1.0, keep_progress=keep,
+                       fragments=4, sync_every=16)
         with ChaosRun(spec, out / label.replace("=", "").replace("+", "-")) as run:
             run.create()
             run.start_syncer()
@@ -174,6 +154,8 @@ def hetero(out: Path, seed: int = 0, quick: bool = False) -> dict:
     summary = {label: {"final_eval_loss": r["final_eval_loss"],
                        "utilisation_fast": _mean([r["per_learner"][l]["utilisation"] for l in ("l0", "l1")]),
                        "utilisation_slow": _mean([r["per_learner"][l]["utilisation"] for l in ("l2", "l3")]),
+                       "utilisation_min": min((r["per_learner"][l]["utilisation"] or 0.0) for l in r["per_learner"]),
+                       "latency_steps_p50": _mean([r["per_learner"][l]["latency_steps_p50"] for l in r["per_learner"]]),
                        "busy_fast": _mean([r["per_learner"][l]["busy_frac"] for l in ("l0", "l1")]),
                        "busy_slow": _mean([r["per_learner"][l]["busy_frac"] for l in ("l2", "l3")]),
                        "weight_share_slow": _mean([r["per_learner"][l]["weight_share"] for l in ("l2", "l3")]),
