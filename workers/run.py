@@ -28,6 +28,7 @@ import torch
 
 from pipeline.guard import NormGuardConfig
 from storage.layout import SPILL_PREFIX
+from storage.log import CommitLog
 from storage.store import ObjectStore, open_store
 from .data import Corpus, evaluate
 from .events import EventLog, Tail, read_events
@@ -38,6 +39,7 @@ from .lockstep import OuterSettings, diloco_baseline
 from .model import EMBEDDING_TENSORS, GPT, GPTConfig, build_model
 from .progress import Progress
 from .report import plot_run
+from .utilisation import latency_steps, p50, utilisation
 from .versions import VersionTracker
 
 
@@ -214,6 +216,7 @@ def run(args) -> int:
     events.close()
     all_events = [e for f in sorted((out / "logs").glob("*.jsonl")) for e in read_events(f)]
     summary = _summary(store_uri, desc, all_events, init_loss, final, wall, drained, args)
+    summary.update(_rounds_figures(store, desc, all_events))
     _write_outputs(out, summary, all_events, args)
     return 0 if summary["ok"] else 1
 
@@ -283,6 +286,27 @@ def _summary(store_uri, desc, events, init_loss, final, wall, drained, args) -> 
     }
 
 
+def _rounds_figures(store: ObjectStore, desc, events: list[dict]) -> dict:
+    """Utilisation (share of each learner's steps whose work entered a version) and version latency
+    in steps (answer -> applied), from the commit log and the event logs (workers/utilisation.py)."""
+    try:
+        log = CommitLog(store)
+        records = [log.read(s) for s in range(log.tail() + 1)]
+    except Exception as exc:   # figures never fail a run
+        return {"utilisation": None, "figures_error": str(exc)}
+    by_learner: dict[str, list[dict]] = {}
+    for e in events:
+        if e.get("role") == "learner":
+            by_learner.setdefault(e["id"], []).append(e)
+    steps = {m: max((e.get("step", 0) for e in ev if e.get("event") == "learner-stop"), default=0)
+             for m, ev in by_learner.items()}
+    lat = latency_steps(records, by_learner)
+    merges = [r for r in records if r.kind == "merge" and r.round >= 0]
+    return {"utilisation": utilisation(records, desc.num_fragments, steps),
+            "version_latency_steps_p50": {m: p50(v) for m, v in sorted(lat.items())},
+            "mean_round_size": round(sum(len(r.inputs) for r in merges) / len(merges), 3) if merges else None}
+
+
 def _write_outputs(out: Path, summary: dict, events: list[dict], args) -> None:
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     if args.summary:
@@ -294,7 +318,8 @@ def _write_outputs(out: Path, summary: dict, events: list[dict], args) -> None:
     except Exception as exc:  # a plotting failure must not hide the run's result
         summary_plot = f"(plot failed: {exc})"
     keys = ("mode", "run_uri", "commits", "tokens_trained", "initial_eval_loss", "final_eval_loss",
-            "deltas_merged", "deltas_dropped", "deltas_spilled", "wall_s")
+            "deltas_merged", "deltas_dropped", "deltas_spilled", "mean_round_size", "utilisation",
+            "version_latency_steps_p50", "wall_s")
     print("\nsummary:")
     for k in keys:
         if k in summary:
