@@ -31,13 +31,17 @@ _RETRYABLE_ERRNOS = {errno.EIO, errno.ENOSPC, errno.EAGAIN, errno.EBUSY, errno.E
 class LocalStore:
     """An ``ObjectStore`` on a local (or shared POSIX) directory; safe for several processes."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, create: bool = True) -> None:
+        """``create=False``: the directory must exist (``NotFound`` otherwise). Commands that join
+        or read a run pass it, so that a mistyped path is an error, not a new empty store."""
         if not isinstance(root, str) or not root.strip():
             raise BadLocation(f"local store path must be a non-empty string, got {root!r}")
         self.root = os.path.abspath(os.path.expanduser(root))
         self.uri = "file://" + self.root
         if os.path.exists(self.root) and not os.path.isdir(self.root):
             raise BadLocation("exists and is not a directory", uri=self.uri)
+        if not create and not os.path.isdir(self.root):
+            raise NotFound(f"no run at {root} (no such directory; only `ddiloco run` creates one)", uri=self.uri)
         try:
             os.makedirs(os.path.join(self.root, TMP_DIR), exist_ok=True)
         except OSError as exc:

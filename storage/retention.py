@@ -14,7 +14,15 @@ Rules (conservative; commits, epochs, the descriptor and the head hint are never
   whose producing commit is ``<= horizon``, or that no commit names (e.g. a fenced syncer's
   orphan). Version 0, the run's initial model, is kept.
 
-Planning reads the whole log (one GET per commit): an operator's tool, not a hot path.
+Planning reads the log (one GET per commit) from ``scan_from`` (default: the start). The syncer
+plans incrementally after each checkpoint with ``scan_from`` = the previous horizon + 1: keys
+named only by earlier commits were dealt with then (or are kept: never deleted by mistake), and
+versions produced before ``scan_from`` lie behind an earlier horizon. ``ddiloco gc`` scans it all.
+
+Safe for replay from any kept checkpoint (docs/storage.md "Retention"): everything a replay or a
+restart folding from the oldest kept checkpoint reads is kept - the commits, the deltas and
+versions they name, the checkpoints. A full replay from the start needs the deleted deltas: use
+``ddiloco replay --from <a kept checkpoint + 1>`` after retention.
 """
 from __future__ import annotations
 
@@ -57,11 +65,15 @@ class RetentionPlan:
         return dict(counts)
 
 
-def plan_retention(store: ObjectStore, keep_checkpoints: int = 2, keep_versions: int | None = None) -> RetentionPlan:
+def plan_retention(store: ObjectStore, keep_checkpoints: int = 2, keep_versions: int | None = None, *,
+                   scan_from: int = 0) -> RetentionPlan:
     """List what could be deleted (see the module docstring). ``keep_versions`` defaults to the
-    run descriptor's ``retain_versions`` (16 if the descriptor cannot be read)."""
+    run descriptor's ``retain_versions`` (16 if the descriptor cannot be read). ``scan_from``: the
+    first commit read (an earlier plan's horizon + 1)."""
     if not isinstance(keep_checkpoints, int) or keep_checkpoints < 1:
         raise ValueError(f"keep_checkpoints must be an int >= 1, got {keep_checkpoints!r}")
+    if not isinstance(scan_from, int) or scan_from < 0:
+        raise ValueError(f"scan_from must be an int >= 0, got {scan_from!r}")
     if keep_versions is None:
         try:
             keep_versions = read_descriptor(store).retain_versions
@@ -81,7 +93,9 @@ def plan_retention(store: ObjectStore, keep_checkpoints: int = 2, keep_versions:
     settled: dict[str, int] = {}       # delta key -> last commit <= horizon naming it
     named_later: set[str] = set()      # delta keys named by a commit after the horizon
     produced_at: dict[str, int] = {}   # version key -> commit seq that produced it
-    for record in CommitLog(store).read_range(0):
+    log = CommitLog(store)
+    records = log.read_range(scan_from) if horizon >= 0 and scan_from <= log.tail() else ()
+    for record in records:
         names = [i.key for i in record.inputs] + [d.key for d in record.dropped if d.key]
         for key in names:
             if record.seq <= horizon:
@@ -110,7 +124,10 @@ def plan_retention(store: ObjectStore, keep_checkpoints: int = 2, keep_versions:
                 if version == 0 or version in newest:
                     continue
                 seq = produced_at.get(key)
-                if seq is None:
+                if seq is None and scan_from > 0:
+                    reason = (f"produced before commit {scan_from} (behind an earlier horizon) or by no commit; "
+                              f"fragment {fragment} keeps its newest {keep_versions} versions")
+                elif seq is None:
                     reason = f"no commit names it; fragment {fragment} keeps its newest {keep_versions} versions"
                 elif seq <= horizon:
                     reason = (f"produced by commit {seq} <= horizon {horizon}; fragment {fragment} keeps "

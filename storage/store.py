@@ -106,10 +106,13 @@ def check_limit(limit: int | None, uri: str = "") -> int | None:
 
 
 def open_store(uri: str, *, s3_endpoint: str | None = None, path_style: bool | None = None,
-               connect_timeout: float = 1.0, read_timeout: float = 5.0, attempts: int = 2) -> ObjectStore:
+               connect_timeout: float = 1.0, read_timeout: float = 5.0, attempts: int = 2,
+               create: bool = True) -> ObjectStore:
     """Open the run location ``uri``.
 
-    - a plain path or ``file:///abs/path``: a ``LocalStore`` (the directory is created);
+    - a plain path or ``file:///abs/path``: a ``LocalStore`` (the directory is created, unless
+      ``create=False``: then a missing directory is ``NotFound`` - for everything that joins or
+      reads an existing run, so that a mistyped path never becomes a new, empty store);
     - ``s3://bucket/prefix``: an ``S3Store``; keys are relative to ``prefix``. The endpoint is
       ``s3_endpoint`` or the standard ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``; credentials
       and region come from the standard AWS chain. ``path_style`` defaults to True when a custom
@@ -128,7 +131,7 @@ def open_store(uri: str, *, s3_endpoint: str | None = None, path_style: bool | N
             raise BadLocation(f"store URI {uri!r} looks like a URI without '//': use file:///abs/path, "
                               "s3://bucket/prefix or a plain directory path")
         from .local import LocalStore
-        return LocalStore(uri)
+        return LocalStore(uri, create=create)
     parts = urlsplit(uri)
     scheme = parts.scheme.lower()
     if scheme == "file":
@@ -140,7 +143,7 @@ def open_store(uri: str, *, s3_endpoint: str | None = None, path_style: bool | N
         if not path.startswith("/"):
             raise BadLocation(f"file URI {uri!r} must hold an absolute path (file:///abs/path)")
         from .local import LocalStore
-        return LocalStore(path)
+        return LocalStore(path, create=create)
     if scheme == "s3":
         from .s3 import S3Store
         return S3Store(uri, endpoint=s3_endpoint, path_style=path_style, connect_timeout=connect_timeout,

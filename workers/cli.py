@@ -8,6 +8,7 @@ one broken or slow-to-import command never breaks the others, and workers/ never
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib import metadata
 from typing import Callable, Sequence
@@ -65,6 +66,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except SystemExit as exc:
+        if isinstance(exc.code, str):     # a command's own one-line refusal
+            print(f"error: {exc.code}", file=sys.stderr)
+            return 2
+        raise
+    except Exception as exc:   # noqa: BLE001 - a user reads one line; a bug keeps its traceback
+        line = explain(exc)
+        if line is None or os.environ.get("DDILOCO_DEBUG"):
+            raise
+        print(line, file=sys.stderr)
+        return EXIT_ERROR
+
+
+EXIT_ERROR = 1
+
+
+def explain(exc: BaseException) -> str | None:
+    """``error: <cause> — <fix>`` for the errors a user can act on (issue 11 item 15); None for
+    anything else (a bug: its traceback is kept). ``DDILOCO_DEBUG=1`` shows tracebacks always."""
+    from pipeline.errors import FormatError
+    from storage.errors import BadLocation, Fenced, NotFound, StoreError, Unavailable
+    text = str(exc)
+    if isinstance(exc, BadLocation):
+        fix = "give a directory, file:///abs/path or s3://bucket/prefix"
+    elif isinstance(exc, NotFound) and (exc.key in (None, "run.descriptor")):
+        fix = "check the path (only `ddiloco run` creates a run; `ddiloco run --create-only --store URI` makes one)"
+    elif isinstance(exc, NotFound):
+        fix = "an object the run needs is missing: `ddiloco replay URI` names what is damaged (docs/replay.md)"
+    elif isinstance(exc, Unavailable):
+        fix = ("the store did not answer: check that it is up and reachable (for S3: --s3-endpoint or "
+               "AWS_ENDPOINT_URL, `ddiloco s3 up` for a local one), then start again")
+    elif isinstance(exc, Fenced):
+        fix = "a newer syncer owns this run; this one stopped (nothing to do)"
+    elif isinstance(exc, StoreError):
+        fix = "check the location, its permissions and (for S3) the credentials"
+    elif isinstance(exc, FormatError):
+        fix = "an object is damaged or not from this project: `ddiloco replay URI` locates it"
+    elif type(exc).__module__.startswith("zmq"):
+        fix = ("another process holds that address, or it is not one this host has: pick other "
+               "--ingest/--announce endpoints (tcp://HOST:PORT)")
+    elif isinstance(exc, (ValueError, OSError)):
+        return f"error: {text}"      # our ValueErrors already say what to do; OSError names the file
+    else:
+        return None
+    return f"error: {text} — {fix}"
 
 
 if __name__ == "__main__":

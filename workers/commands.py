@@ -7,8 +7,15 @@ to the address the syncer can be reached at. SIGTERM/SIGINT stop either cleanly.
 Keys (issue "Security", docs/security.md): a signed run's roles need their secret key file —
 ``--key PATH`` (and for learners ``--syncer-key PATH``, the syncer's public ``.key`` file they
 pin), or ``--keys DIR`` holding ``<id>.key_secret`` and ``syncer.key``. Secrets are only ever
-read from files, never from the command line. An unsigned run is joined only with an explicit
-``--insecure``, which is logged.
+read from files, never from the command line. A role follows the run's own mode (fixed when it
+was created): a signed run needs keys; an unsigned one (``ddiloco run --insecure``, or a run made
+with ``create_run`` and no syncer key, as in the README's "Your own model") is joined without
+them - with a warning on stderr and a ``security-off`` event - and refuses keys.
+
+Errors a user reads (issue 11 items 11, 15): a mistyped local ``--store`` is refused, never
+created; a store that does not answer, a missing run, bad keys are one ``error: ... — fix`` line
+(workers/cli.py ``explain``); a learner that could not make every delta durable says how many it
+lost and why, and exits 4.
 """
 from __future__ import annotations
 
@@ -59,8 +66,12 @@ def _keyring(args, store, role: str, ident: str) -> KeyRing | None:
     if signed and args.insecure:
         raise SystemExit(f"run {desc.run_id} is signed: --insecure cannot join it (give --keys DIR or --key PATH)")
     if not signed:
+        if given:
+            raise SystemExit(f"run {desc.run_id} is unsigned (created without keys): it cannot be joined with "
+                             "keys (the keys would protect nothing) - drop --key/--keys/--syncer-key")
         if not args.insecure:
-            raise SystemExit(f"run {desc.run_id} is unsigned (created with --insecure): pass --insecure to join it")
+            print(f"warning: run {desc.run_id} is unsigned (created without keys): no CURVE, no signatures - "
+                  "anyone who reaches the bus or the bucket can change the model", file=sys.stderr)
         return None
     if not given:
         raise SystemExit(f"run {desc.run_id} is signed: {role} {ident} needs its key (--keys DIR or --key PATH)")
@@ -91,12 +102,20 @@ def configure_syncer(parser: argparse.ArgumentParser):
     _common(parser)
     parser.add_argument("--id", default="syncer", help="syncer name recorded in commits")
     parser.add_argument("--checkpoint-every", type=int, default=25, help="commits between checkpoints")
+    parser.add_argument("--keep-checkpoints", type=int, default=2, metavar="N",
+                        help="retention after each checkpoint keeps the newest N checkpoints and what replay "
+                             "from the oldest of them needs (docs/storage.md)")
+    parser.add_argument("--keep-all", action="store_true",
+                        help="no retention: keep every delta, version and checkpoint (full replay from the start)")
 
     def handler(args) -> int:
-        store = open_store(args.store, s3_endpoint=args.s3_endpoint)
+        from .gc import RetentionConfig
+        retention = RetentionConfig(enabled=not args.keep_all, keep_checkpoints=args.keep_checkpoints)
+        store = open_store(args.store, s3_endpoint=args.s3_endpoint, create=False)
         keys = _keyring(args, store, "syncer", args.id)
         flag = _stop_flag()
-        syncer = Syncer(store, SyncerConfig(syncer_id=args.id, checkpoint_every=args.checkpoint_every),
+        syncer = Syncer(store, SyncerConfig(syncer_id=args.id, checkpoint_every=args.checkpoint_every,
+                                            retention=retention),
                         bus=_bus(args), events=_events(args, "syncer", args.id), keys=keys)
         return syncer.run(flag.is_set)
     return handler
@@ -125,7 +144,7 @@ def configure_learner(parser: argparse.ArgumentParser):
         if shard is None:
             digits = "".join(c for c in args.id if c.isdigit())
             shard = int(digits) if digits else 0
-        store = open_store(args.store, s3_endpoint=args.s3_endpoint)
+        store = open_store(args.store, s3_endpoint=args.s3_endpoint, create=False)
         keys = _keyring(args, store, "learner", args.id)
         flag = _stop_flag()
         events = _events(args, "learner", args.id)
@@ -135,5 +154,22 @@ def configure_learner(parser: argparse.ArgumentParser):
         events.emit("learner-done", **stats)
         if args.log:
             print(json.dumps(stats))
-        return 0 if stats["drained"] else 4
+        return learner_exit(args.id, args.store, stats, sys.stderr)
     return handler
+
+
+EXIT_UNDELIVERED = 4
+
+
+def learner_exit(ident: str, store: str, stats: dict, err) -> int:
+    """0 when every delta became durable; otherwise one line saying how many were lost and why
+    (e.g. a full disk), and exit status 4 (issue 11 item 11: never a silent exit)."""
+    if stats.get("drained", True):
+        return 0
+    lost = stats.get("undelivered", 0)
+    cause = stats.get("last_error") or "the syncer did not acknowledge them and spilling did not finish in time"
+    fix = ("free space or fix the store, then restart the learner (its next deltas carry its progress)"
+           if stats.get("spill_errors") else "check that the syncer and the store are reachable")
+    print(f"error: learner {ident}: {lost} delta(s) were never made durable in {store} "
+          f"({stats.get('spill_errors', 0)} failed spills; last: {cause}) — {fix}", file=err)
+    return EXIT_UNDELIVERED

@@ -72,7 +72,7 @@ class Learner:
                  events: EventLog | None = None, incarnation: int | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.model, self.optimizer = model, optimizer
-        self.store = open_store(store) if isinstance(store, str) else store
+        self.store = open_store(store, create=False) if isinstance(store, str) else store   # never a new empty dir
         self.id = check_learner_id(learner_id)
         self.cfg = config
         self.bus = bus

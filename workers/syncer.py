@@ -119,7 +119,7 @@ class Syncer(SyncerIngest):
     def __init__(self, store: str | ObjectStore, cfg: SyncerConfig = SyncerConfig(), bus: BusConfig | None = None,
                  events: EventLog | None = None, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time, keys: KeyRing | None = None):
-        self.store = open_store(store) if isinstance(store, str) else store
+        self.store = open_store(store, create=False) if isinstance(store, str) else store   # never a new empty dir
         self.cfg = cfg
         self.events = events or EventLog(None, "syncer", cfg.syncer_id)
         self.clock, self.wall = clock, wall

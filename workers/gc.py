@@ -1,0 +1,149 @@
+"""Retention: the store does not grow without bound (issue 11 item 7; SPEC §7, docs/storage.md).
+
+Two users of ``storage.retention`` (which decides what may go, and why):
+
+- the **syncer** (``SyncerRetention``): after each checkpoint it plans and applies retention in
+  the background (its I/O pool), incrementally - each plan reads the log only from the previous
+  horizon. On by default (``RetentionConfig``), keeping the newest 2 checkpoints and the run's
+  ``retain_versions`` newest versions per fragment. A failure is reported and retried after the
+  next checkpoint; it never stops the syncer.
+- an operator: ``ddiloco gc RUN_URI`` lists what would be deleted, one line per object with its
+  reason, and deletes only with ``--delete``. Safe while the run is going on (same rules).
+
+What stays is enough to restart the syncer and to replay from any kept checkpoint:
+``ddiloco replay RUN_URI --from <kept checkpoint + 1>`` (the command prints it). A full replay
+from the first commit needs the deleted deltas; turn retention off (``ddiloco syncer
+--keep-all``) for runs that must keep that.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import TextIO
+
+from pipeline.errors import FormatError
+from storage.errors import StoreError
+from storage.retention import RetentionPlan, apply_retention, plan_retention
+from storage.store import ObjectStore
+from .events import EventLog
+
+EXIT_OK, EXIT_USAGE, EXIT_STORE = 0, 2, 3
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    """The syncer's retention. ``keep_versions`` None: the run descriptor's ``retain_versions``."""
+
+    enabled: bool = True
+    keep_checkpoints: int = 2
+    keep_versions: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be an int >= 1, got {self.keep_checkpoints!r} "
+                             "(one damaged checkpoint must leave a fallback: 2 is the default)")
+        if self.keep_versions is not None and (not isinstance(self.keep_versions, int) or self.keep_versions < 1):
+            raise ValueError(f"keep_versions must be an int >= 1 or None, got {self.keep_versions!r}")
+
+
+class SyncerRetention:
+    """Runs retention after a checkpoint on ``executor``; at most one pass at a time."""
+
+    def __init__(self, store: ObjectStore, cfg: RetentionConfig, events: EventLog, executor: Executor):
+        self.store, self.cfg, self.events, self.executor = store, cfg, events, executor
+        self._scan_from = 0
+        self._busy = threading.Lock()
+        self.passes = 0
+        self.deleted = 0
+
+    def after_checkpoint(self, seq: int) -> None:
+        if not self.cfg.enabled or not self._busy.acquire(blocking=False):
+            return   # a pass is still running: the next checkpoint starts another
+        try:
+            self.executor.submit(self._pass, seq)
+        except RuntimeError:       # the executor is shutting down: the syncer is stopping
+            self._busy.release()
+
+    def _pass(self, seq: int) -> None:
+        try:
+            plan = plan_retention(self.store, self.cfg.keep_checkpoints, self.cfg.keep_versions,
+                                  scan_from=self._scan_from)
+            n = apply_retention(self.store, plan)
+            if plan.horizon >= 0:
+                self._scan_from = plan.horizon + 1
+            self.passes += 1
+            self.deleted += n
+            if n:
+                self.events.emit("retention", after_checkpoint=seq, horizon=plan.horizon, deleted=n,
+                                 by_prefix=plan.summary(), kept_checkpoints=list(plan.kept_checkpoints))
+        except (StoreError, FormatError) as exc:
+            self.events.emit("store-error", op="retention", error=str(exc))
+        finally:
+            self._busy.release()
+
+
+# -- ddiloco gc --------------------------------------------------------------------------------------
+
+def configure(parser: argparse.ArgumentParser):
+    """List (and with --delete, delete) what retention may remove from a run's store."""
+    parser.add_argument("run_uri", metavar="RUN_URI", help="the run's location: a directory or s3://bucket/prefix")
+    parser.add_argument("--s3-endpoint", default=None, help="S3 endpoint URL (default: AWS_ENDPOINT_URL or AWS)")
+    parser.add_argument("--delete", action="store_true", help="delete them (default: only list them, a dry run)")
+    parser.add_argument("--keep-checkpoints", type=int, default=2, metavar="N",
+                        help="checkpoints kept (default 2: one damaged checkpoint still leaves a fallback)")
+    parser.add_argument("--keep-versions", type=int, default=None, metavar="N",
+                        help="newest versions kept per fragment (default: the run's retain_versions)")
+    parser.add_argument("--json", action="store_true", help="JSON Lines: one object per key, then a summary")
+    parser.add_argument("--quiet", action="store_true", help="only the summary, not every key")
+
+    def handler(args) -> int:
+        import sys
+        return gc_command(args, sys.stdout, sys.stderr)
+    return handler
+
+
+def gc_command(args, out: TextIO, err: TextIO) -> int:
+    from .replay_verify import open_run     # never creates a mistyped local directory
+    try:
+        store, _ = open_run(args.run_uri, s3_endpoint=args.s3_endpoint)
+        plan = plan_retention(store, args.keep_checkpoints, args.keep_versions)
+    except ValueError as exc:
+        print(f"error: {exc}", file=err)
+        return EXIT_USAGE
+    except (StoreError, FormatError) as exc:
+        print(f"error: {exc} — check the location (and for S3 the endpoint and credentials)", file=err)
+        return EXIT_USAGE
+    for item in plan.items if not args.quiet else ():
+        print(json.dumps({"type": "key", "key": item.key, "reason": item.reason}) if args.json
+              else f"{'delete' if args.delete else 'would delete'} {item.key}  ({item.reason})", file=out)
+    deleted = 0
+    if args.delete:
+        try:
+            deleted = apply_retention(store, plan)
+        except StoreError as exc:
+            print(f"error: deleting failed part way: {exc} — run `ddiloco gc {args.run_uri} --delete` again "
+                  "(it only ever deletes what the rules allow)", file=err)
+            return EXIT_STORE
+    _summary(plan, args, deleted, out)
+    return EXIT_OK
+
+
+def _summary(plan: RetentionPlan, args, deleted: int, out: TextIO) -> None:
+    counts = plan.summary()
+    if args.json:
+        print(json.dumps({"type": "summary", "dry_run": not args.delete, "deletable": len(plan.items),
+                          "deleted": deleted, "by_prefix": counts, "horizon": plan.horizon,
+                          "kept_checkpoints": list(plan.kept_checkpoints)}), file=out)
+        return
+    what = ", ".join(f"{k} {n}" for k, n in sorted(counts.items())) or "nothing"
+    if plan.horizon < 0:
+        print(f"nothing below a horizon yet: fewer than {args.keep_checkpoints} checkpoints exist "
+              f"({len(plan.kept_checkpoints)}); only what no rule protects could go ({what})", file=out)
+    verb = f"deleted {deleted}" if args.delete else f"would delete {len(plan.items)} (dry run: add --delete)"
+    print(f"{verb} objects: {what}", file=out)
+    if plan.horizon >= 0:   # replay starts at the oldest kept checkpoint and checks the newer ones on the way
+        print(f"kept checkpoints {', '.join(map(str, plan.kept_checkpoints))}; verify what is left with "
+              f"`ddiloco replay {args.run_uri} --from {plan.horizon + 1}`", file=out)
