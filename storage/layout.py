@@ -14,6 +14,7 @@ is one directory level deep, where every backend (SeaweedFS included) lists in b
     deltas/<learner>/i0000000000/s000000000000  deltas a commit merged (written before it)
     spill/<learner>/i0000000000/s000000000000   deltas learners spilled when the fast path failed
     checkpoints/00000000000000000000            syncer state after that commit (written after it)
+    incarnations/<learner>/i0000000000          a learner life's claim (create-if-absent, kept)
     probe/<token>                               conformance probe scratch objects (deleted)
 
 The epoch claim and the head hint are small sealed records defined here (kinds ``syncer-epoch``
@@ -43,6 +44,7 @@ CHECKPOINT_PREFIX = "checkpoints/"
 PROBE_PREFIX = "probe/"
 MEMBER_PREFIX = "members/"          # learners listed after creation (syncer-signed, docs/security.md)
 QUARANTINE_PREFIX = "quarantine/"   # rejected delta bytes kept as evidence, by content hash
+INCARNATION_PREFIX = "incarnations/"   # learner lives, claimed create-if-absent (storage/log.py)
 
 SEQ_DIGITS = 20        # commit and checkpoint sequence numbers (any int64)
 EPOCH_DIGITS = 10
@@ -114,6 +116,17 @@ def spill_key(learner: str, incarnation: int, seq: int) -> str:
     return spill_prefix(learner, incarnation) + "s" + _num(seq, DELTA_SEQ_DIGITS, "delta seq")
 
 
+def incarnation_prefix(learner: str) -> str:
+    """The claimed lives of one learner id (one level deep: lists in numeric order everywhere)."""
+    check_learner_id(learner)
+    return f"{INCARNATION_PREFIX}{learner}/"
+
+
+def incarnation_key(learner: str, incarnation: int) -> str:
+    """Claim of one life of a learner id: whoever creates it owns the incarnation (issue 11 item 13)."""
+    return incarnation_prefix(learner) + "i" + _num(incarnation, INCARNATION_DIGITS, "incarnation")
+
+
 def member_key(learner: str) -> str:
     """The membership record of a learner added after the run was created."""
     check_learner_id(learner)
@@ -142,6 +155,7 @@ _VERSION_RE = re.compile(rf"^versions/f(\d{{{FRAGMENT_DIGITS}}})/v(\d{{{VERSION_
 _LIFE = rf"([A-Za-z0-9][A-Za-z0-9_.-]{{0,63}})/i(\d{{{INCARNATION_DIGITS}}})/s(\d{{{DELTA_SEQ_DIGITS}}})"
 _DELTA_RE = re.compile(rf"^deltas/{_LIFE}$")
 _SPILL_RE = re.compile(rf"^spill/{_LIFE}$")
+_INCARNATION_RE = re.compile(rf"^incarnations/([A-Za-z0-9][A-Za-z0-9_.-]{{0,63}})/i(\d{{{INCARNATION_DIGITS}}})$")
 
 
 def parse_epoch_key(key: str) -> int:
@@ -166,6 +180,12 @@ def parse_delta_key(key: str) -> tuple[str, int, int]:
     """-> (learner, incarnation, seq)."""
     m = _parse(key, _DELTA_RE, "delta")
     return m.group(1), int(m.group(2)), int(m.group(3))
+
+
+def parse_incarnation_key(key: str) -> tuple[str, int]:
+    """-> (learner, incarnation)."""
+    m = _parse(key, _INCARNATION_RE, "learner incarnation")
+    return m.group(1), int(m.group(2))
 
 
 def parse_spill_key(key: str) -> tuple[str, int, int]:

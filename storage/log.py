@@ -65,11 +65,14 @@ class CommitLog:
     """Read and append the commit log of one run location.
 
     ``epoch``: when set (by ``claim_epoch``), ``append`` refuses records of any other epoch.
-    ``sleep`` is injected so tests run retries without waiting.
+    ``sleep`` is injected so tests run retries without waiting. ``trusted``: in a signed run, whether
+    a record carries the syncer's signature; a record that does not (a forged fence, issue 11 item
+    14) never counts as a newer epoch, so it can neither stop an idle syncer nor a starting one.
     """
 
     def __init__(self, store: ObjectStore, *, epoch: int | None = None, retry: RetryPolicy = RetryPolicy(),
-                 sleep: Callable[[float], None] = time.sleep, probe_limit: int = 8) -> None:
+                 sleep: Callable[[float], None] = time.sleep, probe_limit: int = 8,
+                 trusted: Callable[[CommitRecord], bool] | None = None) -> None:
         if probe_limit < 0:
             raise ValueError(f"probe_limit must be >= 0, got {probe_limit}")
         self.store = store
@@ -77,6 +80,7 @@ class CommitLog:
         self.retry = retry
         self.probe_limit = probe_limit
         self._sleep = sleep
+        self.trusted = trusted
         self._known = -1       # highest seq known to exist (the log only grows)
         self._max_epoch = 0    # highest epoch seen in any record read or refused
 
@@ -171,7 +175,10 @@ class CommitLog:
             raise ValueError("check_fenced needs a CommitLog bound to an epoch (see claim_epoch)")
         tail = self.tail()
         if tail >= 0:
-            self.read(tail)
+            try:
+                self.read(tail)
+            except FormatError:
+                pass           # a damaged tail proves nothing; our next append settles it
         if self._max_epoch > self.epoch:
             raise Fenced(f"epoch {self.epoch} was superseded by epoch {self._max_epoch}; stop this syncer",
                          uri=self.store.uri)
@@ -229,7 +236,11 @@ class CommitLog:
 
     def _observe(self, record: CommitRecord) -> None:
         self._known = max(self._known, record.seq)
-        self._max_epoch = max(self._max_epoch, record.epoch)
+        if self.trusts(record):
+            self._max_epoch = max(self._max_epoch, record.epoch)
+
+    def trusts(self, record: CommitRecord) -> bool:
+        return self.trusted is None or self.trusted(record)
 
     def _read_hint(self) -> int:
         try:
@@ -263,13 +274,14 @@ def current_epoch(store: ObjectStore) -> int:
 def claim_epoch(store: ObjectStore, syncer_id: str, *, retry: RetryPolicy = RetryPolicy(),
                 sleep: Callable[[float], None] = time.sleep, max_races: int = 64,
                 sign: Callable[[CommitRecord], CommitRecord] | None = None,
-                info: dict | None = None) -> SyncerClaim:
+                info: dict | None = None, trusted: Callable[[CommitRecord], bool] | None = None) -> SyncerClaim:
     """Claim a new syncer epoch and fence every older syncer (see the module docstring).
 
     ``sign``: returns the fence record signed (a signed run's syncer key, workers/signing.py
     ``sign_commit``), so that nobody who can merely write to the bucket can forge a fence (issue 11
-    item 14; recovery and replay verify it). ``info``: more to record in the fence (e.g. what
-    recovery had to salvage); ``syncer`` and ``nonce`` are always there.
+    item 14; recovery and replay verify it), and ``trusted`` tells such records from forged ones (see
+    ``CommitLog``). ``info``: more to record in the fence (e.g. what recovery had to salvage);
+    ``syncer`` and ``nonce`` are always there. A damaged tail commit is not a newer epoch.
 
     Raises ``Fenced`` if a newer syncer claimed and fenced meanwhile (lost the start race),
     ``Conflict`` if an older syncer won ``max_races`` seqs in a row against our fence.
@@ -277,12 +289,12 @@ def claim_epoch(store: ObjectStore, syncer_id: str, *, retry: RetryPolicy = Retr
     if not isinstance(syncer_id, str) or not 0 < len(syncer_id) <= 128:
         raise ValueError(f"syncer_id must be a non-empty string of at most 128 characters, got {syncer_id!r}")
     nonce = uuid.uuid4().hex  # makes our claim's and fence's bytes unique: recognisable after a timeout
-    log = CommitLog(store, retry=retry, sleep=sleep)
+    log = CommitLog(store, retry=retry, sleep=sleep, trusted=trusted)
     epoch = _claim_epoch_object(store, syncer_id, nonce, log)
     log.epoch = epoch
     for _ in range(max_races):
         tail = log.tail()
-        if tail >= 0 and log.read(tail).epoch > epoch:
+        if tail >= 0 and _newer(log, tail, epoch):
             raise Fenced(f"syncer {syncer_id!r}: epoch {epoch} is already superseded by epoch "
                          f"{log._max_epoch} (commit {tail})", uri=store.uri)
         fence = CommitRecord(seq=tail + 1, epoch=epoch, kind="fence",
@@ -292,12 +304,21 @@ def claim_epoch(store: ObjectStore, syncer_id: str, *, retry: RetryPolicy = Retr
         existing = log._create(fence)
         if existing is None:
             return SyncerClaim(epoch, fence.seq, log)
-        if existing.epoch > epoch:
+        if existing.epoch > epoch and log.trusts(existing):
             raise Fenced(f"syncer {syncer_id!r}: epoch {epoch} lost the start race to epoch {existing.epoch}",
                          uri=store.uri, key=commit_key(fence.seq))
-        # An older syncer committed first: that commit is history; fence after it.
+        # An older syncer committed first (or someone forged a record): that commit is history; fence after it.
     raise Conflict(f"syncer {syncer_id!r}: an older syncer won {max_races} seqs in a row; could not place "
                    "the fence commit", uri=store.uri)
+
+
+def _newer(log: CommitLog, seq: int, epoch: int) -> bool:
+    """Whether commit ``seq`` is a trusted record of an epoch newer than ``epoch``."""
+    try:
+        rec = log.read(seq)
+    except FormatError:
+        return False
+    return rec.epoch > epoch and log.trusts(rec)
 
 
 def _claim_epoch_object(store: ObjectStore, syncer_id: str, nonce: str, log: CommitLog) -> int:

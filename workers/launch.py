@@ -54,7 +54,7 @@ class RunSettings:
     keep_progress: bool = False        # learners keep their steps since the answer (issue "Rounds")
     seed: int = 0
     run_id: str = ""
-    norm_guard: NormGuardConfig | None = None     # off by default (pipeline/guard.py)
+    norm_guard: NormGuardConfig | None = None     # None: the default guard, on (pipeline/guard.py); off: enabled=False
     model: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -87,8 +87,8 @@ def create_run(store: ObjectStore, init: Mapping[str, np.ndarray], settings: Run
     extra = dict(settings.extra)
     if syncer is not None:
         extra["security"] = security_extra(syncer.public, learners)
-    if settings.norm_guard is not None:
-        extra["norm_guard"] = settings.norm_guard.to_dict()
+    # Always recorded, so replay knows the run's guard (issue 11 item 2: on unless turned off).
+    extra["norm_guard"] = (settings.norm_guard if settings.norm_guard is not None else NormGuardConfig()).to_dict()
     signer = syncer.signer() if syncer is not None else None
     specs = specs_from_arrays(init)
     layout = make_layout(specs, settings.fragments, settings.strategy)

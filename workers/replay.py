@@ -31,7 +31,7 @@ from .versions import decode_version
 # issue "Security": signatures, checkpoints the syncer signed, the norm guard's window
 from pipeline.guard import NormWindow, apply_guard, guard_config, norms_agree, recorded_norms
 from .keys import Roster, RunSecurity, run_security
-from .signing import check_commit_signature, open_checkpoint
+from .signing import check_commit_signature, commit_signature_ok, open_checkpoint
 
 # Drop reasons replay takes from the commit record rather than recomputing: what the live syncer
 # decided about the *set* of a round (issue 11 item 5), not about a delta's bytes.
@@ -136,6 +136,16 @@ def commit_signed(descriptor: RunDescriptor, record: CommitRecord) -> bool:
     always; fences in runs created with syncer-driven rounds (issue 11 item 14: fences were unsigned
     before, and the log of such a run replays as written)."""
     return record.kind in ("merge", "drop") or (record.kind == "fence" and descriptor.schedule != "learner")
+
+
+def trusted_commits(descriptor: RunDescriptor) -> Callable[[CommitRecord], bool] | None:
+    """In a signed run, whether a commit is the syncer's own (what must be signed is signed and
+    verifies): forged records never fence a syncer (storage/log.py ``CommitLog``). None: unsigned."""
+    sec = run_security(descriptor)
+    if sec is None:
+        return None
+    return lambda rec: not commit_signed(descriptor, rec) or commit_signature_ok(rec, sec.syncer.sign,
+                                                                                 descriptor.run_id)
 
 
 @dataclass

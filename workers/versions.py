@@ -89,7 +89,8 @@ class VersionTracker:
         self.log = CommitLog(store)
         self.cursor = -1   # seq of the last commit seen
         self.security = run_security(descriptor)
-        self.refused: list[str] = []       # commits skipped by latest() for a bad signature
+        self.refused: list[str] = []       # commits skipped by latest() for a bad signature or damage
+        self.newest: dict[int, CommitRecord] = {}   # what latest() found last
         self.bytes_loaded = 0              # bytes of version objects downloaded by load()
 
     def latest(self) -> dict[int, CommitRecord]:
@@ -100,7 +101,12 @@ class VersionTracker:
         seq = tail
         P = self.descriptor.num_fragments
         while seq >= 0 and len(found) < P:
-            rec = self.log.read(seq)
+            try:
+                rec = self.log.read(seq)
+            except (NotFound, FormatError) as exc:   # a lost or damaged commit: look further back
+                self.refused.append(f"commit {seq}: {exc}")
+                seq -= 1
+                continue
             if rec.kind in ("init", "merge") and rec.fragment not in found:
                 if self.security is None or commit_signature_ok(rec, self.security.syncer.sign,
                                                                 self.descriptor.run_id):
@@ -112,7 +118,15 @@ class VersionTracker:
         if missing:
             raise FormatError(f"{self.store.uri}: the log has no version of fragments {missing}")
         self.cursor = max(self.cursor, tail)
+        self.newest = found
         return found
+
+    def next_incarnation(self, learner: str) -> int:
+        """One above the newest incarnation of ``learner`` that the newest commits merged (0 if
+        none): the floor of its next claimed incarnation, so that a run whose learners once took
+        wall-clock incarnations still orders new lives after old ones (storage/log.py)."""
+        return 1 + max((rec.high_water[learner][0] for rec in self.newest.values() if learner in rec.high_water),
+                       default=-1)
 
     def poll(self, limit: int = 256) -> list[CommitRecord]:
         """Commits after the cursor (at most ``limit``); the cursor moves past exactly the commits
@@ -145,6 +159,39 @@ class VersionTracker:
         values: dict[str, np.ndarray] = {}
         versions: dict[int, int] = {}
         for p, rec in sorted(self.latest().items()):
-            values.update(self.load(rec))
+            part, rec = self._load_intact(p, rec)
+            values.update(part)
             versions[p] = rec.version
         return values, versions
+
+    def _load_intact(self, p: int, rec: CommitRecord) -> tuple[dict[str, np.ndarray], CommitRecord]:
+        """``rec``'s version of fragment ``p``; when its object is damaged or missing, the newest of
+        up to ``retain_versions`` older versions that loads (issue 11 item 10: a starting learner
+        takes a slightly older version rather than dying; it applies newer ones as they come, and
+        the syncer republishes the damaged one when it next starts). FormatError if none loads."""
+        first: Exception | None = None
+        for _ in range(self.descriptor.retain_versions + 1):
+            try:
+                return self.load(rec), rec
+            except (NotFound, FormatError) as exc:
+                first = first or exc
+                self.refused.append(f"commit {rec.seq}: version {rec.version} of fragment {p}: {exc}")
+            older = self._older(p, rec.seq)
+            if older is None:
+                break
+            rec = older
+        raise FormatError(f"{self.store.uri}: no intact version of fragment {p} near the end of the log "
+                          f"(newest: {first})")
+
+    def _older(self, p: int, before: int) -> CommitRecord | None:
+        """The newest version-carrying commit of ``p`` before seq ``before`` that reads and verifies."""
+        for seq in range(before - 1, -1, -1):
+            try:
+                rec = self.log.read(seq)
+            except (NotFound, FormatError):
+                continue
+            if rec.kind in ("init", "merge") and rec.fragment == p and (
+                    self.security is None or commit_signature_ok(rec, self.security.syncer.sign,
+                                                                 self.descriptor.run_id)):
+                return rec
+        return None
