@@ -195,13 +195,18 @@ class LocalStore:
         return os.path.join(self.root, *key.split("/"))
 
     def _make_parent(self, key: str, path: str) -> None:
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-        except (FileExistsError, NotADirectoryError):
-            raise BadLocation("a parent of this key is an object in this local store (a directory store "
-                              "cannot hold both 'a' and 'a/b')", uri=self.uri, key=key) from None
-        except OSError as exc:
-            raise self._os_error(exc, key, "cannot create the parent directory") from None
+        for _ in range(8):
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                return
+            except FileNotFoundError:
+                continue   # a concurrent delete pruned a parent while makedirs walked down: again
+            except (FileExistsError, NotADirectoryError):
+                raise BadLocation("a parent of this key is an object in this local store (a directory store "
+                                  "cannot hold both 'a' and 'a/b')", uri=self.uri, key=key) from None
+            except OSError as exc:
+                raise self._os_error(exc, key, "cannot create the parent directory") from None
+        raise Unavailable("parent directory kept disappearing", uri=self.uri, key=key)
 
     def _write_tmp(self, key: str, data: bytes) -> str:
         if not isinstance(data, (bytes, bytearray, memoryview)):

@@ -36,6 +36,7 @@ from pipeline.codec import CodecConfig
 from pipeline.fragment import extract
 from pipeline.types import DeltaHeader, RunDescriptor, check_learner_id
 from storage.layout import read_descriptor
+from storage.log import claim_incarnation
 from storage.store import ObjectStore, open_store
 from .bus import BusConfig
 from .events import EventLog
@@ -77,9 +78,9 @@ class Learner:
         self.cfg = config
         self.bus = bus
         self.events = events or EventLog(None, "learner", learner_id)
-        # Later lives of the same learner id must order after earlier ones: wall-clock tenths of a
-        # second since 2024 (a restart takes far longer than that; fits the 10 digits of the key).
-        self.incarnation = incarnation if incarnation is not None else (time.time_ns() - INCARNATION_EPOCH_NS) // 10**8
+        # Later lives of the same learner id order after earlier ones: start() claims the next
+        # incarnation from storage (create-if-absent), never from a clock (issue 11 item 13).
+        self.incarnation: int | None = incarnation
         self.clock = clock
         self.params = dict(model.named_parameters())
         self.descriptor: RunDescriptor | None = None
@@ -116,6 +117,8 @@ class Learner:
         tracker = VersionTracker(self.store, d)
         self.health.tracker = VersionTracker(self.store, d)   # its own: the receiver's belongs to its thread
         values, versions = tracker.load_all()
+        if self.incarnation is None:
+            self.incarnation = claim_incarnation(self.store, self.id, floor=tracker.next_incarnation(self.id))
         self._overwrite(values)
         for p in range(d.num_fragments):
             self.base[p] = {n: values[n].copy() for n in d.fragments[p]}

@@ -4,7 +4,8 @@ policy, merges with the pure fold, commits versions to the log, announces them.
 One thread runs the loop below; the bus sockets and the pending sets belong to it. Storage is
 the truth: a delta is acked only after it is in the inbox (``spill_key``), every commit names
 inputs persisted under their permanent ``delta_key``, and a refused append (``Fenced``) stops this
-syncer because a newer epoch owns the run. Restart recovery goes through ``replay.rebuild``.
+syncer because a newer epoch owns the run. Restart recovery goes through ``recovery.recover_state``
+(the replay code, salvaging damage).
 
 Hostile input (issue "Security", docs/security.md): in a signed run the bus is CURVE-encrypted and
 admits only listed learners (ZAP), each message's claimed learner must be its authenticated peer,
@@ -46,7 +47,8 @@ from .aggregate import RunningMean
 from .events import EventLog
 from .gc import RetentionConfig, SyncerRetention
 from .keys import Gate, KeyRing, Roster, check_syncer_keys
-from .replay import rebuild
+from .recovery import Recovery, recover_state, republish_damaged
+from .replay import trusted_commits
 from .rounds import RoundBook
 from .signing import seal_checkpoint, sign_commit
 from .syncer_ingest import SyncerIngest, _Held
@@ -90,13 +92,18 @@ class SyncerConfig:
     members_poll_s: float = 5.0        # how often membership records are re-read (signed runs)
     retention: RetentionConfig = RetentionConfig()   # after each checkpoint (workers/gc.py, docs/storage.md)
     initial_step_s: float = 0.1        # the global clock's pace before any learner's was measured
+    fence_check_s: float = 1.0         # how often an idle syncer checks whether it was fenced (item 8)
+    max_pending: int = 64              # candidate deltas held per fragment (issue 11 item 5)
 
     def __post_init__(self) -> None:
-        for name in ("spill_poll_s", "heartbeat_s", "live_timeout_s", "retry_s", "max_retry_s", "members_poll_s"):
+        for name in ("spill_poll_s", "heartbeat_s", "live_timeout_s", "retry_s", "max_retry_s", "members_poll_s",
+                     "fence_check_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SyncerConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+        if not isinstance(self.max_pending, int) or isinstance(self.max_pending, bool) or self.max_pending < 1:
+            raise ValueError(f"SyncerConfig.max_pending must be an int >= 1, got {self.max_pending!r}")
 
 
 @dataclass
@@ -110,6 +117,7 @@ class SyncerStats:
     drops: Counter = field(default_factory=Counter)        # recorded drops by reason (in commits)
     from_bus: int = 0
     from_spill: int = 0
+    evicted: int = 0           # dropped "pending-overflow" while a quorum was not met (issue 11 item 5)
     # running aggregates, not one entry per commit (issue 11 item 6)
     grace_waits: RunningMean = field(default_factory=RunningMean)
     quorum_sizes: RunningMean = field(default_factory=RunningMean)
@@ -161,21 +169,39 @@ class Syncer(SyncerIngest):
 
     # -- start-up --------------------------------------------------------------------------------
     def recover(self) -> None:
-        """Prove the store enforces create-if-absent (fencing depends on it), claim a new epoch
-        (fencing any older syncer), then rebuild the state from the log."""
+        """Prove the store enforces create-if-absent (fencing depends on it), rebuild the state from
+        the log *read-only* (issue 11 item 9: a rebuild that fails leaves the old syncer running),
+        then claim a new epoch with a signed fence (item 14), fold whatever an older syncer committed
+        in between, and repair what can be recomputed (item 10, workers/recovery.py)."""
         t0 = self.clock()
         probe_conditional_writes(self.store)   # raises, naming the store, on one that does not
         self._refresh_members(force=True)
-        self.epoch, fence_seq, self.log = claim_epoch(self.store, self.cfg.syncer_id)
-        self.state, rs = rebuild(self.store, self.descriptor, fence_seq - 1, roster=self.roster, window=self.window)
-        for note in rs.rejected_checkpoints:
-            self.events.emit("checkpoint-refused", error=note)
-        self.state = fold_fence(self.state, fence_seq, self.epoch).state
+        before = recover_state(self.store, self.descriptor, CommitLog(self.store).tail(), roster=self.roster,
+                               window=self.window, finish=False)
+        sign = None if self.signer is None else (lambda r: sign_commit(r, self.signer, self.descriptor.run_id))
+        self.epoch, fence_seq, self.log = claim_epoch(self.store, self.cfg.syncer_id, sign=sign,
+                                                      info=before.fence_info(),
+                                                      trusted=trusted_commits(self.descriptor))
+        rs = recover_state(self.store, self.descriptor, fence_seq - 1, roster=self.roster, window=self.window,
+                           start=before)
+        self.state = fold_fence(rs.state, fence_seq, self.epoch).state
+        self._report_recovery(rs)
         # Round ids are global steps: a new syncer goes on after the newest round in the log, so
         # that (epoch, round) orders every opening learners ever heard.
         self.rounds.clock.step = self._last_round(fence_seq - 1) + 1
-        self.events.emit("syncer-recovered", epoch=self.epoch, fence_seq=fence_seq, replayed=rs.commits,
-                         from_checkpoint=rs.from_checkpoint, seconds=round(self.clock() - t0, 3))
+        self.events.emit("syncer-recovered", epoch=self.epoch, fence_seq=fence_seq,
+                         replayed=before.stats.commits + rs.stats.commits, from_checkpoint=before.stats.from_checkpoint,
+                         salvaged=len(rs.notes), seconds=round(self.clock() - t0, 3))
+
+    def _report_recovery(self, rs: Recovery) -> None:
+        """Say loudly what recovery salvaged; checkpoint a salvaged state at the fence (so a later
+        restart or ``replay --from`` starts there) and republish damaged newest versions."""
+        for note in rs.notes:
+            self.events.emit("recovery-salvaged", detail=note)
+        if rs.salvaged or rs.gaps:
+            self._checkpoint()
+        for note in republish_damaged(self.store, self.descriptor, self.state, self.signer):
+            self.events.emit("version-republished", detail=note)
 
     def _last_round(self, tail: int) -> int:
         """The newest round closed by the last few commits (-1: none; old learner-driven runs)."""
@@ -223,9 +249,15 @@ class Syncer(SyncerIngest):
         if self.bus is None:
             self.open_bus()
         next_spill = next_beat = 0.0
+        next_fence_check = self.clock() + self.cfg.fence_check_s
         try:
             while not should_stop() and not self.fenced:
                 now = self.clock()
+                if now >= next_fence_check:
+                    self._check_fenced()
+                    next_fence_check = self.clock() + self.cfg.fence_check_s
+                    if self.fenced:
+                        break
                 self._refresh_members()
                 if now >= next_spill:
                     self._ingest_spill()
@@ -244,6 +276,17 @@ class Syncer(SyncerIngest):
             self.io.shutdown(wait=True)
             self.events.emit("syncer-stop", fenced=self.fenced, **self.summary())
         return 3 if self.fenced else 0
+
+    def _check_fenced(self) -> None:
+        """An idle syncer learns that a newer epoch took over from the log's tail (issue 11 item 8):
+        an active one learns it from its next append; an idle one would otherwise run forever."""
+        try:
+            self.log.check_fenced()
+        except Fenced as exc:
+            self.fenced = True
+            self.events.emit("syncer-fenced", seq=self.state.last_seq, epoch=self.epoch, error=str(exc))
+        except (StoreError, FormatError) as exc:     # unreachable or a damaged tail: ask again later
+            self.events.emit("store-error", op="check-fenced", error=str(exc))
 
     # -- rounds ----------------------------------------------------------------------------------
     def _timing(self) -> Timing:
@@ -439,7 +482,7 @@ class Syncer(SyncerIngest):
         s = self.stats
         return {"epoch": self.epoch, "commits": s.commits, "merged": s.merged, "dropped": s.dropped,
                 "duplicates": s.duplicates, "rejected": s.rejected, "from_bus": s.from_bus,
-                "from_spill": s.from_spill, "last_seq": self.state.last_seq if self.state else -1,
+                "from_spill": s.from_spill, "evicted": s.evicted, "last_seq": self.state.last_seq if self.state else -1,
                 "versions": [f.version for f in self.state.fragments] if self.state else [],
                 "mean_quorum": s.quorum_sizes.mean, "mean_grace_s": s.grace_waits.mean,
                 "retention_deleted": self.retention.deleted,
