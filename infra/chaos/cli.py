@@ -9,6 +9,7 @@ seconds onto the local run). ``ddiloco chaos experiment NAME`` runs one of the e
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -26,6 +27,8 @@ def configure(parser):
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="multiply the event log's times by this (e.g. 1/600: ten minutes a second)")
     parser.add_argument("--quick", action="store_true", help="experiments: the smallest setting (a smoke run)")
+    parser.add_argument("--steps", type=int, default=None, help="scenarios: every learner's step count (overrides)")
+    parser.add_argument("--slow", type=float, default=None, help="scenarios: every learner's --slow factor (overrides)")
     return _handle
 
 
@@ -56,6 +59,12 @@ def _handle(args) -> int:
         sc = get(args.scenario)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+    over = {k: v for k, v in (("steps", args.steps), ("slow", args.slow)) if v is not None}
+    if over:   # e.g. event-log with a long simulated log: learners that train through all of it
+        try:
+            sc = dataclasses.replace(sc, spec=dataclasses.replace(sc.spec, **over))
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
     if args.events and args.time_scale <= 0:
         raise SystemExit(f"--time-scale must be > 0, got {args.time_scale}")
     out = Path(args.out or f"runs/chaos/{sc.name}-{stamp}")

@@ -11,15 +11,21 @@ costs twice the forward). Reaching u needs t_comm ≤ s/u − (1 − b)·s, so
 
     dp_bps = 2(S−1)/S · B · dp_bits / (s/u − (1 − b)·s)
 
-Decoupled DiLoCo: one fragment of B/P values (int4 or bf16) is exchanged every g = H/P steps, in the
-background, and must be back within τ steps. With τ ≥ g fragments overlap, so the link must carry
-one fragment per g steps; with τ < g one fragment must finish within τ steps. Were the link slower,
-a learner that waited for the fragment (as Streaming DiLoCo does) would compute only a fraction u
-of the time, so
+Decoupled DiLoCo (arXiv 2604.21428 §3; SPEC §2: P = H = 24, τ = 2): one fragment of B/P values
+(int4 or bf16) falls due every g = H/P steps, is exchanged in the background and must be back
+within τ steps. How many steps one fragment's exchange may use — its *budget* — has two readings:
 
-    decoupled_bps = 2(S−1)/S · (B/P) · bits / (min(τ, g) · s/u)
+- ``budget="step"`` (default, sustained): the link must keep up with the stream of fragments.
+  With τ ≥ g, ⌈τ/g⌉ exchanges are in flight at once and share the link, so it must carry one
+  fragment per g steps; with τ < g one fragment must finish within τ steps. Budget min(τ, g)·s/u.
+- ``budget="tau"`` (per τ steps): each fragment's exchange gets the link for its τ steps, as if
+  consecutive exchanges did not overlap. Budget τ·s/u. It is min(τ, g)/τ times the sustained
+  figure: half at the paper's setting (g = 1, τ = 2); equal when τ ≤ g.
 
-(our learners never wait: below that bandwidth they keep computing and staleness grows beyond τ).
+    decoupled_bps = 2(S−1)/S · (B/P) · bits / (budget_steps · s/u)
+
+Were the link slower, a learner that waited for its fragment (as Streaming DiLoCo does) would
+compute only a fraction u of the time; ours never wait: they keep computing and staleness grows.
 """
 from __future__ import annotations
 
@@ -29,9 +35,13 @@ from dataclasses import dataclass
 FORMULA = """\
 ring(S)        = 2 (S-1) / S                       (per-site share of a ring all-reduce)
 dp_bps         = ring(S) * B * dp_bits / (s/u - (1-b) s)
-decoupled_bps  = ring(S) * (B/P) * bits / (min(tau, H/P) * s/u)     bits = 16 (bf16) or 4 (int4)
+decoupled_bps  = ring(S) * (B/P) * bits / (budget * s/u)             bits = 16 (bf16) or 4 (int4)
+budget         = min(tau, H/P) steps  (sustained: the link keeps up with one fragment per H/P steps)
+               | tau steps            (per tau: each fragment's exchange has the link for tau steps)
 B params, s step time [s], u utilisation, b backward fraction of a step, P fragments,
 H sync period [steps], tau overlap [steps], S sites"""
+
+BUDGETS = ("step", "tau")
 
 
 @dataclass(frozen=True)
@@ -40,11 +50,12 @@ class BandwidthConfig:
     step_time_s: float = 1.0      # s: compute time of one step
     utilisation: float = 0.9      # u
     sites: int = 2                # S
-    fragments: int = 100          # P (SPEC §2 default P = H)
+    fragments: int = 24           # P (SPEC §2: the paper's main setting P = H = 24)
     sync_every: int | None = None  # H; None = P
-    overlap: int = 1              # tau
+    overlap: int = 2              # tau (SPEC §2: 2)
     dp_bits: int = 16             # data parallel gradients in bf16
     backward_fraction: float = 2 / 3
+    budget: str = "step"          # how many steps a fragment's exchange may take: "step" | "tau"
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.params) and self.params > 0):
@@ -66,6 +77,9 @@ class BandwidthConfig:
             raise ValueError(f"dp_bits must be an int >= 1, got {self.dp_bits!r}")
         if not (0 < self.backward_fraction <= 1):
             raise ValueError(f"backward_fraction must be in (0, 1], got {self.backward_fraction!r}")
+        if self.budget not in BUDGETS:
+            raise ValueError(f"budget must be one of {BUDGETS} (sustained per step, or per tau steps), "
+                             f"got {self.budget!r}")
 
     @property
     def period(self) -> int:
@@ -82,14 +96,23 @@ def dp_bps(cfg: BandwidthConfig) -> float:
     return ring_factor(cfg.sites) * cfg.params * cfg.dp_bits / budget
 
 
-def decoupled_bps(cfg: BandwidthConfig, bits: int) -> float:
+def budget_steps(cfg: BandwidthConfig, budget: str | None = None) -> float:
+    """Steps one fragment's exchange may use under ``budget`` (default: ``cfg.budget``)."""
+    budget = budget or cfg.budget
+    if budget not in BUDGETS:
+        raise ValueError(f"budget must be one of {BUDGETS}, got {budget!r}")
     gap_steps = cfg.period / cfg.fragments
-    window = min(cfg.overlap, gap_steps) * cfg.step_time_s / cfg.utilisation
+    return min(cfg.overlap, gap_steps) if budget == "step" else float(cfg.overlap)
+
+
+def decoupled_bps(cfg: BandwidthConfig, bits: int, budget: str | None = None) -> float:
+    window = budget_steps(cfg, budget) * cfg.step_time_s / cfg.utilisation
     return ring_factor(cfg.sites) * (cfg.params / cfg.fragments) * bits / window
 
 
-def bandwidth(cfg: BandwidthConfig) -> dict[str, float]:
-    """Required per-site cross-site bandwidth in Gbit/s (10^9 bit/s)."""
+def bandwidth(cfg: BandwidthConfig, budget: str | None = None) -> dict[str, float]:
+    """Required per-site cross-site bandwidth in Gbit/s (10^9 bit/s), under ``budget`` (default
+    ``cfg.budget``)."""
     return {"dp_gbps": dp_bps(cfg) / 1e9,
-            "decoupled_bf16_gbps": decoupled_bps(cfg, 16) / 1e9,
-            "decoupled_int4_gbps": decoupled_bps(cfg, 4) / 1e9}
+            "decoupled_bf16_gbps": decoupled_bps(cfg, 16, budget) / 1e9,
+            "decoupled_int4_gbps": decoupled_bps(cfg, 4, budget) / 1e9}

@@ -1,45 +1,54 @@
-"""Calibrate the one unknown, the mean repair time, from SPEC §9's single point.
+"""Calibrate the one fitted number, the mean restart time, from SPEC §9's single point.
 
-For non-elastic data parallel the job is down from a failure until the failed slice is repaired and
-the job has restarted, i.e. for L = detection + repair + restart (one reconfiguration). Slice failures
-form (almost exactly) a Poisson process of rate λ = S / (MTBF_slice + E[detection] + E[repair]) (a
-slice under repair cannot fail again), and outages that overlap merge. The job runs at time t iff no
-outage started in the preceding L, so (M/G/∞ empty probability, insensitive to the distribution of L)
+Non-elastic data parallel is a renewal process (``engine.RestartJob``): it computes for a time R
+until the next interruption (exponential, mean μ = MTBI / N, since all N chips compute), keeps the
+progress up to its last checkpoint (one every C seconds of progress), then is down for detection +
+restart (the pool is assumed never to run dry at the calibration point; the sweep reports when it
+does). By the renewal-reward theorem
 
-    goodput_dp = efficiency(N) · exp(−λ · E[L]).
+    goodput_dp = efficiency(N) · E[C·⌊R/C⌋] / (μ + E[detection] + E[restart])
+    E[C·⌊R/C⌋] = C·q / (1 − q),  q = e^{−C/μ}        (→ μ as C → 0)
 
-Setting it to 72% at N = 150k, MTBI = 1 year and solving for E[repair] has a closed form. The
-simulator is then checked against this formula (tests/test_simulator.py); nothing else is fitted.
+which does not depend on the shapes of the distributions. Setting it to 72% at N = 150k, MTBI = 1
+year gives E[restart] in closed form. The simulator is checked against this formula at other sizes
+(tests/test_simulator.py); nothing else is fitted.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import replace
 
-from .config import (CALIBRATION_CHIPS, CALIBRATION_GOODPUT, CALIBRATION_MTBI_S, ModelConfig,
-                     num_slices)
+from .config import CALIBRATION_CHIPS, CALIBRATION_GOODPUT, CALIBRATION_MTBI_S, ModelConfig
 from .speed import lockstep_efficiency
+
+CALIBRATED = ("restart",)   # the parameters calibrate() may fill in
+
+
+def kept_per_run(mtbf_s: float, checkpoint_s: float) -> float:
+    """E[C·⌊R/C⌋] for R exponential with mean ``mtbf_s``: progress a run keeps up to its last checkpoint."""
+    if checkpoint_s == 0:
+        return mtbf_s
+    q = math.exp(-checkpoint_s / mtbf_s)
+    return checkpoint_s * q / -math.expm1(-checkpoint_s / mtbf_s)
 
 
 def dp_goodput_analytic(model: ModelConfig, chips: int) -> float:
-    """Stationary goodput of non-elastic data parallel under ``model`` (needs a calibrated repair)."""
-    if model.repair.mean is None:
-        raise ValueError("repair time not calibrated yet; call calibrate(model) first")
+    """Stationary goodput of non-elastic data parallel with an ample spare pool (needs a restart mean)."""
+    if model.restart.mean is None:
+        raise ValueError("restart time not calibrated yet; call calibrate(model) first")
+    eff = lockstep_efficiency(chips, model.speed_cv)
     if math.isinf(model.mtbi_s):
-        return lockstep_efficiency(chips, model.speed_cv)
-    slices = num_slices(chips, model.chips_per_slice)
-    mtbf_slice = model.mtbi_s * slices / chips
-    det, rep, rc = model.detection.mean, model.repair.mean, model.reconfiguration.mean
-    rate = slices / (mtbf_slice + det + rep)
-    return lockstep_efficiency(chips, model.speed_cv) * math.exp(-rate * (det + rep + rc))
+        return eff
+    mu = model.mtbi_s / chips
+    return eff * kept_per_run(mu, model.checkpoint_s) / (mu + model.detection.mean + model.restart.mean)
 
 
-def solve_repair_mean(model: ModelConfig, chips: int = CALIBRATION_CHIPS,
-                      mtbi_s: float = CALIBRATION_MTBI_S, goodput: float = CALIBRATION_GOODPUT) -> float:
-    """Mean repair time (s) that gives non-elastic DP ``goodput`` at (``chips``, ``mtbi_s``).
+def solve_restart_mean(model: ModelConfig, chips: int = CALIBRATION_CHIPS,
+                       mtbi_s: float = CALIBRATION_MTBI_S, goodput: float = CALIBRATION_GOODPUT) -> float:
+    """Mean restart time (s) that gives non-elastic DP ``goodput`` at (``chips``, ``mtbi_s``).
 
-    Solves S·(a + x)/(b + x) = c for x, with a = E[det] + E[restart], b = MTBF_slice + E[det],
-    c = −ln(goodput / efficiency). Raises ValueError when no non-negative repair time fits.
+    Raises ValueError when no non-negative restart time fits (detection, checkpoint losses and
+    speed variance alone already cost more than the target allows).
     """
     if not (0 < goodput < 1):
         raise ValueError(f"calibration goodput must be in (0, 1), got {goodput}")
@@ -47,24 +56,28 @@ def solve_repair_mean(model: ModelConfig, chips: int = CALIBRATION_CHIPS,
     if goodput >= eff:
         raise ValueError(f"speed variance alone already limits {chips}-chip data parallel to "
                          f"{eff:.3f} goodput, below the calibration target {goodput}")
-    slices = num_slices(chips, model.chips_per_slice)
-    mtbf_slice = mtbi_s * slices / chips
-    a = model.detection.mean + model.reconfiguration.mean
-    b = mtbf_slice + model.detection.mean
-    c = -math.log(goodput / eff)
-    if slices <= c:
-        raise ValueError(f"{slices} slices cannot produce a goodput as low as {goodput}")
-    x = (c * b - slices * a) / (slices - c)
+    mu = mtbi_s / chips
+    kept = kept_per_run(mu, model.checkpoint_s)
+    x = eff * kept / goodput - mu - model.detection.mean
     if x < 0:
-        raise ValueError(f"detection ({model.detection.mean:g} s) + restart ({model.reconfiguration.mean:g} s) "
-                         f"with lock-step efficiency {eff:.3f} already push data parallel below "
-                         f"{goodput:.0%} goodput at {chips} chips; no repair time fits the calibration point")
+        raise ValueError(f"detection ({model.detection.mean:g} s), checkpoints every {model.checkpoint_s:g} s "
+                         f"and lock-step efficiency {eff:.3f} already push data parallel below {goodput:.0%} "
+                         f"goodput at {chips} chips; no restart time fits the calibration point")
     return x
 
 
 def calibrate(model: ModelConfig) -> ModelConfig:
-    """Return ``model`` with the repair mean filled in from the calibration point (unchanged if set)."""
-    if model.repair.mean is not None:
+    """Return ``model`` with the restart mean filled in from the calibration point (unchanged if set)."""
+    if model.restart.mean is not None:
         return model
     cal = replace(model, mtbi_s=CALIBRATION_MTBI_S)
-    return replace(model, repair=model.repair.with_mean(solve_repair_mean(cal)))
+    return replace(model, restart=model.restart.with_mean(solve_restart_mean(cal)))
+
+
+def calibration_note(given: ModelConfig, used: ModelConfig) -> str:
+    """One line naming what was calibrated (SPEC §9: exactly one calibration point)."""
+    if given.restart.mean is not None:
+        return f"calibrated: nothing (restart {used.restart} s given)"
+    return (f"calibrated: restart mean = {used.restart.mean:.2f} s, so that non-elastic data parallel at "
+            f"{CALIBRATION_CHIPS:,} chips, MTBI {CALIBRATION_MTBI_S / (365 * 86400):g} y has "
+            f"{CALIBRATION_GOODPUT:.0%} goodput; every other parameter is set, not fitted")

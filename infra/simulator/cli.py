@@ -12,10 +12,11 @@ from rich.console import Console
 from rich.table import Table
 
 from . import systems
-from .bandwidth import FORMULA, BandwidthConfig, bandwidth
-from .config import (DAY_S, DEFAULT_CHIPS, DEFAULT_LEARNERS, YEAR_S, ModelConfig, SweepConfig,
-                     parse_dist)
-from .eventlog import events_from_running, write_events
+from .bandwidth import BUDGETS, FORMULA, BandwidthConfig, bandwidth, budget_steps
+from .calibrate import calibration_note
+from .config import DAY_S, DEFAULT_CHIPS, DEFAULT_LEARNERS, YEAR_S, ModelConfig, SweepConfig
+from .dists import parse_dist
+from .eventlog import events_from_stalls, write_events
 from .events import generate_trace
 from .sweep import SweepResult, point_rng, run_sweep
 
@@ -54,21 +55,32 @@ def _fail(command: str, exc: Exception) -> int:
 def configure_simulate(parser: argparse.ArgumentParser) -> Handler:
     """Goodput simulator: data parallel vs elastic DP vs Decoupled DiLoCo under chip failures (SPEC §9)."""
     d = ModelConfig()
-    g = parser.add_argument_group("cluster and failures")
+    dist = "DIST"
+    g = parser.add_argument_group("cluster and failures (durations: kind[:mean[:...]] in seconds, "
+                                  "fixed|exp|lognormal:MEAN:CV|expweibull:MEAN:SHAPE:POWER)")
     g.add_argument("--chips", type=count, nargs="+", default=list(DEFAULT_CHIPS), metavar="N",
                    help="cluster sizes to sweep (default: 150k 300k 600k 1.2M 2.4M)")
     g.add_argument("--mtbi-years", type=float, default=d.mtbi_s / YEAR_S,
-                   help="mean time between interruptions per chip, in years; inf = no failures (default 1)")
+                   help="mean time between interruptions of a computing chip, in years; inf = none (default 1)")
     g.add_argument("--chips-per-slice", type=int, default=d.chips_per_slice,
                    help="a failed chip takes its slice out (default %(default)s)")
-    g.add_argument("--detection", type=parse_dist, default=d.detection, metavar="DIST",
-                   help="failure detection time, kind[:mean[:cv]] in seconds: fixed|exp|lognormal "
-                        "(default %(default)s)")
-    g.add_argument("--reconfiguration", type=parse_dist, default=d.reconfiguration, metavar="DIST",
-                   help="one global reconfiguration (shrink, grow, restart) (default %(default)s)")
-    g.add_argument("--repair", type=parse_dist, default=d.repair, metavar="DIST",
-                   help="slice repair time; without a mean it is calibrated so that data parallel at 150k "
-                        "chips and MTBI 1 year has 72%% goodput (default %(default)s)")
+    g.add_argument("--detection", type=parse_dist, default=d.detection, metavar=dist,
+                   help="failure -> noticed (default %(default)s)")
+    g.add_argument("--restart", type=parse_dist, default=d.restart, metavar=dist,
+                   help="non-elastic DP: noticed -> training again; without a mean it is calibrated so that "
+                        "data parallel at 150k chips, MTBI 1 year has 72%% goodput (default %(default)s)")
+    g.add_argument("--checkpoint-s", type=float, default=d.checkpoint_s,
+                   help="non-elastic DP: seconds of progress between checkpoints; a failure loses the progress "
+                        "since the last one (default %(default)s)")
+    g.add_argument("--reconfiguration", type=parse_dist, default=d.reconfiguration, metavar=dist,
+                   help="elastic DP and learners: one shrink or grow (default %(default)s)")
+    g.add_argument("--recovery", type=parse_dist, default=d.recovery, metavar=dist,
+                   help="recovery delay: a spare taken from the pool -> ready to join (default %(default)s)")
+    g.add_argument("--repair", type=parse_dist, default=d.repair, metavar=dist,
+                   help="broken slice noticed -> healthy again in the spare pool (default %(default)s)")
+    g.add_argument("--spare-fraction", type=float, default=d.spare_fraction,
+                   help="spare pool as a fraction of the cluster's slices (default %(default)s)")
+    g.add_argument("--spares", type=int, default=None, help="spare pool in slices (overrides --spare-fraction)")
     g.add_argument("--speed-cv", type=float, default=d.speed_cv,
                    help="per-step, per-chip step-time coefficient of variation (default %(default)s)")
     s = parser.add_argument_group("systems and sweep")
@@ -92,17 +104,30 @@ def configure_simulate(parser: argparse.ArgumentParser) -> Handler:
                    help="write the learner fail/recover events of one simulated Decoupled DiLoCo run")
     o.add_argument("--events-chips", type=count, default=None, help="its cluster size (default: first --chips)")
     o.add_argument("--events-learners", type=int, default=None, help="its M (default: first --learners)")
+    o.add_argument("--events-stop-at-end", action="store_true",
+                   help="end the log with a fail of every learner still up, so a replay stops with the window")
     return _simulate
 
 
 def _sweep_config(args: argparse.Namespace) -> SweepConfig:
     model = ModelConfig(mtbi_s=args.mtbi_years * YEAR_S, chips_per_slice=args.chips_per_slice,
-                        detection=args.detection, reconfiguration=args.reconfiguration,
-                        repair=args.repair, speed_cv=args.speed_cv, duration_s=args.duration_days * DAY_S)
+                        detection=args.detection, restart=args.restart, checkpoint_s=args.checkpoint_s,
+                        reconfiguration=args.reconfiguration, recovery=args.recovery, repair=args.repair,
+                        spare_fraction=args.spare_fraction, spares=args.spares, speed_cv=args.speed_cv,
+                        duration_s=args.duration_days * DAY_S)
     return SweepConfig(model=model, chips=tuple(args.chips), learners=tuple(args.learners),
                        quorum=args.quorum, seed=args.seed,
                        min_seeds=args.min_seeds if args.min_seeds is not None else min(3, args.max_seeds),
                        max_seeds=args.max_seeds, target_ci=args.target_ci / 100)
+
+
+def describe(model: ModelConfig) -> str:
+    """The model's parameters in one line (table note, plot subtitle, event-log meta)."""
+    spares = f"{model.spares} spares" if model.spares is not None else f"spares {model.spare_fraction:g} of slices"
+    return (f"MTBI {model.mtbi_s / YEAR_S:g} y/chip, {model.chips_per_slice} chips/slice, detection "
+            f"{model.detection}, restart {model.restart}, checkpoint every {model.checkpoint_s:g} s, "
+            f"reconfiguration {model.reconfiguration}, recovery {model.recovery}, repair {model.repair}, "
+            f"{spares}, speed cv {model.speed_cv:g}, {model.duration_s / DAY_S:g} days/seed")
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -112,17 +137,20 @@ def _simulate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail("simulate", exc)
     model = result.model
-    note = (f"MTBI {model.mtbi_s / YEAR_S:g} y/chip, {model.chips_per_slice} chips/slice, detection "
-            f"{model.detection}, reconfiguration {model.reconfiguration}, repair {model.repair} s "
-            f"(calibrated: {cfg.model.repair.mean is None}), speed cv {model.speed_cv:g}, "
-            f"{model.duration_s / DAY_S:g} days/seed; {result.wall_s:.2f} s wall")
+    calibrated = calibration_note(cfg.model, model)
+    note = f"{describe(model)}; {result.wall_s:.2f} s wall"
+    dry = [f"{r.system}{'' if r.system != 'decoupled' else f' M={r.learners}'} at {r.chips:,}: "
+           f"{100 * r.pool_waits:.1f}%" for r in result.rows if r.pool_waits > 0]
+    pool = ("spare pool ran dry; replacements that waited for a repair: " + ", ".join(dry)) if dry else \
+        "spare pool never ran dry (repair times did not matter)"
     if args.json:
         print(json.dumps([row.to_json() for row in result.rows], indent=1))
+        print(calibrated, file=sys.stderr)
     else:
-        _print_table(result, note)
+        _print_table(result, [note, calibrated, pool])
     if not args.no_plot:
         from .plot import plot_sweep  # matplotlib only when needed
-        path = plot_sweep(result.rows, args.plot or args.out / "goodput.png", subtitle=note)
+        path = plot_sweep(result.rows, args.plot or args.out / "goodput.png", subtitle=f"{note}\n{calibrated}")
         print(f"plot: {path}", file=sys.stderr if args.json else sys.stdout)
     if args.events is not None:
         try:
@@ -133,7 +161,7 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_table(result: SweepResult, note: str) -> None:
+def _print_table(result: SweepResult, notes: list[str]) -> None:
     table = Table(title="Goodput under chip failures (SPEC §9)")
     for col in ("system", "chips", "M", "K", "goodput", "uptime", "±CI (95%)", "seeds"):
         table.add_column(col, justify="left" if col == "system" else "right")
@@ -143,7 +171,8 @@ def _print_table(result: SweepResult, note: str) -> None:
                       f"{100 * r.uptime:.1f}%", ci, str(r.seeds))
     console = Console(width=140)
     console.print(table)
-    console.print(note)
+    for line in notes:
+        console.print(line)
 
 
 def _write_event_log(args: argparse.Namespace, cfg: SweepConfig, result: SweepResult) -> Path:
@@ -153,13 +182,17 @@ def _write_event_log(args: argparse.Namespace, cfg: SweepConfig, result: SweepRe
         raise ValueError(f"--events-learners M={learners} is below the quorum K={cfg.quorum}")
     model = result.model
     trace = generate_trace(model, chips, point_rng(cfg.seed, 0, chips))
-    run = systems.decoupled(trace, learners, cfg.quorum, model.speed_cv)
-    events = events_from_running(run.learner_running, model.duration_s)
+    run = systems.decoupled(trace, model, learners, cfg.quorum)
+    events = events_from_stalls([rec.stalls for rec in run.learners], model.duration_s, args.events_stop_at_end)
     meta = {"learners": learners, "duration_s": model.duration_s, "chips": chips, "quorum": cfg.quorum,
             "seed": cfg.seed, "repetition": 0, "mtbi_s": model.mtbi_s,
             "chips_per_slice": model.chips_per_slice, "detection": str(model.detection),
-            "reconfiguration": str(model.reconfiguration), "repair": str(model.repair),
-            "speed_cv": model.speed_cv, "goodput": run.outcome.goodput, "uptime": run.outcome.uptime}
+            "restart": str(model.restart), "checkpoint_s": model.checkpoint_s,
+            "reconfiguration": str(model.reconfiguration), "recovery": str(model.recovery),
+            "repair": str(model.repair), "spares": model.pool_slices(trace.slices),
+            "speed_cv": model.speed_cv, "recover_means": "recovery begins (trains one reconfiguration later)",
+            "stop_at_end": args.events_stop_at_end,
+            "goodput": run.outcome.goodput, "uptime": run.outcome.uptime}
     write_events(args.events, events, meta)
     return args.events
 
@@ -175,6 +208,9 @@ def configure_bandwidth(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--fragments", type=int, default=d.fragments, help="fragments P (default %(default)s)")
     parser.add_argument("--sync-every", type=int, default=None, help="H in steps (default: = P)")
     parser.add_argument("--overlap", type=int, default=d.overlap, help="tau in steps (default %(default)s)")
+    parser.add_argument("--budget", choices=BUDGETS, default=d.budget,
+                        help="steps a fragment's exchange may use, for --json: 'step' = min(tau, H/P), the link "
+                             "keeps up with the stream of fragments; 'tau' = tau steps each (default %(default)s)")
     parser.add_argument("--dp-bits", type=int, default=d.dp_bits, help="bits per DP gradient value (default 16)")
     parser.add_argument("--backward-fraction", type=float, default=d.backward_fraction,
                         help="share of a step spent in the backward pass (default 2/3)")
@@ -188,7 +224,7 @@ def _bandwidth(args: argparse.Namespace) -> int:
         cfg = BandwidthConfig(params=args.params, step_time_s=args.step_time, utilisation=args.utilisation,
                               sites=args.sites, fragments=args.fragments, sync_every=args.sync_every,
                               overlap=args.overlap, dp_bits=args.dp_bits,
-                              backward_fraction=args.backward_fraction)
+                              backward_fraction=args.backward_fraction, budget=args.budget)
     except ValueError as exc:
         return _fail("bandwidth", exc)
     out = bandwidth(cfg)
@@ -198,13 +234,21 @@ def _bandwidth(args: argparse.Namespace) -> int:
     print(FORMULA)
     print(f"\nB={cfg.params:g}, s={cfg.step_time_s:g} s, u={cfg.utilisation:g}, S={cfg.sites}, P={cfg.fragments}, "
           f"H={cfg.period}, tau={cfg.overlap}, dp_bits={cfg.dp_bits}, b={cfg.backward_fraction:.3g}")
-    table = Table(title="Cross-site bandwidth per site (Gbit/s)")
+    readings = {b: bandwidth(cfg, b) for b in BUDGETS}
+    table = Table(title="Cross-site bandwidth per site (Gbit/s) under both readings of a fragment's budget")
     table.add_column("system")
-    table.add_column("Gbit/s", justify="right")
-    table.add_column("vs data parallel", justify="right")
+    for b in BUDGETS:
+        label = f"sustained: {budget_steps(cfg, b):g} step(s)" if b == "step" else f"per tau: {budget_steps(cfg, b):g} steps"
+        table.add_column(label + (" [--json]" if b == cfg.budget else ""), justify="right")
     names = {"dp_gbps": "data parallel (bf16 gradients)", "decoupled_bf16_gbps": "Decoupled DiLoCo bf16",
              "decoupled_int4_gbps": "Decoupled DiLoCo int4"}
-    for key, value in out.items():
-        table.add_row(names[key], f"{value:.4g}", f"1/{out['dp_gbps'] / value:.0f}")
+    for key in out:
+        cells = [f"{readings[b][key]:.4g}" + ("" if key == "dp_gbps" else f" (1/{readings[b]['dp_gbps'] / readings[b][key]:.0f})")
+                 for b in BUDGETS]
+        table.add_row(names[key], *cells)
     Console(width=120).print(table)
+    if budget_steps(cfg, "step") != budget_steps(cfg, "tau"):
+        print(f"The readings differ: with tau={cfg.overlap} > H/P={cfg.period / cfg.fragments:g}, "
+              f"{math.ceil(cfg.overlap * cfg.fragments / cfg.period)} exchanges are in flight at once; 'per tau' "
+              f"gives each the whole link (docs/simulator.md).")
     return 0

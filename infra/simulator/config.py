@@ -1,19 +1,23 @@
-"""Configuration of the goodput simulator (SPEC §9): distributions, the failure model, the sweep.
+"""Configuration of the goodput simulator (SPEC §9): the failure model and the sweep.
 
-Every default is stated with its reason in docs/simulator.md. The one unknown that is *fitted* is the
-mean repair time, which ``calibrate.py`` solves from the SPEC's single calibration point; everything
-else is a stated assumption and is never adjusted to match expected results.
+Every default is stated with its reason in docs/simulator.md. Exactly one quantity is *fitted*:
+the mean restart time of non-elastic data parallel, which ``calibrate.py`` solves from the SPEC's
+single calibration point (150k chips, MTBI 1 year, 72% goodput). Everything else is a stated
+assumption and is never adjusted to match expected results.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-import numpy as np
+from .dists import DIST_KINDS, Dist, parse_dist
+
+__all__ = ["YEAR_S", "DAY_S", "DIST_KINDS", "Dist", "parse_dist", "CALIBRATION_CHIPS", "CALIBRATION_MTBI_S",
+           "CALIBRATION_GOODPUT", "DEFAULT_CHIPS", "DEFAULT_LEARNERS", "ModelConfig", "SweepConfig",
+           "num_slices"]
 
 YEAR_S = 365.0 * 86400.0
 DAY_S = 86400.0
-DIST_KINDS = ("fixed", "exp", "lognormal")
 
 # SPEC §9 calibration point: non-elastic data parallel, 150k chips, MTBI 1 year -> 72% goodput.
 CALIBRATION_CHIPS = 150_000
@@ -25,86 +29,48 @@ DEFAULT_LEARNERS = (2, 4, 8, 16)
 
 
 @dataclass(frozen=True)
-class Dist:
-    """A non-negative duration distribution in seconds.
-
-    ``fixed``: always ``mean``; ``exp``: exponential with ``mean``; ``lognormal``: mean ``mean`` and
-    coefficient of variation ``cv``. ``mean=None`` means "to be calibrated" (repair time only).
-    """
-
-    kind: str
-    mean: float | None
-    cv: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.kind not in DIST_KINDS:
-            raise ValueError(f"distribution kind {self.kind!r} is not one of {DIST_KINDS}")
-        if self.mean is not None and not (math.isfinite(self.mean) and self.mean >= 0):
-            raise ValueError(f"distribution mean must be a finite number >= 0 seconds, got {self.mean!r}")
-        if not (math.isfinite(self.cv) and self.cv >= 0):
-            raise ValueError(f"distribution cv must be a finite number >= 0, got {self.cv!r}")
-        if self.kind == "lognormal" and self.cv == 0:
-            raise ValueError("a lognormal distribution needs cv > 0 (use 'fixed' for a constant)")
-
-    def with_mean(self, mean: float) -> "Dist":
-        return replace(self, mean=float(mean))
-
-    def sample(self, rng: np.random.Generator, size: tuple[int, ...] | int) -> np.ndarray:
-        if self.mean is None:
-            raise ValueError(f"{self.kind} distribution has no mean yet (not calibrated)")
-        if self.kind == "fixed" or self.mean == 0:
-            return np.full(size, self.mean, dtype=np.float64)
-        if self.kind == "exp":
-            return rng.exponential(self.mean, size)
-        sigma2 = math.log1p(self.cv ** 2)  # lognormal with the requested mean and cv
-        return rng.lognormal(math.log(self.mean) - sigma2 / 2, math.sqrt(sigma2), size)
-
-    def __str__(self) -> str:
-        mean = "calibrated" if self.mean is None else f"{self.mean:g}"
-        return f"{self.kind}:{mean}" + (f":{self.cv:g}" if self.kind == "lognormal" else "")
-
-
-def parse_dist(text: str) -> Dist:
-    """Parse ``kind[:mean[:cv]]`` (seconds), e.g. ``fixed:30``, ``exp:60``, ``lognormal:60:0.5``.
-
-    A missing mean, or ``auto``, leaves it to calibration.
-    """
-    parts = text.strip().split(":")
-    if not 1 <= len(parts) <= 3 or not parts[0]:
-        raise ValueError(f"distribution {text!r} must look like kind[:mean[:cv]], e.g. exp:60")
-    kind = parts[0].lower()
-    mean: float | None = None
-    cv = 0.0
-    try:
-        if len(parts) >= 2 and parts[1].lower() not in ("", "auto"):
-            mean = float(parts[1])
-        if len(parts) == 3:
-            cv = float(parts[2])
-    except ValueError:
-        raise ValueError(f"distribution {text!r}: mean and cv must be numbers") from None
-    return Dist(kind, mean, cv)
-
-
-@dataclass(frozen=True)
 class ModelConfig:
-    """The physics of one simulated cluster (everything except its size and learner count)."""
+    """The physics of one simulated cluster (everything except its size and learner count).
 
-    mtbi_s: float = YEAR_S                       # per chip; math.inf = no failures
-    chips_per_slice: int = 64                    # a failed chip takes its slice out
-    detection: Dist = Dist("fixed", 10.0)        # failure -> noticed (collective / heartbeat timeout)
-    reconfiguration: Dist = Dist("fixed", 30.0)  # one global reconfiguration (shrink, grow or restart)
-    repair: Dist = Dist("exp", None)             # noticed -> slice back in service; mean calibrated
-    speed_cv: float = 0.0                        # per-step, per-chip step-time coefficient of variation
-    duration_s: float = 7 * DAY_S                # simulated wall time per seed
+    A chip that computes is interrupted as a Poisson process of mean ``mtbi_s``; the interruption
+    takes its slice of ``chips_per_slice`` chips out. What that costs depends on the system
+    (``engine.py``): non-elastic data parallel stops for ``detection`` + ``restart`` and loses the
+    progress since its last checkpoint (one every ``checkpoint_s`` seconds of progress); an
+    elastic job (and each Decoupled DiLoCo learner) stalls for ``detection`` + one
+    ``reconfiguration`` to shrink, trains without the slice, and stalls for another
+    ``reconfiguration`` when a replacement joins, ``recovery`` after it was taken from the spare
+    pool. The broken slice is back in the pool ``detection`` + ``repair`` after its failure; the
+    pool holds ``spares`` slices (default ``ceil(spare_fraction x slices)``).
+    """
+
+    mtbi_s: float = YEAR_S                        # per computing chip; math.inf = no failures
+    chips_per_slice: int = 64                     # a failed chip takes its slice out
+    detection: Dist = Dist("fixed", 10.0)         # failure -> noticed (collective / heartbeat timeout)
+    restart: Dist = Dist("lognormal", None, 0.5)  # non-elastic DP: noticed -> training again; calibrated
+    checkpoint_s: float = 10.0                    # non-elastic DP: progress between checkpoints
+    reconfiguration: Dist = Dist("fixed", 30.0)   # elastic: one shrink or grow of a job or learner
+    recovery: Dist = Dist("exp", 60.0)            # spare taken -> ready to join an elastic job
+    repair: Dist = Dist("exp", 3600.0)            # noticed -> broken slice healthy again in the pool
+    spare_fraction: float = 0.02                  # spare pool, as a fraction of the cluster's slices
+    spares: int | None = None                     # spare pool in slices (overrides spare_fraction)
+    speed_cv: float = 0.0                         # per-step, per-chip step-time coefficient of variation
+    duration_s: float = 7 * DAY_S                 # simulated wall time per seed
 
     def __post_init__(self) -> None:
         if not (self.mtbi_s > 0) or math.isnan(self.mtbi_s):
             raise ValueError(f"mtbi_s must be > 0 seconds (inf = no failures), got {self.mtbi_s!r}")
         if not isinstance(self.chips_per_slice, int) or self.chips_per_slice < 1:
             raise ValueError(f"chips_per_slice must be an int >= 1, got {self.chips_per_slice!r}")
-        for name in ("detection", "reconfiguration"):
+        for name in ("detection", "reconfiguration", "recovery", "repair"):
             if getattr(self, name).mean is None:
-                raise ValueError(f"{name} needs a mean (only the repair time is calibrated)")
+                raise ValueError(f"{name} needs a mean (only the restart time is calibrated)")
+        if not (math.isfinite(self.checkpoint_s) and self.checkpoint_s >= 0):
+            raise ValueError(f"checkpoint_s must be a finite number >= 0 seconds (0: nothing is lost), "
+                             f"got {self.checkpoint_s!r}")
+        if not (math.isfinite(self.spare_fraction) and 0 <= self.spare_fraction <= 1):
+            raise ValueError(f"spare_fraction must be in [0, 1], got {self.spare_fraction!r}")
+        if self.spares is not None and (not isinstance(self.spares, int) or self.spares < 0):
+            raise ValueError(f"spares must be an int >= 0 (or None for spare_fraction), got {self.spares!r}")
         if not (math.isfinite(self.speed_cv) and 0 <= self.speed_cv <= 1):
             raise ValueError(f"speed_cv must be in [0, 1], got {self.speed_cv!r}")
         if not (math.isfinite(self.duration_s) and self.duration_s > 0):
@@ -112,7 +78,13 @@ class ModelConfig:
 
     @property
     def calibrated(self) -> bool:
-        return self.repair.mean is not None
+        return self.restart.mean is not None
+
+    def pool_slices(self, slices: int) -> int:
+        """Spare slices of a cluster of ``slices`` slices."""
+        if self.spares is not None:
+            return self.spares
+        return math.ceil(self.spare_fraction * slices - 1e-9)
 
 
 @dataclass(frozen=True)

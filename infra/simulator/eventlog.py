@@ -1,8 +1,9 @@
 """The ``--events`` log: when each simulated learner stops and resumes training (SPEC §9).
 
-A later ``ddiloco chaos`` replays it as a fault schedule on a local run: ``fail`` = stop (kill or
-pause) that learner, ``recover`` = start it again, after ``scale``-ing the times down to the local
-run's length. Format (docs/simulator.md): one file holding one envelope (pipeline/envelope.py) of
+A later ``ddiloco chaos event-log`` replays it as a fault schedule on a local run: ``fail`` = stop
+(SIGKILL) that learner, ``recover`` = start it again (the simulated learner's recovery begins then;
+it trains one reconfiguration later, as a restarted process does after its start-up), after
+``scale``-ing the times down to the local run's length. Format (docs/simulator.md): one file holding one envelope (pipeline/envelope.py) of
 kind ``sim-events``, version 1, whose msgpack body is a map
 
     {"meta": {...simulation parameters...}, "learners": M, "duration_s": T,
@@ -20,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-import numpy as np
 
 from pipeline.envelope import pack_record, unpack_record
 from pipeline.errors import FormatError
@@ -56,21 +56,30 @@ class EventLog:
     events: tuple[Event, ...]
 
 
-def events_from_running(running: Sequence[tuple[np.ndarray, np.ndarray]], horizon: float) -> list[Event]:
-    """Turn each learner's training intervals into fail/recover events, sorted by (time, learner).
+def events_from_stalls(stalls: Sequence[Sequence[tuple[float, float, float]]], horizon: float,
+                       stop_at_end: bool = False) -> list[Event]:
+    """Each learner's stalls (``engine.JobRecord.stalls``: stop, recovery begins, training again)
+    as fail/recover events, sorted by (time, learner, fail before recover).
 
-    A learner fails where a training interval ends before the horizon and recovers where one starts
-    after time 0.
+    ``fail`` is when the learner stops training; ``recover`` is when its recovery *begins*: the
+    restart of a learner that lost every slice (a replacement is at hand), or the reconfiguration
+    that lets a shrunken learner train again. It trains again one reconfiguration later, so a
+    replay that restarts a real process at ``recover`` pays the process's own start-up there.
+    ``stop_at_end``: a last ``fail`` at ``horizon`` for every learner not already down, so that a
+    replay ends with the simulated window.
     """
     rows: list[tuple[float, int, int]] = []
-    for m, (starts, ends) in enumerate(running):
-        if starts.size == 0:  # never trained
-            rows.append((0.0, m, 0))
-            continue
-        if starts[0] > 0:
-            rows.append((0.0, m, 0))
-        rows += [(float(t), m, 1) for t in starts if t > 0]
-        rows += [(float(t), m, 0) for t in ends if t < horizon]
+    for m, learner in enumerate(stalls):
+        down = False
+        for stop, begin, _ in learner:
+            if stop >= horizon:
+                continue
+            rows.append((float(stop), m, 0))
+            down = not begin < horizon
+            if not down:
+                rows.append((float(max(begin, stop)), m, 1))
+        if stop_at_end and not down:
+            rows.append((float(horizon), m, 0))
     rows.sort(key=lambda r: (r[0], r[1], r[2]))
     return [Event(t, m, EVENTS[e]) for t, m, e in rows]
 

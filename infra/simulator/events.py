@@ -1,19 +1,22 @@
-"""Vectorised failure generation (SPEC §9): one failure trace per (cluster size, seed).
+"""Vectorised failure traces (SPEC §9): one per (cluster size, seed), shared by every system.
 
-Each chip fails as a Poisson process of mean time between interruptions MTBI; a failed chip takes its
-slice out, so a slice of c chips fails at rate c/MTBI while in service. After a failure the slice is
-out for detection + repair, then back in service (an alternating renewal process per slice; a slice
-under repair cannot fail again). Per failure we also draw the reconfiguration times a job may pay,
-so that every system is simulated on the *same* trace (common random numbers: differences between
-systems are not sampling noise).
+A chip that computes is interrupted as a Poisson process of mean MTBI; the interruption takes its
+slice out. A trace holds the *potential* interruptions of every slice over the whole horizon, as
+if every slice computed all the time: a Poisson process of rate N/MTBI with a uniformly drawn slice
+per event (the superposition of one Poisson process of rate (N/S)/MTBI per slice). A system keeps
+an event only if that slice is computing for it at that moment (``engine.py``): chips of a stopped
+job, of a stalled learner or in the spare pool are not interrupted. By the memorylessness of the
+Poisson process this thinning is exact, and every system runs on the *same* random numbers
+(common random numbers: differences between systems are not sampling noise).
 
-Generation is a few (slices x k) numpy draws and a cumulative sum per slice; no per-chip or
-per-event Python objects.
+Every event also carries the draws its consequences may need (detection, restart, the two
+reconfigurations, the spare's recovery delay, the repair), so no system consumes randomness of
+its own. Generation is a handful of numpy draws; there are no per-event Python objects.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -22,69 +25,51 @@ from .config import ModelConfig, num_slices
 
 @dataclass(frozen=True)
 class FailureTrace:
-    """All slice failures in [0, duration), sorted by time. Arrays are parallel, one entry per failure."""
+    """Potential interruptions in [0, duration), sorted by time; arrays are parallel, one per event."""
 
     chips: int
     slices: int
     duration: float
-    slice: np.ndarray        # int: which slice failed
-    t_fail: np.ndarray       # when
-    detect: np.ndarray       # failure -> detected
-    repair: np.ndarray       # detected -> slice back in service
-    reconf_down: np.ndarray  # reconfiguration to shrink around the failed slice
-    reconf_up: np.ndarray    # reconfiguration to grow back (or to restart, for non-elastic DP)
-
-    @property
-    def t_back(self) -> np.ndarray:
-        """When the failed slice is back in service."""
-        return self.t_fail + self.detect + self.repair
+    t: np.ndarray            # when
+    slot: np.ndarray         # which slice (int64, 0 .. slices-1)
+    detect: np.ndarray       # interruption -> noticed
+    restart: np.ndarray      # non-elastic DP: noticed (and a spare at hand) -> training again
+    reconf_down: np.ndarray  # elastic: the shrink after detection
+    reconf_up: np.ndarray    # elastic: the grow when this event's replacement joins
+    recovery: np.ndarray     # elastic: spare taken -> ready to join
+    repair: np.ndarray       # noticed -> the broken slice is healthy again, back in the pool
 
     @property
     def chips_per_slice(self) -> float:
         return self.chips / self.slices
 
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), np.ndarray)}
+
     def subset(self, lo: int, hi: int) -> "FailureTrace":
-        """The failures of slices lo..hi-1, renumbered from 0 (one learner's share of the cluster)."""
-        m = (self.slice >= lo) & (self.slice < hi)
-        chips = round(self.chips * (hi - lo) / self.slices)
-        return FailureTrace(chips, hi - lo, self.duration, self.slice[m] - lo, self.t_fail[m],
-                            self.detect[m], self.repair[m], self.reconf_down[m], self.reconf_up[m])
+        """The events of slices lo..hi-1, renumbered from 0 (one learner's share of the cluster)."""
+        if not 0 <= lo < hi <= self.slices:
+            raise ValueError(f"slice range [{lo}, {hi}) is not inside [0, {self.slices})")
+        m = (self.slot >= lo) & (self.slot < hi)
+        cols = {k: v[m] for k, v in self.arrays().items()}
+        cols["slot"] = cols["slot"] - lo
+        return FailureTrace(chips=round(self.chips * (hi - lo) / self.slices), slices=hi - lo,
+                            duration=self.duration, **cols)
 
 
 def generate_trace(model: ModelConfig, chips: int, rng: np.random.Generator) -> FailureTrace:
-    """Draw the failures of a cluster of ``chips`` chips over ``model.duration_s`` seconds."""
-    if model.repair.mean is None:
-        raise ValueError("repair time not calibrated; use calibrate.calibrate(model) first")
+    """Draw the potential interruptions of a cluster of ``chips`` chips over ``model.duration_s``."""
+    if model.restart.mean is None:
+        raise ValueError("restart time not calibrated; use calibrate.calibrate(model) first")
     if not isinstance(chips, int) or chips < 1:
         raise ValueError(f"chips must be an int >= 1, got {chips!r}")
     slices = num_slices(chips, model.chips_per_slice)
     horizon = model.duration_s
-    empty_f, empty_i = np.empty(0), np.empty(0, dtype=np.int64)
-    if math.isinf(model.mtbi_s):
-        return FailureTrace(chips, slices, horizon, empty_i, empty_f, empty_f, empty_f, empty_f, empty_f)
-    mtbf_slice = model.mtbi_s * slices / chips
-    expected = horizon / mtbf_slice
-    k = int(math.ceil(expected + 6 * math.sqrt(expected) + 4))  # columns per block; rarely a 2nd block
-
-    parts: list[tuple[np.ndarray, ...]] = []
-    rows = np.arange(slices)
-    offset = np.zeros(slices)  # where each live row's next cycle starts
-    while rows.size:
-        shape = (rows.size, k)
-        up = rng.exponential(mtbf_slice, shape)
-        det = model.detection.sample(rng, shape)
-        rep = model.repair.sample(rng, shape)
-        down = model.reconfiguration.sample(rng, shape)
-        grow = model.reconfiguration.sample(rng, shape)
-        ends = offset[:, None] + np.cumsum(up + det + rep, axis=1)   # end of each cycle
-        t_fail = ends - det - rep
-        keep = t_fail < horizon
-        r, _ = np.nonzero(keep)
-        parts.append((rows[r], t_fail[keep], det[keep], rep[keep], down[keep], grow[keep]))
-        more = ends[:, -1] < horizon
-        rows, offset = rows[more], ends[more, -1]
-
-    sl, tf, det, rep, down, grow = (np.concatenate(col) for col in zip(*parts))
-    order = np.argsort(tf, kind="stable")
-    return FailureTrace(chips, slices, horizon, sl[order].astype(np.int64), tf[order], det[order],
-                        rep[order], down[order], grow[order])
+    n = 0 if math.isinf(model.mtbi_s) else int(rng.poisson(chips * horizon / model.mtbi_s))
+    t = np.sort(rng.uniform(0.0, horizon, n))
+    slot = rng.integers(0, slices, n, dtype=np.int64)
+    return FailureTrace(chips, slices, horizon, t, slot,
+                        detect=model.detection.sample(rng, n), restart=model.restart.sample(rng, n),
+                        reconf_down=model.reconfiguration.sample(rng, n),
+                        reconf_up=model.reconfiguration.sample(rng, n),
+                        recovery=model.recovery.sample(rng, n), repair=model.repair.sample(rng, n))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import textwrap
 from pathlib import Path
 from typing import Sequence
 
@@ -52,7 +53,8 @@ def plot_sweep(rows: Sequence[Row], path: str | os.PathLike, subtitle: str = "")
         ax.set_title(f"{metric} vs cluster size")
     axes[0].legend(fontsize=8, loc="lower left")
     if subtitle:
-        fig.suptitle(subtitle, fontsize=9)
+        lines = [w for line in subtitle.splitlines() for w in textwrap.wrap(line, 150)]
+        fig.suptitle("\n".join(lines), fontsize=8)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -55,6 +55,7 @@ class Row:
     goodput_ci: float | None
     uptime_ci: float | None
     seeds: int
+    pool_waits: float = 0.0   # mean fraction of replacements that waited for a repaired slice
 
     @property
     def ci(self) -> float | None:
@@ -75,22 +76,21 @@ def point_rng(base_seed: int, repetition: int, chips: int) -> np.random.Generato
 def simulate_point(model: ModelConfig, trace: FailureTrace, learners: tuple[int, ...],
                    quorum: int) -> dict[tuple[str, int, int], systems.Outcome]:
     """All systems on one trace, keyed by (system, learners, quorum)."""
-    out = {("dp", 1, 1): systems.dp(trace, model.speed_cv),
-           ("elastic_dp", 1, 1): systems.elastic_dp(trace, model.speed_cv)}
+    out = {("dp", 1, 1): systems.dp(trace, model), ("elastic_dp", 1, 1): systems.elastic_dp(trace, model)}
     for m in learners:
-        out[("decoupled", m, quorum)] = systems.decoupled(trace, m, quorum, model.speed_cv).outcome
+        out[("decoupled", m, quorum)] = systems.decoupled(trace, model, m, quorum).outcome
     return out
 
 
 @dataclass(frozen=True)
 class SweepResult:
     rows: tuple[Row, ...]
-    model: ModelConfig      # with the calibrated repair mean
+    model: ModelConfig      # with the calibrated restart mean
     wall_s: float
 
 
 def run_sweep(cfg: SweepConfig, progress: Callable[[str], None] | None = None) -> SweepResult:
-    """Simulate every point of ``cfg``; the repair time is calibrated first if it has no mean."""
+    """Simulate every point of ``cfg``; the restart time is calibrated first if it has no mean."""
     start = time.perf_counter()
     model = calibrate(cfg.model)
     rows: list[Row] = []
@@ -106,7 +106,8 @@ def run_sweep(cfg: SweepConfig, progress: Callable[[str], None] | None = None) -
             g = [o.goodput for o in outs]
             u = [o.uptime for o in outs]
             rows.append(Row(system, chips, m, k, float(np.mean(g)), float(np.mean(u)),
-                            half_width(g), half_width(u), len(outs)))
+                            half_width(g), half_width(u), len(outs),
+                            float(np.mean([o.pool_waits for o in outs]))))
         if progress:
             progress(f"{chips} chips: {len(next(iter(samples.values())))} seeds")
     return SweepResult(tuple(rows), model, time.perf_counter() - start)

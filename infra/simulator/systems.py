@@ -1,19 +1,20 @@
-"""The three systems of SPEC §9 as state machines over one failure trace (docs/simulator.md).
+"""The three systems of SPEC §9 on one failure trace (docs/simulator.md, "State machines").
 
-- ``dp``: non-elastic data parallel. Any failure stops every chip; the job restarts (one
-  reconfiguration) once the failed slice is back. Down on [t_fail, t_back + restart]; overlapping
-  outages merge. While up, all N chips are useful.
-- ``elastic_dp``: on a failure the job hangs until detection, then reconfigures without the slice
-  (stall [t_fail, t_fail + detect + reconf]); when the slice returns it reconfigures again to grow
-  (stall [t_back, t_back + reconf]). Between stalls it trains on the slices in service. A new event
-  during a stall extends it (the reconfiguration restarts), which is what merging intervals does.
-- ``decoupled``: M learners, each an ``elastic_dp`` job over its own N/M chips (a contiguous block
-  of slices); a failure touches only its learner. Global training progresses while at least K
-  learners are training. Goodput counts the chip-time of training learners, and only while the
-  quorum holds (work done below quorum is conservatively counted as lost).
+- ``dp``: non-elastic data parallel, one ``RestartJob`` over every slice. Each interruption costs a
+  per-event downtime: detection + restart (+ waiting for a spare only if the pool ran dry) + the
+  progress lost since the last checkpoint.
+- ``elastic_dp``: one ``ElasticJob`` over every slice: a reconfiguration to shrink after each
+  interruption, training at reduced size while the slice is away, a reconfiguration to grow back.
+- ``decoupled``: Decoupled DiLoCo (arXiv 2604.21428 §3): M learners, each an ``ElasticJob`` over its
+  own contiguous N/M of the slices, so an interruption touches only its learner; they share the
+  spare pool. Global training progresses while at least K learners train. Goodput counts the
+  chip-time of training learners, and only while the quorum holds (work done below quorum is
+  conservatively counted as lost; with K = 1 that never happens, since a training learner is
+  itself a quorum).
 
 Goodput = useful chip-time / allocated chip-time (N · T); uptime = fraction of wall time in which
-global training progresses. Both include the lock-step speed efficiency (``speed.py``).
+global training makes progress (for dp: time whose progress was kept, i.e. not redone after a
+restart). Both include the lock-step speed efficiency of each job's size (``speed.py``).
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import intervals as iv
+from .config import ModelConfig
+from .engine import EngineResult, JobRecord, run_jobs
 from .events import FailureTrace
 from .speed import lockstep_efficiency
 
@@ -30,44 +33,32 @@ SYSTEMS = ("dp", "elastic_dp", "decoupled")
 
 @dataclass(frozen=True)
 class Outcome:
-    goodput: float  # fraction of allocated chip-time that was useful
-    uptime: float   # fraction of wall time with global progress
+    goodput: float            # fraction of allocated chip-time that was useful
+    uptime: float             # fraction of wall time with global progress
+    pool_waits: float = 0.0   # fraction of replacements that waited for a repaired slice
 
 
-def dp(trace: FailureTrace, speed_cv: float = 0.0) -> Outcome:
+def _waits(res: EngineResult) -> float:
+    return res.waited / res.replacements if res.replacements else 0.0
+
+
+def dp(trace: FailureTrace, model: ModelConfig) -> Outcome:
     """Non-elastic data parallel on the whole cluster."""
-    horizon = trace.duration
-    down = iv.union(trace.t_fail, trace.t_back + trace.reconf_up, horizon)
-    up = iv.length(iv.complement(down, horizon)) / horizon
-    return Outcome(up * lockstep_efficiency(trace.chips, speed_cv), up)
+    res = run_jobs(trace, [(0, trace.slices)], elastic=False, pool_size=model.pool_slices(trace.slices),
+                   checkpoint_s=model.checkpoint_s)
+    kept = res.jobs[0].progress_s / trace.duration
+    return Outcome(kept * lockstep_efficiency(trace.chips, model.speed_cv), kept, _waits(res))
 
 
-def elastic_running(trace: FailureTrace) -> tuple[iv.Intervals, iv.Step]:
-    """When an elastic DP job over ``trace``'s slices trains, and how many slices it has in service."""
-    horizon = trace.duration
-    tf, tb = trace.t_fail, trace.t_back
-    back = tb < horizon
-    in_service = iv.step(np.r_[tf, tb], np.r_[-np.ones(tf.size), np.ones(tb.size)], trace.slices, horizon)
-    nothing_left = iv.where(in_service, in_service[1] <= 0, horizon)  # all slices out: cannot train
-    stalled = iv.union(np.r_[tf, tb[back], nothing_left[0]],
-                       np.r_[tf + trace.detect + trace.reconf_down, tb[back] + trace.reconf_up[back],
-                             nothing_left[1]], horizon)
-    return iv.complement(stalled, horizon), in_service
-
-
-def elastic_dp(trace: FailureTrace, speed_cv: float = 0.0) -> Outcome:
+def elastic_dp(trace: FailureTrace, model: ModelConfig) -> Outcome:
     """Elastic data parallel on the whole cluster (slice-granular shrink and grow)."""
-    horizon = trace.duration
-    running, in_service = elastic_running(trace)
-    useful = iv.integral(in_service, running, horizon) * trace.chips_per_slice
-    eff = lockstep_efficiency(trace.chips, speed_cv)
-    return Outcome(eff * useful / (trace.chips * horizon), iv.length(running) / horizon)
+    return decoupled(trace, model, 1, 1).outcome
 
 
 @dataclass(frozen=True)
 class DecoupledRun:
     outcome: Outcome
-    learner_running: tuple[iv.Intervals, ...]  # when each learner trains (for the event log)
+    learners: tuple[JobRecord, ...]   # each learner's segments and stalls (for the event log)
 
 
 def learner_bounds(slices: int, learners: int) -> list[tuple[int, int]]:
@@ -78,24 +69,27 @@ def learner_bounds(slices: int, learners: int) -> list[tuple[int, int]]:
     return [(int(edges[m]), int(edges[m + 1])) for m in range(learners)]
 
 
-def decoupled(trace: FailureTrace, learners: int, quorum: int = 1, speed_cv: float = 0.0) -> DecoupledRun:
-    """Decoupled DiLoCo: ``learners`` elastic DP jobs; progress while >= ``quorum`` of them train."""
+def _segments(rec: JobRecord) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    seg = np.asarray(rec.segments, dtype=np.float64).reshape(-1, 3)
+    return seg[:, 0], seg[:, 1], seg[:, 2]
+
+
+def decoupled(trace: FailureTrace, model: ModelConfig, learners: int, quorum: int = 1) -> DecoupledRun:
+    """Decoupled DiLoCo: ``learners`` elastic jobs; progress while >= ``quorum`` of them train."""
     if not 1 <= quorum <= learners:
         raise ValueError(f"quorum K must be in [1, M={learners}], got {quorum}")
     horizon = trace.duration
-    jobs = []
-    for lo, hi in learner_bounds(trace.slices, learners):
-        sub = trace.subset(lo, hi)
-        running, in_service = elastic_running(sub)
-        jobs.append((sub, running, in_service))
-    starts = np.concatenate([r[0] for _, r, _ in jobs])
-    ends = np.concatenate([r[1] for _, r, _ in jobs])
+    bounds = learner_bounds(trace.slices, learners)
+    res = run_jobs(trace, bounds, elastic=True, pool_size=model.pool_slices(trace.slices))
+    segs = [_segments(rec) for rec in res.jobs]
+    starts = np.concatenate([s for s, _, _ in segs])
+    ends = np.concatenate([e for _, e, _ in segs])
     training = iv.step(np.r_[starts, ends], np.r_[np.ones(starts.size), -np.ones(ends.size)], 0.0, horizon)
     quorate = iv.where(training, training[1] >= quorum, horizon)
     useful = 0.0
-    for sub, running, in_service in jobs:
-        counted = running if quorum == 1 else iv.intersect(running, quorate, horizon)
-        eff = lockstep_efficiency(max(sub.chips, 1), speed_cv)
-        useful += eff * iv.integral(in_service, counted, horizon) * trace.chips_per_slice
-    outcome = Outcome(useful / (trace.chips * horizon), iv.length(quorate) / horizon)
-    return DecoupledRun(outcome, tuple(r for _, r, _ in jobs))
+    for (lo, hi), (s, e, n) in zip(bounds, segs):
+        in_service = iv.step(np.r_[s, e], np.r_[n, -n], 0.0, horizon)
+        eff = lockstep_efficiency(max(1, round(trace.chips_per_slice * (hi - lo))), model.speed_cv)
+        useful += eff * iv.integral(in_service, quorate, horizon) * trace.chips_per_slice
+    outcome = Outcome(useful / (trace.chips * horizon), iv.length(quorate) / horizon, _waits(res))
+    return DecoupledRun(outcome, res.jobs)
