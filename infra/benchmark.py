@@ -5,8 +5,12 @@ Runs the default job and reports, each measured side by side in the same run whe
    plain AdamW loop (no Learner) alongside the run's learners, under the same machine load;
 2. time from a delta's publication to the version that merged it being applied by another learner
    (p50/p99), over the local directory store and over the local S3 server;
-3. bytes each learner sends per step vs what data-parallel all-reduce would send;
-4. final held-out eval loss of ``--mode decoupled`` vs ``--mode dp`` at equal tokens.
+3. bytes each learner moves per step in *both* directions - deltas up plus versions down - vs a
+   data-parallel ring all-reduce (each replica sends and receives 2(N-1)/N of the gradient), per
+   direction and in total (issue 11 item 16: counting uploads only overstated the saving ~17x);
+4. final held-out eval loss of ``--mode decoupled`` vs ``--mode dp`` at equal tokens, as mean ±
+   sample standard deviation over ``--seeds`` (reruns of one side spread by ~0.2: one run per
+   side cannot tell the two apart).
 Timing claims live here, never in tests.
 """
 from __future__ import annotations
@@ -34,7 +38,61 @@ def configure(parser: argparse.ArgumentParser):
     parser.add_argument("--out", default="runs/benchmark")
     parser.add_argument("--no-s3", action="store_true", help="skip the run over the local S3 server")
     parser.add_argument("--json", default=None, help="write the figures here too")
+    parser.add_argument("--seeds", default="0,1,2",
+                        help="comma-separated seeds for the quality comparison (mean ± spread over them)")
     return _handle
+
+
+def parse_seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--seeds must be comma-separated integers, got {text!r}") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds needs at least one seed and no repeats, got {text!r}")
+    return seeds
+
+
+def bandwidth_figures(summary: dict, steps: int, params: int, learners: int) -> dict:
+    """Bytes per learner per step, up (deltas) and down (versions), against a data-parallel ring
+    all-reduce of the full gradient in bf16 and fp32 (each replica sends 2(N-1)/N of it and
+    receives as much). Ratios > 1: decoupled moves fewer bytes."""
+    up = statistics.mean(v / steps for v in summary["bytes_sent_per_learner"].values())
+    down = statistics.mean(v / steps for v in summary.get("bytes_received_per_learner", {}).values() or [0])
+    ring = 2 * (learners - 1) / learners if learners > 1 else 1.0
+    dp = {f"dp_bytes_per_step_each_way_{name}": ring * width * params for name, width in (("fp32", 4), ("bf16", 2))}
+    total = up + down
+    return {"bytes_per_learner_step_up": up, "bytes_per_learner_step_down": down,
+            "bytes_per_learner_step": total, **dp,
+            "bandwidth_reduction_vs_bf16_dp": 2 * dp["dp_bytes_per_step_each_way_bf16"] / total if total else None,
+            "bandwidth_reduction_vs_bf16_dp_up": dp["dp_bytes_per_step_each_way_bf16"] / up if up else None,
+            "bandwidth_reduction_vs_bf16_dp_down": dp["dp_bytes_per_step_each_way_bf16"] / down if down else None}
+
+
+def spread(values: list[float]) -> dict:
+    """Mean, sample standard deviation (None for one value), min, max and n."""
+    xs = [float(v) for v in values if v is not None]
+    if not xs:
+        return {"mean": None, "std": None, "min": None, "max": None, "n": 0}
+    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else None,
+            "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def quality_figures(decoupled: list[float], dp: list[float]) -> dict:
+    """Final eval loss of each side over seeds, and the gap, each as mean ± spread."""
+    d, b = spread(decoupled), spread(dp)
+    gap = spread([x - y for x, y in zip(decoupled, dp)])
+    return {"decoupled_final_eval": d, "dp_final_eval": b, "gap_decoupled_minus_dp": gap,
+            "quality_note": ("one seed per side: no spread, the gap is not established" if min(d["n"], b["n"]) < 2
+                             else f"mean ± sample std over {min(d['n'], b['n'])} seeds")}
+
+
+def _fmt(x) -> str:
+    if isinstance(x, dict) and "mean" in x:
+        if x["mean"] is None:
+            return "-"
+        return f"{x['mean']:.4g} ± {x['std']:.2g} (n={x['n']})" if x["std"] is not None else f"{x['mean']:.4g} (n=1)"
+    return f"{x:.4g}" if isinstance(x, float) else str(x)
 
 
 def _ddiloco(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
@@ -118,11 +176,12 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 def _handle(args) -> int:
+    seeds = parse_seeds(args.seeds)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    figures: dict = {"learners": args.learners, "steps": args.steps}
+    figures: dict = {"learners": args.learners, "steps": args.steps, "seeds": seeds}
     t0 = time.time()
-    local = _run(out / "decoupled-local", args.learners, args.steps, [], control=True)
+    local = _run(out / "decoupled-local", args.learners, args.steps, ["--seed", str(seeds[0])], control=True)
     learner_steps = [d["median_step_s"] for d in local["per_learner"].values() if d.get("median_step_s")]
     control = statistics.median(local["control_step_times"])
     figures["step_time_sync_on_s"] = statistics.median(learner_steps)
@@ -132,12 +191,7 @@ def _handle(args) -> int:
     figures["latency_local_p50_s"], figures["latency_local_p99_s"] = _pct(lat, 50), _pct(lat, 99)
     from workers.model import GPTConfig, build_model
     params = sum(p.numel() for p in build_model(GPTConfig(), 0).parameters())
-    sent = [v / args.steps for v in local["bytes_sent_per_learner"].values()]
-    figures["bytes_per_learner_step"] = statistics.mean(sent)
-    figures["dp_allreduce_bytes_per_step_fp32"] = 2 * 4 * params
-    figures["dp_allreduce_bytes_per_step_bf16"] = 2 * 2 * params
-    figures["bandwidth_reduction_vs_bf16_dp"] = figures["dp_allreduce_bytes_per_step_bf16"] / figures["bytes_per_learner_step"]
-    figures["decoupled_final_eval"] = local["final_eval_loss"]
+    figures.update(bandwidth_figures(local, args.steps, params, args.learners))
     figures["decoupled_tokens"] = local["tokens_trained"]
     if not args.no_s3:
         from infra.s3server import S3Server
@@ -152,12 +206,18 @@ def _handle(args) -> int:
             figures["decoupled_s3_final_eval"] = s3["final_eval_loss"]
         finally:
             server.stop()
-    dp = _run(out / "dp", args.learners, args.steps, ["--mode", "dp"])
-    figures["dp_final_eval"] = dp["final_eval_loss"]
-    figures["dp_tokens"] = dp["tokens_trained"]
+    decoupled, dp_losses = [local["final_eval_loss"]], []
+    for seed in seeds:
+        if seed != seeds[0]:
+            decoupled.append(_run(out / f"decoupled-seed{seed}", args.learners, args.steps,
+                                  ["--seed", str(seed)])["final_eval_loss"])
+        dp = _run(out / f"dp-seed{seed}", args.learners, args.steps, ["--mode", "dp", "--seed", str(seed)])
+        dp_losses.append(dp["final_eval_loss"])
+        figures["dp_tokens"] = dp["tokens_trained"]
+    figures.update(quality_figures(decoupled, dp_losses))
     figures["wall_s"] = round(time.time() - t0, 1)
     for k, v in figures.items():
-        print(f"{k:<36} {v:.4g}" if isinstance(v, float) else f"{k:<36} {v}")
+        print(f"{k:<36} {_fmt(v)}")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     return 0

@@ -35,6 +35,7 @@ from .events import EventLog, Tail, read_events
 from .job import JobSettings, dp_baseline
 from .keys import SYNCER, ensure_identities, key_paths
 from .launch import RunSettings, create_run
+from .logview import stored_base, token_figures
 from .lockstep import OuterSettings, diloco_baseline
 from .model import EMBEDDING_TENSORS, GPT, GPTConfig, build_model
 from .progress import Progress
@@ -217,6 +218,7 @@ def run(args) -> int:
     all_events = [e for f in sorted((out / "logs").glob("*.jsonl")) for e in read_events(f)]
     summary = _summary(store_uri, desc, all_events, init_loss, final, wall, drained, args)
     summary.update(_rounds_figures(store, desc, all_events))
+    summary.update(_log_figures(store, desc))
     _write_outputs(out, summary, all_events, args)
     return 0 if summary["ok"] else 1
 
@@ -262,8 +264,10 @@ def _summary(store_uri, desc, events, init_loss, final, wall, drained, args) -> 
     merged = sum(len(c.get("inputs", [])) for c in commits)
     dropped = sum(len(c.get("dropped", [])) for c in commits)
     learners = {lid: {k: d.get(k) for k in ("step", "tokens", "deltas", "acked", "spilled", "superseded",
-                                            "bytes_sent", "bytes_spilled", "versions_applied", "median_step_s",
-                                            "max_gap_s", "drained")} for lid, d in sorted(done.items())}
+                                            "evicted", "bytes_sent", "bytes_spilled", "bytes_received",
+                                            "versions_applied", "median_step_s", "max_gap_s", "drained",
+                                            "spill_errors", "last_error", "nonfinite_steps", "receiver_failed")}
+                for lid, d in sorted(done.items())}
     latencies = [e["latency_s"] for e in events if e.get("event") == "version-applied" and e.get("latency_s") is not None]
     final_loss = final[0] if final else None
     stop = next((e for e in reversed(events) if e.get("event") == "syncer-stop"), {})
@@ -272,18 +276,60 @@ def _summary(store_uri, desc, events, init_loss, final, wall, drained, args) -> 
         "mode": "decoupled", "run_uri": store_uri, "run_id": desc.run_id, "learners": args.learners,
         "commits": len(commits), "merge_commits": sum(c.get("kind") == "merge" for c in commits),
         "versions_per_fragment": versions, "tokens_trained": sum((d.get("tokens") or 0) for d in done.values()),
-        "tokens_merged": sum(c.get("tokens", 0) for c in commits),
         "initial_eval_loss": init_loss, "final_eval_loss": final_loss,
         "deltas_merged": merged, "deltas_dropped": dropped,
         "deltas_spilled": sum((d.get("spilled") or 0) for d in done.values()),
         "bytes_sent_per_learner": {lid: (d.get("bytes_sent") or 0) + (d.get("bytes_spilled") or 0)
-                                   for lid, d in learners.items()},
-        "version_latency_p50_s": float(np.percentile(latencies, 50)) if latencies else None,
-        "version_latency_p99_s": float(np.percentile(latencies, 99)) if latencies else None,
+                                   for lid, d in learners.items()},     # deltas up
+        "bytes_received_per_learner": {lid: d.get("bytes_received") or 0 for lid, d in learners.items()},  # versions down
+        # issue 11 item 16: named for what they measure (the commit record's time to a learner
+        # applying it), next to the figure a user means by "latency" (a delta's publication to the
+        # first version that merged it being applied by another learner)
+        "commit_to_applied_p50_s": _pct(latencies, 50), "commit_to_applied_p99_s": _pct(latencies, 99),
+        **_publish_to_applied(events),
         "drained": drained, "wall_s": round(wall, 2), "per_learner": learners,
         "security": "off" if args.insecure else "signed",
         "rejections": stop.get("rejections", {}), "drops_by_reason": stop.get("drops", {}),
     }
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(xs, q)) if xs else None
+
+
+def _publish_to_applied(events: list[dict]) -> dict:
+    """Seconds from each merged delta's publication (its learner's ``delta`` event) to the first
+    application of a version that merged it by another learner (by its own learner in a
+    one-learner run): what the τ-step overlap has to hide (SPEC §2-3)."""
+    published = {e["delta"]: e["t"] for e in events if e.get("event") == "delta" and "delta" in e}
+    applied: dict[int, list[tuple[str, int, float]]] = {}
+    for e in events:
+        if e.get("event") == "version-applied":
+            applied.setdefault(e.get("fragment"), []).append((e.get("id"), e.get("version", -1), e["t"]))
+    alone = len({lid for rows in applied.values() for lid, _, _ in rows}) <= 1
+    lat = []
+    for c in events:
+        if c.get("event") != "commit" or c.get("kind") != "merge":
+            continue
+        for did in c.get("inputs", []):
+            if did not in published:
+                continue
+            producer = did.rsplit("/", 2)[0]
+            times = [t for lid, v, t in applied.get(c.get("fragment"), ()) if v >= c.get("version", 0)
+                     and (alone or lid != producer)]
+            if times:
+                lat.append(min(times) - published[did])
+    return {"publish_to_applied_p50_s": _pct(lat, 50), "publish_to_applied_p99_s": _pct(lat, 99)}
+
+
+def _log_figures(store: ObjectStore, desc) -> dict:
+    """Tokens that entered the model (each counted once) and drops split into harmless ones and lost
+    work, from the commit log - the numbers ``ddiloco log`` prints (workers/logview.py)."""
+    try:
+        log = CommitLog(store)
+        return token_figures(log.read_range(0, log.tail() + 1), desc.num_fragments, stored_base(store, desc))
+    except Exception as exc:   # figures never fail a run
+        return {"tokens_merged": None, "figures_error": str(exc)}
 
 
 def _rounds_figures(store: ObjectStore, desc, events: list[dict]) -> dict:
@@ -318,8 +364,8 @@ def _write_outputs(out: Path, summary: dict, events: list[dict], args) -> None:
     except Exception as exc:  # a plotting failure must not hide the run's result
         summary_plot = f"(plot failed: {exc})"
     keys = ("mode", "run_uri", "commits", "tokens_trained", "initial_eval_loss", "final_eval_loss",
-            "deltas_merged", "deltas_dropped", "deltas_spilled", "mean_round_size", "utilisation",
-            "version_latency_steps_p50", "wall_s")
+            "tokens_merged", "deltas_merged", "deltas_lost", "deltas_harmless", "deltas_spilled", "mean_round_size",
+            "utilisation", "version_latency_steps_p50", "publish_to_applied_p50_s", "wall_s")
     print("\nsummary:")
     for k in keys:
         if k in summary:
