@@ -271,3 +271,32 @@ def test_a_crashed_receiver_thread_restarts_and_says_so(tmp_path, monkeypatch):
         assert learner.receiver.failed is None
     finally:
         learner.close()
+
+
+def test_syncer_stats_are_running_aggregates_not_lists():
+    """Old code: SyncerStats.grace_waits and quorum_sizes were lists with one entry per commit."""
+    import pickle
+    from workers.syncer import SyncerStats
+    s = SyncerStats()
+    for i in range(20_000):
+        s.quorum_sizes.append(1 + i % 3)
+        s.grace_waits.append(0.5)
+    assert s.quorum_sizes.mean == pytest.approx(2.0, abs=1e-3) and s.grace_waits.mean == 0.5
+    assert len(pickle.dumps(s.quorum_sizes)) < 300 and len(pickle.dumps(s.grace_waits)) < 300
+
+
+def test_a_finite_loss_with_non_finite_gradients_is_skipped(tmp_path):
+    store = open_store(str(tmp_path / "run"))
+    model = tiny_model()
+    make_run(store, model)
+    learner, events = start_learner(store, model)
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    try:
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        loss = learner.step(lambda: torch.nn.functional.mse_loss(model(x), y)
+                            + (model[0].bias * 0).abs().sqrt().sum(), tokens=4)   # d sqrt(|0|) = inf
+        assert np.isfinite(loss) and learner.step_count == 0
+        assert events.named("nonfinite-step")[-1]["where"] == "gradient"
+        assert all(torch.equal(before[n], p.detach()) for n, p in model.named_parameters())
+    finally:
+        learner.close()

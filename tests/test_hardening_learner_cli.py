@@ -127,3 +127,20 @@ def test_a_full_disk_is_reported_at_stop_and_by_the_exit(tmp_path):
     assert learner_exit("l0", "runs/x", {"drained": drained, **stats}, err) == 4
     line = one_error_line(err.getvalue())
     assert "never made durable" in line and "No space left on device" in line and "free space" in line
+
+
+def test_learner_trouble_shows_in_the_live_progress(capsys):
+    """Spill failures, stuck receivers, skipped steps and lost deltas reach the launcher's table."""
+    from types import SimpleNamespace
+    from workers.progress import Progress
+    desc = SimpleNamespace(run_id="r", num_fragments=2, sync_every=8, quorum=1, compression="int4")
+    progress = Progress(1, 10, desc, plain=True)
+    progress.update("l0", [
+        {"event": "spill-failed", "t": 1.0, "consecutive": 2, "error": "No space left on device"},
+        {"event": "receiver-stuck", "t": 1.0, "what": "fragment 1", "error": "store unreachable"},
+        {"event": "nonfinite-step", "t": 1.0, "where": "loss", "action": "reload-last-good"},
+        {"event": "learner-stop", "t": 2.0, "undelivered": 3, "last_error": "No space left on device"}], None)
+    notes = "\n".join(progress.notes)
+    for text in ("spilling deltas fails: No space left", "not receiving versions (fragment 1)",
+                 "non-finite steps skipped (loss; reload-last-good)", "3 delta(s) never made durable"):
+        assert text in notes, notes

@@ -77,12 +77,31 @@ class Progress:
                 elif ev == "learner-stop":
                     row.status = "draining" if returncode is None else "done"
                     row.tokens = e.get("tokens", row.tokens)
+                    if e.get("undelivered"):
+                        self.note(f"{name}: {e['undelivered']} delta(s) never made durable: "
+                                  f"{e.get('last_error') or 'not acknowledged in time'}")
+                else:
+                    self._trouble(name, row, ev, e)
             if returncode is not None:
                 row.status = "done" if returncode == 0 else f"exit {returncode}"
         if self._live is not None:
             self._live.update(self._table())
         else:
             self._print_plain()
+
+    def _trouble(self, name: str, row: _Row, ev: str, e: dict) -> None:
+        """Problems a learner reports (issue 11 items 2, 11, 12) go into the table, never only a log."""
+        if ev == "spill-failed":
+            row.status = f"spill failing x{e.get('consecutive', 1)}"
+            self.note(f"{name}: spilling deltas fails: {e.get('error', '')}")
+        elif ev == "spill-recovered":
+            row.status = "training"
+        elif ev == "receiver-stuck":
+            self.note(f"{name}: not receiving versions ({e.get('what')}): {e.get('error', '')}")
+        elif ev == "nonfinite-step":
+            self.note(f"{name}: non-finite steps skipped ({e.get('where')}; {e.get('action')})")
+        elif ev == "delta-evicted":
+            self.note(f"{name}: deltas evicted to bound memory (storage too slow)")
 
     def _update_syncer(self, events: list[dict], returncode: int | None) -> None:
         s = self.syncer
