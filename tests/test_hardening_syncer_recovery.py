@@ -188,7 +188,7 @@ def test_a_deleted_commit_before_the_checkpoint_is_reported_not_appended_over_si
     _done(s)
     with pytest.raises((FormatError, NotFound)):    # the gap (or a delta retention removed before it)
         replay_run(run.store, run.desc)
-    replay_run(run.store, run.desc, start=cp + 1)      # what docs/replay.md tells the user to do
+    replay_run(run.store, run.desc, start=fence.seq + 1)   # what docs/replay.md tells the user to do
 
 
 def test_a_damaged_newest_checkpoint_falls_back_to_an_older_one_loudly(tmp_path):
