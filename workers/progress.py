@@ -24,6 +24,9 @@ class _Row:
     last_tokens: int = 0
 
 
+MAX_NOTES = 50
+
+
 class Progress:
     def __init__(self, learners: int, steps: int, descriptor, plain: bool = False):
         self.steps, self.descriptor, self.plain = steps, descriptor, plain
@@ -52,6 +55,7 @@ class Progress:
     def note(self, text: str) -> None:
         if text not in self.notes:
             self.notes.append(text)
+            del self.notes[:-MAX_NOTES]      # bounded: error texts differ (keys), a long run has many
             if self.plain:
                 print(text, flush=True)
 
