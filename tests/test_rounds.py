@@ -276,3 +276,21 @@ def test_keep_progress_carries_the_steps_since_the_answer(tmp_path):
         assert learner.c_steps[0] == 2 and learner.base_version[0] == 1   # the two steps since the answer
     finally:
         learner.close()
+
+
+def test_a_leaving_learner_flushes_the_steps_since_its_last_answer(tmp_path):
+    learner, _, step, _ = _learner(tmp_path)
+    step()
+    learner.receiver.rounds = {0: (1, 5)}
+    step()
+    step()
+    learner.close()
+    d = _deltas(tmp_path)
+    assert [(e["round"], e["steps"]) for e in d] == [(5, 1), (5, 3)]   # the last two steps were not lost
+    learner2, _, step2, _ = _learner(tmp_path / "second")
+    step2()
+    learner2.receiver.rounds = {0: (1, 5)}
+    step2()                                                       # answers round 5 with 1 step
+    step2()                                                       # and trains one more
+    learner2.close(flush=False)
+    assert [(e["round"], e["steps"]) for e in _deltas(tmp_path / "second")] == [(5, 1)]

@@ -89,6 +89,7 @@ class Learner:
         self.base: dict[int, dict[str, np.ndarray]] = {}
         self.base_version: dict[int, int] = {}
         self.answered: dict[int, tuple[int, int]] = {}   # fragment -> (syncer epoch, round) last answered
+        self._answered_steps: dict[int, int] = {}   # fragment -> c_steps its last answer held
         self._at_answer: dict[int, tuple] = {}   # keep_progress: fragment -> (θ_p, c_steps, c_tokens) at the answer
         self.c_steps: list[int] = []
         self.c_tokens: list[int] = []
@@ -136,10 +137,18 @@ class Learner:
                          versions={str(p): v for p, v in versions.items()})
         return self
 
-    def close(self) -> bool:
-        """Stop; first wait up to ``drain_s`` for every delta to be durable. True if all were."""
+    def close(self, flush: bool = True) -> bool:
+        """Stop; first wait up to ``drain_s`` for every delta to be durable. True if all were.
+
+        ``flush``: a learner that leaves first answers once more for every fragment it trained since
+        its last answer (late answers, SPEC §4), so the steps since then still reach the model
+        instead of dying with the process."""
         drained = True
         if self.sender is not None:
+            if flush and self.descriptor is not None and self.sender.failed is None:
+                for p in range(self.descriptor.num_fragments):
+                    if self.c_steps[p] > 0 and self._unsent(p):
+                        self._emit_delta(p, max(self.answered[p][1], 0))
             drained = self.sender.drain(self.cfg.drain_s)
             self.sender.stop()
         if self.receiver is not None:
@@ -230,6 +239,7 @@ class Learner:
                 self.c_tokens[a.fragment] = 0
             else:
                 self._carry(a.fragment, a.values, *kept)
+            self._answered_steps[a.fragment] = 0
             self.base[a.fragment] = a.values
             self.base_version[a.fragment] = a.version
             self.applied += 1
@@ -291,6 +301,11 @@ class Learner:
                 n += self._answer(p, opened)
         return n
 
+    def _unsent(self, p: int) -> bool:
+        """Steps on p since the last answer (keep_progress keeps the count since the answer; else the
+        last answer holds every step up to it: only steps after it are new)."""
+        return self.c_steps[p] > self._answered_steps.get(p, 0)
+
     def _answer(self, p: int, opened: tuple[int, int]) -> int:
         self.answered[p] = opened
         if self.c_steps[p] == 0:
@@ -306,6 +321,7 @@ class Learner:
         header = DeltaHeader(self.id, self.incarnation, self.seq, p, self.base_version[p], self.c_steps[p],
                              self.c_tokens[p], max(self.step_count - 1, 0), round_id)
         self.seq += 1
+        self._answered_steps[p] = header.c_steps
         if self.descriptor.keep_progress:
             self._at_answer[p] = (current, header.c_steps, header.c_tokens)
         # Every produced delta is logged, so a run's ledger can account for each one (docs/chaos.md).
