@@ -66,10 +66,12 @@ class RetentionPlan:
 
 
 def plan_retention(store: ObjectStore, keep_checkpoints: int = 2, keep_versions: int | None = None, *,
-                   scan_from: int = 0) -> RetentionPlan:
+                   scan_from: int = 0, newest_horizon: int | None = None) -> RetentionPlan:
     """List what could be deleted (see the module docstring). ``keep_versions`` defaults to the
     run descriptor's ``retain_versions`` (16 if the descriptor cannot be read). ``scan_from``: the
-    first commit read (an earlier plan's horizon + 1)."""
+    first commit read (an earlier plan's horizon + 1). ``newest_horizon``: the horizon is at most
+    this commit (the syncer keeps the newest ``keep_commits`` commits whole: the horizon is then
+    the newest checkpoint that old enough, and every checkpoint after it is kept)."""
     if not isinstance(keep_checkpoints, int) or keep_checkpoints < 1:
         raise ValueError(f"keep_checkpoints must be an int >= 1, got {keep_checkpoints!r}")
     if not isinstance(scan_from, int) or scan_from < 0:
@@ -84,11 +86,16 @@ def plan_retention(store: ObjectStore, keep_checkpoints: int = 2, keep_versions:
 
     items: list[RetentionItem] = []
     checkpoints = list_checkpoints(store)
-    kept = tuple(checkpoints[-keep_checkpoints:])
-    for seq in checkpoints[:-keep_checkpoints]:
-        items.append(RetentionItem(checkpoint_key(seq), f"superseded checkpoint: keeping the newest "
-                                                         f"{keep_checkpoints} ({', '.join(map(str, kept))})"))
-    horizon = kept[0] if len(kept) >= keep_checkpoints else -1
+    # candidates: checkpoints with at least keep_checkpoints - 1 newer ones (a fallback if one is damaged)
+    eligible = checkpoints[:len(checkpoints) - keep_checkpoints + 1] if len(checkpoints) >= keep_checkpoints else []
+    if newest_horizon is not None:
+        eligible = [c for c in eligible if c <= newest_horizon]
+    horizon = eligible[-1] if eligible else -1
+    kept = tuple(c for c in checkpoints if c >= horizon)
+    for seq in checkpoints:
+        if seq < horizon:
+            items.append(RetentionItem(checkpoint_key(seq), f"superseded checkpoint: keeping "
+                                                             f"{', '.join(map(str, kept))}"))
 
     settled: dict[str, int] = {}       # delta key -> last commit <= horizon naming it
     named_later: set[str] = set()      # delta keys named by a commit after the horizon

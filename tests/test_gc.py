@@ -69,7 +69,7 @@ def count(store, prefix: str) -> int:
 def test_the_syncer_applies_retention_after_checkpoints(tmp_path):
     """Old code: plan_retention/apply_retention were never called; every delta, version and
     checkpoint stayed (31 checkpoints, 266 versions per fragment after 1500 steps)."""
-    uri, events = make_run(tmp_path, RetentionConfig())
+    uri, events = make_run(tmp_path, RetentionConfig(keep_commits=0))
     store = open_store(uri)
     passes = [e for e in events if e["event"] == "retention"]
     assert passes and all(e["deleted"] > 0 for e in passes)
@@ -146,3 +146,35 @@ def test_incremental_plan_finds_what_a_full_plan_finds(tmp_path):
         assert key.startswith(DELTA_PREFIX), key          # only deltas named before scan_from are left for gc
     with pytest.raises(ValueError, match="scan_from"):
         plan_retention(store, 2, 4, scan_from=-1)
+
+
+class Now:
+    """An executor that runs at once (the syncer's is a thread pool)."""
+
+    def submit(self, fn, *args):
+        fn(*args)
+
+
+def test_by_default_the_newest_commits_keep_everything(tmp_path):
+    """The syncer's default keeps whatever the newest 1000 commits name: a run shorter than that
+    replays from its first commit; a longer one keeps the newest checkpoint old enough, and after it."""
+    from workers.gc import SyncerRetention
+    uri, _ = make_run(tmp_path, RetentionConfig(enabled=False))
+    store = open_store(uri)
+    desc = read_descriptor(store)
+    tail = CommitLog(store).tail()
+    before = sorted(store.list(""))
+    events = []
+    log = EventLog(None, "syncer", "s")
+    log.emit = lambda event, **f: events.append((event, f))
+    SyncerRetention(store, RetentionConfig(), log, Now()).after_checkpoint(tail)
+    assert sorted(store.list("")) == before and not events
+    assert replay_run(store, desc).commits > 0              # the full history still replays
+    checkpoints = list_checkpoints(store)
+    SyncerRetention(store, RetentionConfig(keep_commits=tail - checkpoints[2]), log, Now()).after_checkpoint(tail)
+    assert list_checkpoints(store) == checkpoints[2:]       # the newest one at least keep_commits old, and later
+    (event, fields), = events
+    assert event == "retention" and fields["horizon"] == checkpoints[2]
+    replay_run(store, desc, start=checkpoints[2] + 1)
+    with pytest.raises(ValueError, match="keep_commits"):
+        RetentionConfig(keep_commits=-1)

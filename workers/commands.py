@@ -105,12 +105,16 @@ def configure_syncer(parser: argparse.ArgumentParser):
     parser.add_argument("--keep-checkpoints", type=int, default=2, metavar="N",
                         help="retention after each checkpoint keeps the newest N checkpoints and what replay "
                              "from the oldest of them needs (docs/storage.md)")
+    parser.add_argument("--keep-commits", type=int, default=1000, metavar="N",
+                        help="retention never deletes what the newest N commits name (a shorter run keeps its "
+                             "whole history)")
     parser.add_argument("--keep-all", action="store_true",
                         help="no retention: keep every delta, version and checkpoint (full replay from the start)")
 
     def handler(args) -> int:
         from .gc import RetentionConfig
-        retention = RetentionConfig(enabled=not args.keep_all, keep_checkpoints=args.keep_checkpoints)
+        retention = RetentionConfig(enabled=not args.keep_all, keep_checkpoints=args.keep_checkpoints,
+                                    keep_commits=args.keep_commits)
         store = open_store(args.store, s3_endpoint=args.s3_endpoint, create=False)
         keys = _keyring(args, store, "syncer", args.id)
         flag = _stop_flag()

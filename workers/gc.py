@@ -4,9 +4,11 @@ Two users of ``storage.retention`` (which decides what may go, and why):
 
 - the **syncer** (``SyncerRetention``): after each checkpoint it plans and applies retention in
   the background (its I/O pool), incrementally - each plan reads the log only from the previous
-  horizon. On by default (``RetentionConfig``), keeping the newest 2 checkpoints and the run's
-  ``retain_versions`` newest versions per fragment. A failure is reported and retried after the
-  next checkpoint; it never stops the syncer.
+  horizon. On by default (``RetentionConfig``): the newest ``keep_commits`` (1000) commits keep
+  everything they name, and behind them only the newest 2 checkpoints and the run's
+  ``retain_versions`` newest versions per fragment stay. So a run shorter than 1000 commits keeps
+  its whole history (it replays from the first commit), and a longer one stops growing. A failure
+  is reported and retried after the next checkpoint; it never stops the syncer.
 - an operator: ``ddiloco gc RUN_URI`` lists what would be deleted, one line per object with its
   reason, and deletes only with ``--delete``. Safe while the run is going on (same rules).
 
@@ -26,6 +28,7 @@ from typing import TextIO
 
 from pipeline.errors import FormatError
 from storage.errors import StoreError
+from storage.log import CommitLog
 from storage.retention import RetentionPlan, apply_retention, plan_retention
 from storage.store import ObjectStore
 from .events import EventLog
@@ -40,8 +43,11 @@ class RetentionConfig:
     enabled: bool = True
     keep_checkpoints: int = 2
     keep_versions: int | None = None
+    keep_commits: int = 1000          # the newest commits whose inputs and versions are never deleted
 
     def __post_init__(self) -> None:
+        if not isinstance(self.keep_commits, int) or self.keep_commits < 0:
+            raise ValueError(f"keep_commits must be an int >= 0, got {self.keep_commits!r}")
         if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be an int >= 1, got {self.keep_checkpoints!r} "
                              "(one damaged checkpoint must leave a fallback: 2 is the default)")
@@ -70,7 +76,7 @@ class SyncerRetention:
     def _pass(self, seq: int) -> None:
         try:
             plan = plan_retention(self.store, self.cfg.keep_checkpoints, self.cfg.keep_versions,
-                                  scan_from=self._scan_from)
+                                  scan_from=self._scan_from, newest_horizon=seq - self.cfg.keep_commits)
             n = apply_retention(self.store, plan)
             if plan.horizon >= 0:
                 self._scan_from = plan.horizon + 1
@@ -96,6 +102,8 @@ def configure(parser: argparse.ArgumentParser):
                         help="checkpoints kept (default 2: one damaged checkpoint still leaves a fallback)")
     parser.add_argument("--keep-versions", type=int, default=None, metavar="N",
                         help="newest versions kept per fragment (default: the run's retain_versions)")
+    parser.add_argument("--keep-commits", type=int, default=0, metavar="N",
+                        help="keep everything the newest N commits name (default 0; the syncer's default is 1000)")
     parser.add_argument("--json", action="store_true", help="JSON Lines: one object per key, then a summary")
     parser.add_argument("--quiet", action="store_true", help="only the summary, not every key")
 
@@ -109,7 +117,11 @@ def gc_command(args, out: TextIO, err: TextIO) -> int:
     from .replay_verify import open_run     # never creates a mistyped local directory
     try:
         store, _ = open_run(args.run_uri, s3_endpoint=args.s3_endpoint)
-        plan = plan_retention(store, args.keep_checkpoints, args.keep_versions)
+        if args.keep_commits < 0:
+            raise ValueError(f"--keep-commits must be >= 0, got {args.keep_commits}")
+        tail = CommitLog(store).tail()
+        plan = plan_retention(store, args.keep_checkpoints, args.keep_versions,
+                              newest_horizon=tail - args.keep_commits if args.keep_commits else None)
     except ValueError as exc:
         print(f"error: {exc}", file=err)
         return EXIT_USAGE
