@@ -158,8 +158,8 @@ def test_bus_blocked_deltas_arrive_through_spill(tmp_path):
     dead = "tcp://127.0.0.1:9"   # nothing listens: the fast path to the syncer is blocked
     try:
         run.syncer()
-        for m in range(2):
-            run.learner(f"l{m}", ingest=dead)
+        for m in range(2):   # slowed: rounds follow the syncer's clock, so a run must span some of them
+            run.learner(f"l{m}", ingest=dead, extra=["--slow", "4"])
         for m in range(2):
             assert run.wait(f"l{m}", 180) == 0, run.stderr(f"l{m}")
         assert run.wait_inbox_empty(60)
@@ -167,7 +167,7 @@ def test_bus_blocked_deltas_arrive_through_spill(tmp_path):
         run.stop_all()
     stops = {e["id"]: e for m in range(2) for e in run.events(f"l{m}") if e.get("event") == "learner-stop"}
     for m in range(2):
-        assert stops[f"l{m}"]["acked"] == 0 and stops[f"l{m}"]["spilled"] > 10
+        assert stops[f"l{m}"]["acked"] == 0 and stops[f"l{m}"]["spilled"] > 4
     records = _check_log(run)
     assert sum(len(r.inputs) for r in records if r.kind == "merge") >= 10
     assert run.global_loss() < run.init_loss - 1.0

@@ -124,6 +124,7 @@ class Sender:
         self.failed: str | None = None     # set if the thread died; the training loop then stops loudly
         # submit() wakes the sender thread through this pipe, so an answer leaves at once instead of
         # after the thread's next poll timeout (latency is what rounds lose work to, SPEC §3).
+        self._beat_soon = threading.Event()   # the learner's pace is first known: tell the syncer now
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -150,6 +151,14 @@ class Sender:
             os.write(self._wake_w, b"w")
         except (BlockingIOError, OSError):
             pass     # the pipe is full: the thread is awake already
+
+    def beat_soon(self) -> None:
+        """Send a heartbeat at once (the syncer's round clock follows the learners' pace, SPEC §2)."""
+        self._beat_soon.set()
+        try:
+            os.write(self._wake_w, b"b")
+        except (BlockingIOError, OSError):
+            pass
 
     def held(self) -> tuple[int, int]:
         """(deltas, bytes) held right now: queued plus pending."""
@@ -232,7 +241,8 @@ class Sender:
             while not self._stop.is_set():
                 self._take_new()
                 now = self.clock()
-                if self._link is not None and now >= next_beat:
+                if self._link is not None and (now >= next_beat or self._beat_soon.is_set()):
+                    self._beat_soon.clear()
                     self._link.send(Message("heartbeat", self.heartbeat()))
                     next_beat = now + self.cfg.heartbeat_s
                 self._send_unsent(now)
