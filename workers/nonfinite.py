@@ -148,6 +148,7 @@ class NonFiniteGuard:
         self.good[p] = (version, values)
         learner.c_steps[p] = 0
         learner.c_tokens[p] = 0
+        getattr(learner, "_at_answer", {}).pop(p, None)   # keep_progress: the work since that answer is gone
         self.reloads += 1
         return version
 
