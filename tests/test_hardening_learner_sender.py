@@ -149,3 +149,13 @@ def test_persistent_spill_failure_is_reported(tmp_path):
     counts = [e["consecutive"] for e in events.named("spill-failed")]
     assert counts == sorted(counts) and all(n & (n - 1) == 0 for n in counts), "thinned: 1st, 2nd, 4th..."
     assert sender.undelivered() == 3
+
+
+def test_stop_releases_the_wake_pipe(tmp_path):
+    import os
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        sender, _ = make_sender(open_store(str(tmp_path / "run")))
+        sender.stop()
+        sender.submit(header(0, 0), {"w": np.ones(4, np.float32)})     # after stop: harmless
+    assert len(os.listdir("/proc/self/fd")) <= before + 2

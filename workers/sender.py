@@ -183,7 +183,18 @@ class Sender:
 
     def stop(self) -> None:
         self._stop.set()
+        try:
+            os.write(self._wake_w, b"s")
+        except (BlockingIOError, OSError):
+            pass
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():   # the wake pipe is ours again: close it (no fd leak per learner life)
+            fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1   # a late write: EBADF, ignored
+            for fd in fds:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     # -- bookkeeping (under the lock) ------------------------------------------------------------
     def _forget(self, p: _Pending, event: str) -> None:
