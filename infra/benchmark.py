@@ -8,9 +8,13 @@ Runs the default job and reports, each measured side by side in the same run whe
 3. bytes each learner moves per step in *both* directions - deltas up plus versions down - vs a
    data-parallel ring all-reduce (each replica sends and receives 2(N-1)/N of the gradient), per
    direction and in total (issue 11 item 16: counting uploads only overstated the saving ~17x);
-4. final held-out eval loss of ``--mode decoupled`` vs ``--mode dp`` at equal tokens, as mean ±
-   sample standard deviation over ``--seeds`` (reruns of one side spread by ~0.2: one run per
-   side cannot tell the two apart).
+4. final held-out eval loss of ``--mode decoupled`` vs ``--mode dp`` at equal tokens, lock-step
+   ``--mode diloco`` with the same H, and one learner alone (``--mode dp --learners 1``), as mean ±
+   sample standard deviation over ``--seeds`` (reruns of one side spread by ~0.1: one run per
+   side cannot tell them apart);
+5. rounds (issue "Rounds"): utilisation - the share of each learner's inner steps whose work
+   entered a committed version - the version latency in steps (answer -> applied) and the mean
+   number of learners merged per round.
 Timing claims live here, never in tests.
 """
 from __future__ import annotations
@@ -78,11 +82,20 @@ def spread(values: list[float]) -> dict:
             "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
-def quality_figures(decoupled: list[float], dp: list[float]) -> dict:
-    """Final eval loss of each side over seeds, and the gap, each as mean ± spread."""
+def quality_figures(decoupled: list[float], dp: list[float], diloco: list[float] | None = None,
+                    alone: list[float] | None = None) -> dict:
+    """Final eval loss of each side over seeds, and the gaps, each as mean ± spread: decoupled vs
+    data parallel (``dp``), lock-step DiLoCo with the same H (``diloco``) and one learner alone."""
     d, b = spread(decoupled), spread(dp)
     gap = spread([x - y for x, y in zip(decoupled, dp)])
-    return {"decoupled_final_eval": d, "dp_final_eval": b, "gap_decoupled_minus_dp": gap,
+    more = {}
+    if diloco:
+        more["diloco_final_eval"] = spread(diloco)
+        more["gap_decoupled_minus_diloco"] = spread([x - y for x, y in zip(decoupled, diloco)])
+    if alone:
+        more["one_learner_final_eval"] = spread(alone)
+        more["gap_decoupled_minus_one_learner"] = spread([x - y for x, y in zip(decoupled, alone)])
+    return {"decoupled_final_eval": d, "dp_final_eval": b, "gap_decoupled_minus_dp": gap, **more,
             "quality_note": ("one seed per side: no spread, the gap is not established" if min(d["n"], b["n"]) < 2
                              else f"mean ± sample std over {min(d['n'], b['n'])} seeds")}
 
@@ -192,6 +205,14 @@ def _handle(args) -> int:
     from workers.model import GPTConfig, build_model
     params = sum(p.numel() for p in build_model(GPTConfig(), 0).parameters())
     figures.update(bandwidth_figures(local, args.steps, params, args.learners))
+    # Rounds (issue "Rounds"): share of each learner's steps whose work entered a version, and how
+    # many steps pass between a learner's answer and the version that merged it.
+    util = [u for u in (local.get("utilisation") or {}).values() if u is not None]
+    lat = [v for v in (local.get("version_latency_steps_p50") or {}).values() if v is not None]
+    figures["utilisation_min"] = min(util) if util else None
+    figures["utilisation_mean"] = statistics.fmean(util) if util else None
+    figures["version_latency_steps_p50"] = statistics.median(lat) if lat else None
+    figures["mean_round_size"] = local.get("mean_round_size")
     figures["decoupled_tokens"] = local["tokens_trained"]
     if not args.no_s3:
         from infra.s3server import S3Server
@@ -206,7 +227,7 @@ def _handle(args) -> int:
             figures["decoupled_s3_final_eval"] = s3["final_eval_loss"]
         finally:
             server.stop()
-    decoupled, dp_losses = [local["final_eval_loss"]], []
+    decoupled, dp_losses, diloco, alone = [local["final_eval_loss"]], [], [], []
     for seed in seeds:
         if seed != seeds[0]:
             decoupled.append(_run(out / f"decoupled-seed{seed}", args.learners, args.steps,
@@ -214,7 +235,10 @@ def _handle(args) -> int:
         dp = _run(out / f"dp-seed{seed}", args.learners, args.steps, ["--mode", "dp", "--seed", str(seed)])
         dp_losses.append(dp["final_eval_loss"])
         figures["dp_tokens"] = dp["tokens_trained"]
-    figures.update(quality_figures(decoupled, dp_losses))
+        diloco.append(_run(out / f"diloco-seed{seed}", args.learners, args.steps,
+                           ["--mode", "diloco", "--seed", str(seed)])["final_eval_loss"])
+        alone.append(_run(out / f"alone-seed{seed}", 1, args.steps, ["--mode", "dp", "--seed", str(seed)])["final_eval_loss"])
+    figures.update(quality_figures(decoupled, dp_losses, diloco, alone))
     figures["wall_s"] = round(time.time() - t0, 1)
     for k, v in figures.items():
         print(f"{k:<36} {_fmt(v)}")
