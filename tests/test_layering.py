@@ -1,63 +1,247 @@
-"""The dependency direction is workers -> storage -> pipeline; infra may use all.
+"""Layering rules, checked on the source with ``ast`` (README "Layout"; SPEC §7: the log replays
+bit for bit). The dependency direction is infra -> workers -> storage -> pipeline; no arrow up.
 
-pipeline/ stays pure: no sockets, clocks, randomness, cloud SDKs or environment reads, so the
-syncer's state transitions replay bit for bit.
+What is forbidden where, and why:
+
+- **pipeline/** is pure, deterministic math - the syncer's state transition, which replay must
+  recompute exactly (docs/replay.md). It imports none of ``FORBIDDEN["pipeline"]``: no sockets,
+  clocks, threads, processes, cloud SDKs, ``importlib``, ``uuid``/``secrets``, and no ``os`` at
+  all (so neither ``os.environ`` nor ``from os import environ``); it calls no ``open``.
+- **storage/** holds the object stores and the run's key layout. It imports no ``workers``,
+  ``infra``, ``zmq`` or ``importlib``. It reads no environment variable (``os.environ``,
+  ``os.getenv``, ``from os import environ`` ...), except storage/s3.py, and there only literal
+  ``AWS_*`` names: the standard AWS configuration chain, which boto3 reads anyway.
+- **numpy randomness** in pipeline/ and storage/: only a generator seeded explicitly,
+  ``np.random.default_rng(seed)``, and the ``np.random.Generator`` type. Any call on numpy's global
+  random state (``np.random.seed``, ``rand``, ``shuffle``...), ``default_rng()`` without a seed,
+  and ``from numpy.random import ...`` / ``from numpy import random`` (which hide the calls from
+  this check) are refused.
+- **workers/** imports no ``infra``.
+- **everywhere** (the four packages): a relative import stays inside its own top-level package -
+  ``from ..workers import x`` in pipeline/ would climb a layer where the import rules above, which
+  read absolute names, do not look - and nothing calls ``__import__``.
+
+``check_tree(root)`` returns the violations of a tree; the tests run it on this repository, and on
+temporary copies with one violation planted each, to prove every rule can fail.
 """
 from __future__ import annotations
 
 import ast
+import functools
+import shutil
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("pipeline", "storage", "workers", "infra")
 FORBIDDEN = {
     "pipeline": {"zmq", "boto3", "botocore", "socket", "time", "random", "storage", "workers", "infra",
-                 "subprocess", "threading", "asyncio", "datetime"},
-    "storage": {"workers", "infra", "zmq"},
+                 "subprocess", "threading", "asyncio", "datetime", "os", "importlib", "uuid", "secrets"},
+    "storage": {"workers", "infra", "zmq", "importlib"},
     "workers": {"infra"},
 }
+ENV_NAMES = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
+NO_ENV = ("storage",)                      # packages whose files read no environment ...
+ENV_ALLOWED = {"storage/s3.py": "AWS_"}    # ... except these files, and only literal names with this prefix
+SEEDED_RNG = ("pipeline", "storage")       # packages where numpy randomness must be explicitly seeded
+RNG_TYPES = {"Generator"}                  # np.random attributes that may be named without a call
 
 
-def _imports(path: Path) -> list[tuple[int, str]]:
-    tree = ast.parse(path.read_text(), filename=str(path))
+def _parents(tree: ast.AST) -> dict[ast.AST, ast.AST]:
+    return {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+
+def _climbs(rel: Path, node: ast.ImportFrom) -> bool:
+    """Whether a relative import reaches above the top-level package of the file ``rel``."""
+    package = rel.parent.parts                 # for pkg/__init__.py too: the package is its folder
+    return node.level - 1 >= len(package)
+
+
+def _import_rules(rel: Path, tree: ast.AST, top: str) -> list[tuple[int, str]]:
     out = []
     for node in ast.walk(tree):
+        names: list[str] = []
         if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name.split(".")[0]) for a in node.names]
+            names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            out.append((node.lineno, node.module.split(".")[0]))
+            names = [node.module]
+        elif isinstance(node, ast.ImportFrom):
+            if _climbs(rel, node):
+                dots = "." * node.level
+                out.append((node.lineno, f"relative import climbs out of {top}/: from {dots}{node.module or ''} "
+                                         f"(import other layers by their absolute name)"))
         elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "__import__":
-            out.append((node.lineno, "__import__"))
+            out.append((node.lineno, "dynamic import: __import__"))
+        for name in names:
+            if name.split(".")[0] in FORBIDDEN.get(top, ()):
+                out.append((node.lineno, f"imports {name.split('.')[0]} ({top}/ must not)"))
     return out
 
 
-def _files(package: str) -> list[Path]:
-    return sorted((ROOT / package).rglob("*.py"))
+def _env_rules(rel: Path, tree: ast.AST, parents: dict) -> list[tuple[int, str]]:
+    prefix = ENV_ALLOWED.get(rel.as_posix())
+
+    def literal_allowed(node: ast.AST | None) -> bool:
+        return prefix is not None and isinstance(node, ast.Constant) and isinstance(node.value, str) \
+            and node.value.startswith(prefix)
+
+    def allowed(attr: ast.Attribute) -> bool:
+        up = parents.get(attr)
+        if attr.attr == "environ" and isinstance(up, ast.Subscript) and isinstance(up.ctx, ast.Load):
+            return literal_allowed(up.slice)                              # os.environ["AWS_X"]
+        if attr.attr == "environ" and isinstance(up, ast.Attribute) and up.attr == "get":
+            call = parents.get(up)                                        # os.environ.get("AWS_X", ...)
+            return isinstance(call, ast.Call) and call.func is up and bool(call.args) and literal_allowed(call.args[0])
+        if attr.attr == "getenv" and isinstance(up, ast.Call) and up.func is attr:
+            return bool(up.args) and literal_allowed(up.args[0])          # os.getenv("AWS_X")
+        return False
+
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "os" and node.level == 0:
+            bad = [a.name for a in node.names if a.name in ENV_NAMES or a.name == "*"]
+            if bad:
+                out.append((node.lineno, f"reads the environment: from os import {', '.join(bad)}"))
+        elif isinstance(node, ast.Attribute) and node.attr in ENV_NAMES and not allowed(node):
+            only = f" (only literal {prefix}* names here)" if prefix else ""
+            out.append((node.lineno, f"reads the environment: .{node.attr}{only}"))
+    return out
 
 
-@pytest.mark.parametrize("package", sorted(FORBIDDEN))
-def test_dependency_direction(package):
-    bad = []
-    for path in _files(package):
-        for lineno, mod in _imports(path):
-            if mod in FORBIDDEN[package] or mod == "__import__":
-                bad.append(f"{path.relative_to(ROOT)}:{lineno} imports {mod}")
+def _rng_rules(tree: ast.AST, parents: dict) -> list[tuple[int, str]]:
+    aliases = set()
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == "numpy":
+                    aliases.add(a.asname or "numpy")
+                elif a.name.startswith("numpy.random"):
+                    out.append((node.lineno, f"numpy random imported as a module: import {a.name} "
+                                             "(use np.random.default_rng(seed))"))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (
+                (node.module or "").startswith("numpy.random")
+                or (node.module == "numpy" and any(a.name in ("random", "*") for a in node.names))):
+            out.append((node.lineno, f"numpy random imported by name: from {node.module} import ... "
+                                     "(use np.random.default_rng(seed))"))
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and node.attr == "random" and isinstance(node.value, ast.Name)
+                and node.value.id in aliases):
+            continue
+        up = parents.get(node)
+        name = up.attr if isinstance(up, ast.Attribute) else None
+        call = parents.get(up) if name else None
+        called = isinstance(call, ast.Call) and call.func is up
+        if name == "default_rng" and called and _seeded(call):
+            continue
+        if name in RNG_TYPES and not called:
+            continue
+        what = f"np.random.{name}{'()' if called else ''}" if name else "np.random as a value"
+        out.append((node.lineno, f"global or unseeded numpy random: {what} (only np.random.default_rng(seed))"))
+    return out
+
+
+def _seeded(call: ast.Call) -> bool:
+    seed = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "seed"), None)
+    return seed is not None and not (isinstance(seed, ast.Constant) and seed.value is None)
+
+
+def _file_rules(rel: Path, tree: ast.AST, top: str) -> list[tuple[int, str]]:
+    out = []
+    if top == "pipeline":
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and (getattr(node.func, "id", "") == "open"
+                                               or getattr(node.func, "attr", "") == "open"):
+                out.append((node.lineno, "opens a file (pipeline/ reads no files)"))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _check_file(rel_posix: str, text: str) -> tuple[str, ...]:
+    """Violations of one file (cached by path and text: planted copies re-check one file only)."""
+    rel = Path(rel_posix)
+    top = rel.parts[0]
+    tree = ast.parse(text, filename=rel_posix)
+    parents = _parents(tree)
+    found = _import_rules(rel, tree, top) + _file_rules(rel, tree, top)
+    if top in NO_ENV:
+        found += _env_rules(rel, tree, parents)
+    if top in SEEDED_RNG:
+        found += _rng_rules(tree, parents)
+    return tuple(f"{rel_posix}:{line}: {what}" for line, what in sorted(found))
+
+
+def check_tree(root: Path) -> list[str]:
+    """Every violation of the rules above in ``root``'s four packages, as ``path:line: what``."""
+    out = []
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            out += _check_file(path.relative_to(root).as_posix(), path.read_text())
+    return out
+
+
+def test_the_tree_obeys_the_layering_rules():
+    bad = check_tree(ROOT)
     assert not bad, "\n".join(bad)
 
 
-def test_pipeline_reads_no_environment():
-    bad = []
-    for path in _files("pipeline"):
-        text = path.read_text()
-        for needle in ("os.environ", "getenv", "open(", "import os"):
-            if needle in text:
-                bad.append(f"{path.relative_to(ROOT)} uses {needle}")
-    assert not bad, "\n".join(bad)
+# -- every rule can fail: one violation planted in a copy of the tree ------------------------------
+
+def _copy_tree(dst: Path) -> Path:
+    for package in PACKAGES:
+        for src in (ROOT / package).rglob("*.py"):
+            target = dst / src.relative_to(ROOT)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, target)
+    return dst
 
 
-def test_layering_check_catches_violations(tmp_path):
-    # The checker itself must be able to fail.
-    p = tmp_path / "x.py"
-    p.write_text("import time\nfrom zmq import Context\nimport os.path\n")
-    assert [m for _, m in _imports(p)] == ["time", "zmq", "os"]
+PLANTED = [
+    # (file in the copy: appended to, or created; planted code; what the single violation says, None: allowed)
+    ("pipeline/planted.py", "from os import environ\n", "imports os"),
+    ("pipeline/planted.py", "import os\n", "imports os"),
+    ("pipeline/planted.py", "import importlib\n", "imports importlib"),
+    ("pipeline/planted.py", "from uuid import uuid4\n", "imports uuid"),
+    ("pipeline/planted.py", "with open('x') as f:\n    pass\n", "opens a file"),
+    ("pipeline/planted.py", "m = __import__('zmq')\n", "__import__"),
+    ("storage/planted.py", "from importlib import import_module\n", "imports importlib"),
+    ("storage/planted.py", "from os import environ\n", "from os import environ"),
+    ("storage/planted.py", "from os import getenv as g\n", "from os import getenv"),
+    ("storage/planted.py", "import os\nHOME = os.getenv('HOME')\n", "reads the environment: .getenv"),
+    ("storage/planted.py", "import os\nE = os.environ.get('AWS_ENDPOINT_URL')\n", "reads the environment: .environ"),
+    ("storage/planted.py", "import os as _o\nE = dict(_o.environ)\n", "reads the environment: .environ"),
+    ("storage/s3.py", "\nHOME = os.environ.get('HOME')\n", "only literal AWS_* names"),
+    ("storage/s3.py", "\nNAME = 'AWS_REGION'\nR = os.environ[NAME]\n", "only literal AWS_* names"),
+    ("storage/s3.py", "\nR = os.environ['AWS_REGION'] + os.getenv('AWS_PROFILE', '')\n", None),
+    ("pipeline/planted.py", "import numpy as np\nnp.random.seed(0)\n", "np.random.seed()"),
+    ("pipeline/planted.py", "import numpy as np\nR = np.random.default_rng()\n", "np.random.default_rng()"),
+    ("pipeline/planted.py", "import numpy as np\nR = np.random.default_rng(seed=None)\n", "np.random.default_rng()"),
+    ("pipeline/planted.py", "import numpy\nX = numpy.random.rand(3)\n", "np.random.rand()"),
+    ("pipeline/planted.py", "import numpy as np\nr = np.random\n", "np.random as a value"),
+    ("pipeline/planted.py", "from numpy.random import default_rng\n", "imported by name"),
+    ("pipeline/planted.py", "from numpy import random\n", "imported by name"),
+    ("pipeline/planted.py", "import numpy.random\n", "imported as a module"),
+    ("storage/planted.py", "import numpy as np\nnp.random.shuffle([1, 2])\n", "np.random.shuffle()"),
+    ("pipeline/planted.py", "import numpy as np\nR = np.random.default_rng([7, 1])\nG: np.random.Generator = R\n",
+     None),
+    ("pipeline/planted.py", "from ..workers import syncer\n", "climbs out of pipeline/"),
+    ("storage/planted.py", "from ..pipeline import types\n", "climbs out of storage/"),
+    ("infra/chaos/planted.py", "from ...workers import syncer\n", "climbs out of infra/"),
+    ("pipeline/__init__.py", "from .. import workers\n", "climbs out of pipeline/"),
+    ("infra/chaos/planted.py", "from ..benchmark import main\n", None),
+    ("storage/planted.py", "import workers.syncer\n", "imports workers"),
+    ("workers/planted.py", "from infra.chaos import runner\n", "imports infra"),
+]
+
+
+@pytest.mark.parametrize("rel, code, expect", PLANTED, ids=[f"{r}:{c.strip()[:40]}" for r, c, _ in PLANTED])
+def test_a_planted_violation_is_flagged(tmp_path, rel, code, expect):
+    tree = _copy_tree(tmp_path)
+    target = tree / rel
+    target.write_text((target.read_text() if target.exists() else "") + code)
+    bad = check_tree(tree)
+    if expect is None:
+        assert bad == []
+    else:
+        assert len(bad) == 1 and bad[0].startswith(rel + ":") and expect in bad[0], bad
