@@ -126,8 +126,8 @@ def test_syncer_killed_and_restarted_loses_nothing(tmp_path):
     run.create()
     try:
         run.syncer("syncer")
-        for m in range(2):
-            run.learner(f"l{m}")
+        for m in range(2):   # slowed so that they still train when the syncer dies
+            run.learner(f"l{m}", extra=["--slow", "3"])
         _wait_for(lambda: CommitLog(run.store).tail() >= 15, 90, "15 commits")
         os.killpg(run.procs["syncer"].pid, signal.SIGKILL)
         run.procs["syncer"].wait()
@@ -136,6 +136,8 @@ def test_syncer_killed_and_restarted_loses_nothing(tmp_path):
         time.sleep(2.0)   # learners keep training (and spill) while no syncer runs
         assert _steps(run, "l0") > steps_before or run.procs["l0"].poll() is not None
         run.syncer("syncer2")
+        _wait_for(lambda: any(e.get("event") == "syncer-recovered" for e in run.events("syncer2")), 90,
+                  "the new syncer to recover")
         for m in range(2):
             assert run.wait(f"l{m}", 180) == 0, run.stderr(f"l{m}")
         assert run.wait_inbox_empty(60), run.stderr("syncer2")

@@ -286,7 +286,8 @@ def test_each_kind_of_damage_is_detected_and_named(kind, damaged, s3run, capsys)
     elif kind == "altered-version":
         tensor = _alter_version(damaged, rec)
         expect_rc, expect = 1, [f"DIVERGED at commit {rec.seq}", f"tensor:        {tensor}",
-                                "max abs diff:  0.25", rec.output_key, "altered or replaced"]
+                                # +0.25, as the (bf16) version blob can hold it: 0.25 or just below
+                                "max abs diff:  0.2", rec.output_key, "altered or replaced"]
     elif kind == "flipped-commit":
         _flip(damaged / commit_key(rec.seq))
         expect = [commit_key(rec.seq)]
