@@ -17,6 +17,10 @@ What is forbidden where, and why:
   and ``from numpy.random import ...`` / ``from numpy import random`` (which hide the calls from
   this check) are refused.
 - **workers/** imports no ``infra``.
+- **object keys** come from storage/layout.py only (SPEC §7; docs/storage.md draws the tree): no
+  other file of the four packages holds a string (or an f-string) that starts with one of the
+  layout's keys or prefixes (``"log/"``, ``f"versions/..."``, ``"run.descriptor"`` ...); docstrings
+  may name them.
 - **everywhere** (the four packages): a relative import stays inside its own top-level package -
   ``from ..workers import x`` in pipeline/ would climb a layer where the import rules above, which
   read absolute names, do not look - and nothing calls ``__import__``.
@@ -33,6 +37,8 @@ from pathlib import Path
 
 import pytest
 
+from storage import layout
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("pipeline", "storage", "workers", "infra")
 FORBIDDEN = {
@@ -46,6 +52,9 @@ NO_ENV = ("storage",)                      # packages whose files read no enviro
 ENV_ALLOWED = {"storage/s3.py": "AWS_"}    # ... except these files, and only literal names with this prefix
 SEEDED_RNG = ("pipeline", "storage")       # packages where numpy randomness must be explicitly seeded
 RNG_TYPES = {"Generator"}                  # np.random attributes that may be named without a call
+KEY_OWNER = "storage/layout.py"
+KEY_STARTS = tuple(sorted(v for k, v in vars(layout).items()   # DESCRIPTOR_KEY, LOG_PREFIX, ...
+                          if k.isupper() and k.endswith(("_KEY", "_PREFIX")) and isinstance(v, str)))
 
 
 def _parents(tree: ast.AST) -> dict[ast.AST, ast.AST]:
@@ -147,6 +156,23 @@ def _seeded(call: ast.Call) -> bool:
     return seed is not None and not (isinstance(seed, ast.Constant) and seed.value is None)
 
 
+def _key_rules(tree: ast.AST) -> list[tuple[int, str]]:
+    docstrings = {node.body[0].value for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    out, inside_fstring = [], set()
+    for node in ast.walk(tree):      # breadth first: an f-string is met before the constants in it
+        if isinstance(node, ast.JoinedStr):
+            inside_fstring.update(node.values)
+            head = node.values[0] if node.values else None
+            if isinstance(head, ast.Constant) and str(head.value).startswith(KEY_STARTS):
+                out.append((node.lineno, f"builds an object key outside {KEY_OWNER}: f{head.value!r}..."))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith(KEY_STARTS) \
+                and node not in docstrings and node not in inside_fstring:
+            out.append((node.lineno, f"names an object key outside {KEY_OWNER}: {node.value!r}"))
+    return out
+
+
 def _file_rules(rel: Path, tree: ast.AST, top: str) -> list[tuple[int, str]]:
     out = []
     if top == "pipeline":
@@ -165,6 +191,8 @@ def _check_file(rel_posix: str, text: str) -> tuple[str, ...]:
     tree = ast.parse(text, filename=rel_posix)
     parents = _parents(tree)
     found = _import_rules(rel, tree, top) + _file_rules(rel, tree, top)
+    if rel_posix != KEY_OWNER:
+        found += _key_rules(tree)
     if top in NO_ENV:
         found += _env_rules(rel, tree, parents)
     if top in SEEDED_RNG:
@@ -232,6 +260,12 @@ PLANTED = [
     ("infra/chaos/planted.py", "from ..benchmark import main\n", None),
     ("storage/planted.py", "import workers.syncer\n", "imports workers"),
     ("workers/planted.py", "from infra.chaos import runner\n", "imports infra"),
+    ("workers/planted.py", "def f(seq):\n    return f'log/{seq:020d}'\n", "builds an object key"),
+    ("infra/chaos/planted.py", "def f(store):\n    return store.list('versions/')\n", "names an object key"),
+    ("workers/planted.py", "MISSING = 'run.descriptor'\n", "names an object key"),
+    ("storage/planted.py", "Q = 'quarantine/' + 'ab'\n", "names an object key"),
+    ("workers/planted.py", "def f():\n    '''Reads log/ and versions/.'''\n    return f'{1}/log/'\n", None),
+    ("storage/layout.py", "\nEXTRA_KEY = 'hints/extra'\n", None),
 ]
 
 

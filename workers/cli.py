@@ -87,10 +87,11 @@ def explain(exc: BaseException) -> str | None:
     anything else (a bug: its traceback is kept). ``DDILOCO_DEBUG=1`` shows tracebacks always."""
     from pipeline.errors import FormatError
     from storage.errors import BadLocation, Fenced, NotFound, StoreError, Unavailable
+    from storage.layout import DESCRIPTOR_KEY
     text = str(exc)
     if isinstance(exc, BadLocation):
         fix = "give a directory, file:///abs/path or s3://bucket/prefix"
-    elif isinstance(exc, NotFound) and (exc.key in (None, "run.descriptor")):
+    elif isinstance(exc, NotFound) and (exc.key in (None, DESCRIPTOR_KEY)):
         fix = "check the path (only `ddiloco run` creates a run; `ddiloco run --create-only --store URI` makes one)"
     elif isinstance(exc, NotFound):
         fix = "an object the run needs is missing: `ddiloco replay URI` names what is damaged (docs/replay.md)"

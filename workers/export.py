@@ -20,6 +20,7 @@ import numpy as np
 from pipeline.errors import FormatError
 from pipeline.types import CommitRecord, RunDescriptor
 from storage.errors import NotFound, StoreError
+from storage.layout import commit_key
 from storage.log import CommitLog
 from storage.store import ObjectStore
 from .replay_verify import open_run
@@ -38,7 +39,7 @@ def versions_at(store: ObjectStore, descriptor: RunDescriptor, seq: int) -> dict
             rec = log.read(s)
         except NotFound:
             raise NotFound(f"missing: commit {s} (looking for the versions in force at commit {seq})",
-                           uri=store.uri, key=f"log/{s:020d}") from None
+                           uri=store.uri, key=commit_key(s)) from None
         if rec.kind in ("init", "merge") and rec.fragment not in found:
             found[rec.fragment] = rec
         s -= 1

@@ -24,6 +24,7 @@ from pipeline.fold import FoldResult, ReplayMismatch, RoundInput, SyncerState, c
 from pipeline.types import CommitRecord, RunDescriptor
 from storage.checkpoints import latest_checkpoint
 from storage.errors import NotFound
+from storage.layout import commit_key
 from storage.log import CommitLog
 from storage.store import ObjectStore
 from .deltas import load_inputs
@@ -72,7 +73,7 @@ def init_state(store: ObjectStore, descriptor: RunDescriptor, log: CommitLog) ->
         try:
             rec = log.read(seq)
         except NotFound:
-            raise NotFound(f"missing: the init commit of fragment {seq}", uri=store.uri, key=f"log/{seq:020d}") from None
+            raise NotFound(f"missing: the init commit of fragment {seq}", uri=store.uri, key=commit_key(seq)) from None
         if rec.kind != "init" or rec.fragment != seq or rec.version != 0:
             raise FormatError(f"commit {seq}: expected the init commit of fragment {seq}, found a "
                               f"{rec.kind!r} commit of fragment {rec.fragment}")

@@ -21,6 +21,7 @@ from pipeline.fold import ReplayMismatch
 from pipeline.types import CommitRecord
 from storage.checkpoints import list_checkpoints
 from storage.errors import NotFound, StoreError
+from storage.layout import DELTA_PREFIX, SPILL_PREFIX, VERSION_PREFIX
 from .replay import ReplayStats
 from .replay_verify import log_bounds, open_run, replay_run
 
@@ -119,7 +120,7 @@ def describe_mismatch(exc: ReplayMismatch) -> list[str]:
 def _retention_hint(store, exc: NotFound) -> str:
     """A missing delta below a kept checkpoint was most likely removed by retention on purpose."""
     named = re.search(r"named by commit (\d+)", str(exc))
-    if not named or not (exc.key or "").startswith(("deltas/", "spill/", "versions/")):
+    if not named or not (exc.key or "").startswith((DELTA_PREFIX, SPILL_PREFIX, VERSION_PREFIX)):
         return ""
     try:
         later = [c for c in list_checkpoints(store) if c >= int(named.group(1))]
