@@ -351,7 +351,10 @@ def _rounds_figures(store: ObjectStore, desc, events: list[dict]) -> dict:
              for m, ev in by_learner.items()}
     lat = latency_steps(records, by_learner)
     merges = [r for r in records if r.kind == "merge" and r.round >= 0]
+    inputs = [i for r in merges for i in r.inputs]
+    late = sum(1 for r in merges for i in r.inputs if i.round < r.round)
     return {"utilisation": utilisation(records, desc.num_fragments, steps),
+            "late_answer_share": round(late / len(inputs), 4) if inputs else None,
             "version_latency_steps_p50": {m: p50(v) for m, v in sorted(lat.items())},
             "mean_round_size": round(sum(len(r.inputs) for r in merges) / len(merges), 3) if merges else None}
 
