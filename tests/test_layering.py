@@ -16,7 +16,10 @@ What is forbidden where, and why:
   random state (``np.random.seed``, ``rand``, ``shuffle``...), ``default_rng()`` without a seed,
   and ``from numpy.random import ...`` / ``from numpy import random`` (which hide the calls from
   this check) are refused.
-- **workers/** imports no ``infra``.
+- **workers/** imports no ``infra``, and the syncer's own modules (any workers/ path naming
+  ``syncer``) read no environment at all: fault injection is passed in from outside
+  (``Syncer(before_commit=...)``, infra/chaos/faulty_syncer.py), never switched on by a variable the
+  production syncer reads (issue 12).
 - **object keys** come from storage/layout.py only (SPEC §7; docs/storage.md draws the tree): no
   other file of the four packages holds a string (or an f-string) that starts with one of the
   layout's keys or prefixes (``"log/"``, ``f"versions/..."``, ``"run.descriptor"`` ...); docstrings
@@ -49,6 +52,7 @@ FORBIDDEN = {
 }
 ENV_NAMES = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
 NO_ENV = ("storage",)                      # packages whose files read no environment ...
+SYNCER_MODULES = ("workers", "syncer")     # ... and files under workers/ whose path names the syncer
 ENV_ALLOWED = {"storage/s3.py": "AWS_"}    # ... except these files, and only literal names with this prefix
 SEEDED_RNG = ("pipeline", "storage")       # packages where numpy randomness must be explicitly seeded
 RNG_TYPES = {"Generator"}                  # np.random attributes that may be named without a call
@@ -183,6 +187,10 @@ def _file_rules(rel: Path, tree: ast.AST, top: str) -> list[tuple[int, str]]:
     return out
 
 
+def _is_syncer_module(rel_posix: str) -> bool:
+    return rel_posix.startswith(SYNCER_MODULES[0] + "/") and SYNCER_MODULES[1] in rel_posix
+
+
 @functools.lru_cache(maxsize=None)
 def _check_file(rel_posix: str, text: str) -> tuple[str, ...]:
     """Violations of one file (cached by path and text: planted copies re-check one file only)."""
@@ -193,7 +201,7 @@ def _check_file(rel_posix: str, text: str) -> tuple[str, ...]:
     found = _import_rules(rel, tree, top) + _file_rules(rel, tree, top)
     if rel_posix != KEY_OWNER:
         found += _key_rules(tree)
-    if top in NO_ENV:
+    if top in NO_ENV or _is_syncer_module(rel_posix):
         found += _env_rules(rel, tree, parents)
     if top in SEEDED_RNG:
         found += _rng_rules(tree, parents)
@@ -212,6 +220,8 @@ def check_tree(root: Path) -> list[str]:
 def test_the_tree_obeys_the_layering_rules():
     bad = check_tree(ROOT)
     assert not bad, "\n".join(bad)
+    # the syncer rule must not pass by finding no syncer (say, after a move into a sub-package)
+    assert any(_is_syncer_module(p.relative_to(ROOT).as_posix()) for p in (ROOT / "workers").rglob("*.py"))
 
 
 # -- every rule can fail: one violation planted in a copy of the tree ------------------------------
@@ -260,6 +270,9 @@ PLANTED = [
     ("infra/chaos/planted.py", "from ..benchmark import main\n", None),
     ("storage/planted.py", "import workers.syncer\n", "imports workers"),
     ("workers/planted.py", "from infra.chaos import runner\n", "imports infra"),
+    ("workers/syncer.py", "\nimport os\nFAULT = os.environ.get('DDILOCO_FAULT', '')\n", "reads the environment"),
+    ("workers/syncer_ingest.py", "\nfrom os import getenv\n", "from os import getenv"),
+    ("workers/planted.py", "import os\nDEBUG = os.environ.get('DDILOCO_DEBUG')\n", None),
     ("workers/planted.py", "def f(seq):\n    return f'log/{seq:020d}'\n", "builds an object key"),
     ("infra/chaos/planted.py", "def f(store):\n    return store.list('versions/')\n", "names an object key"),
     ("workers/planted.py", "MISSING = 'run.descriptor'\n", "names an object key"),

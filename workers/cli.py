@@ -60,7 +60,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure: Callable[[argparse.ArgumentParser], Callable[[argparse.Namespace], int]] = commands[name].load()
     parser = argparse.ArgumentParser(prog=f"ddiloco {name}", description=configure.__doc__)
     handler = configure(parser)
-    args = parser.parse_args(argv[1:])
+    return run_handler(handler, parser.parse_args(argv[1:]))
+
+
+def run_handler(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run a command's handler the way ``ddiloco`` does: a command's own refusal or an error a user
+    can act on becomes one ``error:`` line and an exit code; a bug keeps its traceback."""
     try:
         return int(handler(args) or 0)
     except KeyboardInterrupt:

@@ -26,7 +26,9 @@ import sys
 import threading
 
 from pathlib import Path
+from typing import Callable
 
+from pipeline.types import CommitRecord
 from storage.layout import read_descriptor
 from storage.store import open_store
 from .bus import BusConfig
@@ -97,8 +99,15 @@ def _events(args, role: str, ident: str) -> EventLog:
     return EventLog(args.log, role, ident, echo=None if args.log else sys.stdout)
 
 
-def configure_syncer(parser: argparse.ArgumentParser):
+CommitHook = Callable[[CommitRecord], None]
+
+
+def configure_syncer(parser: argparse.ArgumentParser,
+                     before_commit: Callable[[argparse.Namespace, EventLog], CommitHook] | None = None):
     """Run the syncer of a run (claims a new epoch, recovers from the log, merges and commits)."""
+    # before_commit (never set by `ddiloco syncer`): given the parsed flags and the syncer's event
+    # log, the hook for Syncer(before_commit=...). infra/chaos/faulty_syncer.py injects its crash
+    # here, so the fault-injected syncer is built by this very handler.
     _common(parser)
     parser.add_argument("--id", default="syncer", help="syncer name recorded in commits")
     parser.add_argument("--checkpoint-every", type=int, default=25, help="commits between checkpoints")
@@ -118,9 +127,11 @@ def configure_syncer(parser: argparse.ArgumentParser):
         store = open_store(args.store, s3_endpoint=args.s3_endpoint, create=False)
         keys = _keyring(args, store, "syncer", args.id)
         flag = _stop_flag()
+        events = _events(args, "syncer", args.id)
         syncer = Syncer(store, SyncerConfig(syncer_id=args.id, checkpoint_every=args.checkpoint_every,
                                             retention=retention),
-                        bus=_bus(args), events=_events(args, "syncer", args.id), keys=keys)
+                        bus=_bus(args), events=events, keys=keys,
+                        before_commit=before_commit(args, events) if before_commit is not None else None)
         return syncer.run(flag.is_set)
     return handler
 

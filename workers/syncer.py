@@ -21,7 +21,6 @@ Commits, versions and checkpoints carry the syncer's signatures.
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
 import time
 from collections import Counter
@@ -34,7 +33,7 @@ from pipeline.errors import FormatError
 from pipeline.fold import FoldResult, SyncerState, fold, fold_fence
 from pipeline.guard import NormWindow, apply_guard, guard_config
 from pipeline.policy import Decision, Ewma, Pending, PolicyConfig, Timing, decide, late_deadline
-from pipeline.types import RunDescriptor
+from pipeline.types import CommitRecord, RunDescriptor
 from storage.checkpoints import write_checkpoint
 from storage.errors import AlreadyExists, Fenced, StoreError
 from storage.layout import CLOCK_KEY, delta_key, quarantine_key, read_descriptor, version_key
@@ -55,20 +54,6 @@ from .syncer_ingest import SyncerIngest, _Held
 from .versions import encode_version
 
 REJECTED_FLUSH = 16                   # rejected deltas of one fragment that force a drop commit
-
-
-FAULT_ENV = "DDILOCO_FAULT"             # chaos only: "crash-before-commit:N" (docs/chaos.md)
-
-
-def fault_injection(spec: str) -> int | None:
-    """``crash-before-commit:N`` -> N (the syncer exits 137 on its N-th merge, after writing the
-    round's inputs and version but before appending the commit); "" -> None."""
-    if not spec:
-        return None
-    name, _, n = spec.partition(":")
-    if name != "crash-before-commit" or not (n or "1").isdigit() or int(n or "1") < 1:
-        raise ValueError(f"{FAULT_ENV}={spec!r}: expected crash-before-commit[:N] with N >= 1")
-    return int(n or "1")
 
 
 class _KeyConflict(Exception):
@@ -124,9 +109,15 @@ class SyncerStats:
 
 
 class Syncer(SyncerIngest):
+    """``before_commit``: called with each commit record right before every attempt to append it,
+    when its inputs and version object are already stored - the one point where a crash leaves data
+    no commit names. Production passes None; fault injection passes a hook from outside
+    (infra/chaos/faulty_syncer.py, docs/chaos.md), so no environment variable changes this class."""
+
     def __init__(self, store: str | ObjectStore, cfg: SyncerConfig = SyncerConfig(), bus: BusConfig | None = None,
                  events: EventLog | None = None, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time, keys: KeyRing | None = None):
+                 wall: Callable[[], float] = time.time, keys: KeyRing | None = None,
+                 before_commit: Callable[[CommitRecord], None] | None = None):
         self.store = open_store(store, create=False) if isinstance(store, str) else store   # never a new empty dir
         self.cfg = cfg
         self.events = events or EventLog(None, "syncer", cfg.syncer_id)
@@ -165,7 +156,7 @@ class Syncer(SyncerIngest):
         # (each is an fsync or an HTTP round trip), and tidy the inbox in the background.
         self.io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="syncer-io")
         self.retention = SyncerRetention(self.store, cfg.retention, self.events, self.io)
-        self._crash_after = fault_injection(os.environ.get(FAULT_ENV, ""))
+        self.before_commit = before_commit
 
     # -- start-up --------------------------------------------------------------------------------
     def recover(self) -> None:
@@ -434,7 +425,8 @@ class Syncer(SyncerIngest):
             try:
                 for _ in self.io.map(lambda kb: self._put_same(*kb), blobs):
                     pass
-                self._maybe_crash(rec)
+                if self.before_commit is not None:
+                    self.before_commit(rec)
                 self.log.append(rec)
                 return True
             except Fenced as exc:
@@ -449,15 +441,6 @@ class Syncer(SyncerIngest):
                 backoff = min(backoff * 2, self.cfg.max_retry_s)
                 if self.bus is not None:
                     self._ingest_bus(0)   # keep hearing heartbeats; new deltas wait in pending
-
-    def _maybe_crash(self, rec) -> None:
-        """Chaos hook (DDILOCO_FAULT, docs/chaos.md): die like SIGKILL between the data and the commit."""
-        if self._crash_after is None or rec.kind != "merge":
-            return
-        self._crash_after -= 1
-        if self._crash_after <= 0:
-            self.events.emit("fault-injected", fault="crash-before-commit", seq=rec.seq, output_key=rec.output_key)
-            os._exit(137)
 
     def _put_same(self, key: str, blob: bytes) -> None:
         """Create ``key``; if it exists it must hold these very bytes (a retry, or the learner's spill)."""

@@ -33,6 +33,7 @@ from workers.job import JobSettings
 from workers.keys import SYNCER, ensure_identities, key_paths
 from workers.launch import RunSettings, create_run
 from workers.model import EMBEDDING_TENSORS, GPTConfig, build_model
+from .faulty_syncer import crash_count
 from .proxy import Relay
 
 ROGUE = "rogue"        # a listed learner key that no real learner uses (rogue.py sends with it)
@@ -122,7 +123,6 @@ class ChaosRun:
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
         self.clock = clock
         self.env = dict(env if env is not None else os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        self.env.pop("DDILOCO_FAULT", None)
         self.lives: dict[str, list[Life]] = {}
         self.timeline: list[Mark] = []
         self.s3 = None
@@ -186,15 +186,16 @@ class ChaosRun:
     # -- processes -------------------------------------------------------------------------------
     def start_syncer(self, name: str = "syncer", fault: str | None = None,
                      ports: tuple[int, int] | None = None) -> Life:
-        """Start a syncer on ``ports`` (default the run's). ``fault``: DDILOCO_FAULT for this life
-        only (docs/chaos.md), e.g. ``crash-before-commit:5``."""
+        """Start a syncer on ``ports`` (default the run's): ``ddiloco syncer``, or with ``fault``
+        (``crash-before-commit[:N]``, this life only) the same syncer built by
+        ``python -m infra.chaos.faulty_syncer --crash-before-commit N`` (docs/chaos.md)."""
         ing, ann = ports or self.syncer_ports
-        env = dict(self.env)
-        if fault:
-            env["DDILOCO_FAULT"] = fault
-        args = ["syncer", "--id", name, "--ingest", f"tcp://127.0.0.1:{ing}", "--announce", f"tcp://127.0.0.1:{ann}",
+        args = ["--id", name, "--ingest", f"tcp://127.0.0.1:{ing}", "--announce", f"tcp://127.0.0.1:{ann}",
                 "--key", str(key_paths(self.keydir, SYNCER)[1]), "--checkpoint-every", str(self.spec.checkpoint_every)]
-        return self._spawn(name, "syncer", args, env)
+        if fault:
+            args = ["--crash-before-commit", str(crash_count(fault)), *args]
+            return self._spawn(name, "syncer", args, module="infra.chaos.faulty_syncer")
+        return self._spawn(name, "syncer", ["syncer", *args])
 
     def start_learner(self, lid: str, steps: int | None = None, slow: float | None = None, shard: int | None = None,
                       pace_s: float | None = None, jitter: float = 0.0, seed: int = 0,

@@ -63,7 +63,7 @@ class Scenario:
     faults: tuple[Fault, ...] = ()
     bounds: Bounds = Bounds()
     checks: tuple[str, ...] = ()
-    syncer_fault: str = ""          # DDILOCO_FAULT for the first syncer life
+    syncer_fault: str = ""          # "crash-before-commit[:N]": the first syncer life is infra/chaos/faulty_syncer.py
     restart_syncer_after_s: float = 1.0
     failure_rate_per_min: float = 0.0   # event-log scenario: failures per learner-minute
     repair_s: float = 3.0
@@ -93,8 +93,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              checks=("all-learners-merged",)),
     Scenario("syncer-crash-mid-commit", "SIGKILL the syncer mid-commit",
              "the syncer dies (exit 137) after writing a round's inputs and version but before the commit "
-             "(DDILOCO_FAULT=crash-before-commit:12); a new one recovers from the log and the orphan "
-             "version is never named",
+             "(python -m infra.chaos.faulty_syncer --crash-before-commit 12); a new one recovers from the "
+             "log and the orphan version is never named",
              _BASE, (), Bounds(max_commit_gap_s=20.0), checks=("syncer-recovered", "orphan-ignored"),
              syncer_fault="crash-before-commit:12", restart_syncer_after_s=1.0),
     Scenario("syncer-kill", "SIGKILL the syncer",
