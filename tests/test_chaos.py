@@ -24,8 +24,10 @@ from pipeline.types import CommitRecord, InputRecord
 pytestmark = pytest.mark.timeout(150)
 
 
-def _fast(sc: Scenario, learners: int = 2, steps: int = 260, at: float = 1.5) -> Scenario:
-    """The scenario shrunk for the test suite: fewer learners and steps, faults sooner."""
+def _fast(sc: Scenario, learners: int = 2, steps: int = 500, at: float = 1.5) -> Scenario:
+    """The scenario shrunk for the test suite: fewer learners and steps, faults sooner. Enough steps
+    that a tiny learner still trains a few seconds after the fault on a fast machine (the commit-gap
+    check ignores each learner's first second)."""
     faults = tuple(dataclasses.replace(f, at_s=min(f.at_s, at)) for f in sc.faults)
     spec = dataclasses.replace(sc.spec, learners=max(learners, 2), steps=steps)
     return dataclasses.replace(sc, spec=spec, faults=faults)
