@@ -326,15 +326,19 @@ def _claim_epoch_object(store: ObjectStore, syncer_id: str, nonce: str, log: Com
     while True:
         key, data = epoch_key(epoch), EpochRecord(epoch, syncer_id, nonce).to_bytes()
 
-        def attempt() -> bool:
-            try:
-                store.put_if_absent(key, data)
-                return True
-            except AlreadyExists:
-                return store.get(key) == data  # ours if an earlier attempt landed
-        if log._do(attempt):
+        if log._do(lambda: _created_or_ours(store, key, data)):
             return epoch
         epoch += 1
+
+
+def _created_or_ours(store: ObjectStore, key: str, data: bytes) -> bool:
+    """Create ``key`` if absent; True if it now holds ``data`` (ours, maybe from an earlier attempt
+    whose reply was lost), False if another claimant got there first."""
+    try:
+        store.put_if_absent(key, data)
+        return True
+    except AlreadyExists:
+        return store.get(key) == data
 
 
 INCARNATION_KIND, INCARNATION_VERSION = "learner-incarnation", 1
@@ -360,13 +364,7 @@ def claim_incarnation(store: ObjectStore, learner: str, *, floor: int = 1, retry
         data = pack_record(INCARNATION_KIND, INCARNATION_VERSION, {"learner": learner, "incarnation": n,
                                                                    "nonce": nonce})
 
-        def attempt() -> bool:
-            try:
-                store.put_if_absent(key, data)
-                return True
-            except AlreadyExists:
-                return store.get(key) == data     # ours if an earlier attempt landed
-        if retry.run(attempt, sleep):
+        if retry.run(lambda: _created_or_ours(store, key, data), sleep):
             return n
         n += 1
     raise Conflict(f"learner {learner!r}: {max_races} incarnations in a row were claimed by others",
