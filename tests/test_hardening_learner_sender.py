@@ -8,7 +8,6 @@ import threading
 import time
 
 import numpy as np
-import pytest
 
 from pipeline.codec import CodecConfig
 from pipeline.types import DeltaHeader

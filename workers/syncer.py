@@ -21,7 +21,6 @@ Commits, versions and checkpoints carry the syncer's signatures.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
