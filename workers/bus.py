@@ -165,6 +165,11 @@ class SyncerBus:
             _limit(s, cfg)
             _curve_server(s, curve)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # an ack to a vanished learner is dropped, not an error
+        # A learner that reconnects (a restart, or libzmq dropping an oversized message's connection)
+        # comes back under the same routing id before the old connection is torn down: hand the id
+        # over to the new connection, else its messages are taken but every ack goes nowhere. Who may
+        # use an id is still decided by CURVE + ZAP, not by the id.
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.ingest_endpoint = _bind(self.router, cfg.ingest)
         self.announce_endpoint = _bind(self.pub, cfg.announce)
         self.poller = zmq.Poller()
