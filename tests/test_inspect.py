@@ -95,7 +95,8 @@ def test_log_totals_match_the_run_summary(run, capsys):
     assert {p: v for p, v in totals["versions_per_fragment"].items()} == summary["versions_per_fragment"]
     per = totals["per_learner"]
     assert sorted(per) == ["l0", "l1"]
-    assert sum(t["tokens_merged"] for t in per.values()) == totals["tokens_merged"]
+    # each figure is rounded to 0.1 token on its own (tokens are averaged over fragments)
+    assert sum(t["tokens_merged"] for t in per.values()) == pytest.approx(totals["tokens_merged"], abs=0.1 * len(per))
     assert sum(t["deltas_dropped"] for t in per.values()) == totals["deltas_dropped"]
 
 
