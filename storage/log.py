@@ -185,10 +185,11 @@ class CommitLog:
 
     # -- appending -----------------------------------------------------------------------------
 
-    def append(self, record: CommitRecord) -> None:
+    def append(self, record: CommitRecord, hint: bool = True) -> None:
         """Create commit ``record.seq``. Raises ``Fenced`` if another record holds that seq
         (a newer syncer, or anyone else); ``Unavailable`` after retries: the outcome is then
-        unknown, and appending the same record again settles it."""
+        unknown, and appending the same record again settles it. ``hint=False``: the caller writes
+        the (advisory) head hint itself, e.g. off its latency path (``write_hint``)."""
         if not isinstance(record, CommitRecord):
             raise TypeError(f"append takes a CommitRecord, got {type(record).__name__}")
         if self.epoch is not None and record.epoch != self.epoch:
@@ -196,13 +197,13 @@ class CommitLog:
         if record.epoch < self._max_epoch:
             raise Fenced(f"epoch {record.epoch} was superseded by epoch {self._max_epoch}; stop this syncer",
                          uri=self.store.uri, key=commit_key(record.seq))
-        existing = self._create(record)
+        existing = self._create(record, hint)
         if existing is not None:
             raise Fenced(f"commit {record.seq} already holds another record (epoch {existing.epoch}, kind "
                          f"{existing.kind!r}); this writer (epoch {record.epoch}) no longer owns the log",
                          uri=self.store.uri, key=commit_key(record.seq))
 
-    def _create(self, record: CommitRecord) -> CommitRecord | None:
+    def _create(self, record: CommitRecord, hint: bool = True) -> CommitRecord | None:
         """Create-if-absent; ``None`` if the record is (now) ours, else the record that holds the seq."""
         key, data, seq = commit_key(record.seq), record.to_bytes(), record.seq
         if seq > 0 and self._known < seq - 1:
@@ -223,10 +224,10 @@ class CommitLog:
 
         existing = self._do(attempt)
         self._known = max(self._known, seq)
-        if existing is None:
-            self._write_hint(seq, record.epoch)
-        else:
+        if existing is not None:
             self._observe(existing)
+        elif hint:
+            self.write_hint(seq, record.epoch)
         return existing
 
     # -- helpers -------------------------------------------------------------------------------
@@ -250,7 +251,8 @@ class CommitLog:
         except StoreError:
             return -1
 
-    def _write_hint(self, seq: int, epoch: int) -> None:
+    def write_hint(self, seq: int, epoch: int) -> None:
+        """Best effort: the head hint saves readers probes; a stale or missing one costs a few more."""
         try:
             self.store.put(HEAD_HINT_KEY, pack_head_hint(seq, epoch))
         except StoreError:

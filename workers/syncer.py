@@ -402,6 +402,7 @@ class Syncer(SyncerIngest):
             self.bus.announce(Message("version", {"seq": rec.seq, "fragment": p, "version": rec.version,
                                                   "key": rec.output_key, "checksum": rec.output_checksum,
                                                   "epoch": self.epoch, "round": rec.round}))
+        self.io.submit(self.log.write_hint, rec.seq, self.epoch)
         self.events.emit("commit", seq=rec.seq, kind=rec.kind, fragment=p, version=rec.version,
                          inputs=[i.delta_id for i in rec.inputs], weights=[round(i.weight, 4) for i in rec.inputs],
                          staleness=[i.staleness for i in rec.inputs],
@@ -426,7 +427,7 @@ class Syncer(SyncerIngest):
                     pass
                 if self.before_commit is not None:
                     self.before_commit(rec)
-                self.log.append(rec)
+                self.log.append(rec, hint=False)   # the advisory head hint follows off the latency path
                 return True
             except Fenced as exc:
                 self.fenced = True
