@@ -101,8 +101,8 @@ def test_learner_killed_others_continue(tmp_path):
     run.create()
     try:
         run.syncer()
-        for m in range(3):
-            run.learner(f"l{m}")
+        for m in range(3):   # slowed so that l0 and l1 still train well after the kill on a loaded machine
+            run.learner(f"l{m}", extra=["--slow", "3"])
         _wait_for(lambda: _steps(run, "l2") >= 30, 90, "l2 to train")
         os.killpg(run.procs["l2"].pid, signal.SIGKILL)
         killed_at = CommitLog(run.store).tail()
