@@ -122,13 +122,13 @@ def test_learner_killed_others_continue(tmp_path):
 
 
 def test_syncer_killed_and_restarted_loses_nothing(tmp_path):
-    run = TinyRun(str(tmp_path / "store"), tmp_path, dict(os.environ, OMP_NUM_THREADS="1"), steps=250, learners=2)
+    run = TinyRun(str(tmp_path / "store"), tmp_path, dict(os.environ, OMP_NUM_THREADS="1"), steps=400, learners=2)
     run.create()
     try:
         run.syncer("syncer")
-        for m in range(2):   # slowed so that they still train when the syncer dies
+        for m in range(2):   # slowed, and the syncer killed early: they still train when it dies, fast machine or not
             run.learner(f"l{m}", extra=["--slow", "3"])
-        _wait_for(lambda: CommitLog(run.store).tail() >= 15, 90, "15 commits")
+        _wait_for(lambda: CommitLog(run.store).tail() >= 8 and _steps(run, "l0") >= 40, 90, "a few commits")
         os.killpg(run.procs["syncer"].pid, signal.SIGKILL)
         run.procs["syncer"].wait()
         before = CommitLog(run.store).tail()
