@@ -144,7 +144,9 @@ def test_persistent_spill_failure_is_reported(tmp_path):
     s = sender.stats
     assert s.spill_errors >= 3 and "No space left on device" in s.last_error
     first = events.named("spill-failed")[0]
-    assert first["consecutive"] == 1 and "No space left" in first["error"] and first["undelivered"] == 3
+    # the sender wakes on each submit, so the first failure may come before the third delta is queued
+    assert first["consecutive"] == 1 and "No space left" in first["error"] and 1 <= first["undelivered"] <= 3
+    assert max(e["undelivered"] for e in events.named("spill-failed")) == 3
     counts = [e["consecutive"] for e in events.named("spill-failed")]
     assert counts == sorted(counts) and all(n & (n - 1) == 0 for n in counts), "thinned: 1st, 2nd, 4th..."
     assert sender.undelivered() == 3
