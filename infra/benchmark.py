@@ -113,8 +113,10 @@ def _ddiloco(args: list[str], env: dict | None = None) -> subprocess.CompletedPr
 
 
 def _control(out: Path, steps: int) -> subprocess.Popen:
+    from workers.run import LEARNER_NICE
+    # Same priority as the run's learners: the ratio compares sync on vs off, not scheduling classes.
     return subprocess.Popen([sys.executable, "-m", "infra.benchmark", "control", str(out), str(steps)],
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), preexec_fn=lambda: os.nice(LEARNER_NICE))
 
 
 def control_main(out: str, steps: int) -> None:
@@ -124,11 +126,17 @@ def control_main(out: str, steps: int) -> None:
     from workers.job import JobSettings, make_optimizer
     from workers.model import GPTConfig, build_model
     torch.set_num_threads(1)
-    gcfg, job = GPTConfig(), JobSettings(steps=steps)
+    from workers.run import DEMO_BATCH_SIZE
+    gcfg, job = GPTConfig(), JobSettings(steps=steps, batch_size=DEMO_BATCH_SIZE)   # what `ddiloco run` trains
     corpus = Corpus(job.data_config(gcfg.block_size))
     model = build_model(gcfg, 0)
     opt = make_optimizer(model, job)
     batches = corpus.batches(0, job.shards, 0)
+    # Train while the run's learners train (they take seconds to start): wait for their first step.
+    first = Path(out).with_suffix("") / "logs" / "l0.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (first.exists() and '"event":"step"' in first.read_text()):
+        time.sleep(0.2)
     times = []
     for _ in range(steps):
         x, y = next(batches)

@@ -67,7 +67,7 @@ def configure(parser):
     a("--layers", type=int, default=2, help="transformer layers")
     a("--width", type=int, default=64, help="embedding width")
     # 16: on 2 cores a version then lands <= 2 of the demo's steps after the answer (README "Rounds").
-    a("--batch-size", type=int, default=16)
+    a("--batch-size", type=int, default=DEMO_BATCH_SIZE)
     a("--max-bytes", type=int, default=2_000_000, help="corpus size in bytes (split into one shard per learner)")
     a("--lr", type=float, default=3e-3, help="inner AdamW learning rate")
     a("--outer-lr", type=float, default=0.7)
@@ -111,6 +111,7 @@ def _free_port() -> int:
 
 
 LEARNER_NICE = 5   # co-located demo only: see _spawn
+DEMO_BATCH_SIZE = 16   # the demo's batch (README "Rounds"); the benchmark's sync-off control uses it too
 
 
 def _spawn(name: str, args: list[str], log: Path, out: Path, nice: int = 0) -> Proc:
