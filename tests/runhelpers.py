@@ -17,7 +17,7 @@ import torch
 
 from storage.store import open_store
 from workers.data import Corpus, evaluate
-from workers.events import read_events
+from workers.events import EventLog, read_events
 from workers.job import JobSettings
 from workers.keys import SYNCER, ensure_identities, key_paths
 from workers.launch import RunSettings, create_run
@@ -135,3 +135,17 @@ class TinyRun:
 
     def stderr(self, name: str) -> str:
         return (self.dir / "logs" / f"{name}.stderr").read_text()[-3000:]
+
+
+class Recorder(EventLog):
+    """An event log kept in memory, for tests that read what a component reported."""
+
+    def __init__(self):
+        super().__init__(None, "learner", "l0")
+        self.seen: list[dict] = []
+
+    def emit(self, event, **fields):
+        self.seen.append({"event": event, **fields})
+
+    def named(self, event):
+        return [e for e in list(self.seen) if e["event"] == event]

@@ -19,22 +19,11 @@ from storage.errors import StoreError
 from storage.layout import commit_key, version_key
 from storage.log import CommitLog
 from storage.store import open_store
-from workers.events import EventLog
 from workers.launch import RunSettings, create_run
 from workers.learner import Learner, LearnerConfig
 from workers.versions import VersionTracker, encode_version
 
-
-class Recorder(EventLog):
-    def __init__(self):
-        super().__init__(None, "learner", "l0")
-        self.seen: list[dict] = []
-
-    def emit(self, event, **fields):
-        self.seen.append({"event": event, **fields})
-
-    def named(self, event):
-        return [e for e in list(self.seen) if e["event"] == event]
+from runhelpers import Recorder
 
 
 def tiny_model(seed: int = 0) -> torch.nn.Module:

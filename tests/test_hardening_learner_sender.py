@@ -14,8 +14,9 @@ from pipeline.types import DeltaHeader
 from storage.errors import Unavailable
 from storage.layout import SPILL_PREFIX
 from storage.store import open_store
-from workers.events import EventLog
 from workers.sender import Sender, SenderConfig
+
+from runhelpers import Recorder
 
 MB_FLOATS = (1 << 20) // 4          # one MiB of float32
 
@@ -48,18 +49,6 @@ class BlockingStore:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
-
-
-class Recorder(EventLog):
-    def __init__(self):
-        super().__init__(None, "learner", "l0")
-        self.seen: list[dict] = []
-
-    def emit(self, event, **fields):
-        self.seen.append({"event": event, **fields})
-
-    def named(self, event):
-        return [e for e in list(self.seen) if e["event"] == event]
 
 
 def make_sender(store, **cfg):
