@@ -80,9 +80,10 @@ class RoundBook:
 
     # -- rounds ----------------------------------------------------------------------------------
     def tick(self, now: float) -> list[tuple[int, int]]:
-        """Advance the global step; open (and return) the rounds that fall due. A round still open
-        when its fragment's next one opens is replaced: its answers are then late (SPEC §4)."""
-        opened = self.clock.advance(now, self.step_time(now) or self.initial_step_s)
+        """Advance the global step at the pace last measured by ``step_time`` (the syncer measures
+        once per loop); open (and return) the rounds that fall due. A round still open when its
+        fragment's next one opens is replaced: its answers are then late (SPEC §4)."""
+        opened = self.clock.advance(now, self.period.value or self.initial_step_s)
         for r, p in opened:
             self.open[p] = OpenRound(r, now)
         return opened

@@ -280,7 +280,7 @@ class Syncer(SyncerIngest):
 
     # -- rounds ----------------------------------------------------------------------------------
     def _timing(self) -> Timing:
-        return Timing(self.rounds.step_time(self.clock()), self.sync_time.value or 0.0)
+        return Timing(self.rounds.period.value, self.sync_time.value or 0.0)
 
     def _live_count(self) -> int | None:
         return len(self.rounds.live(self.clock())) or None
@@ -288,6 +288,7 @@ class Syncer(SyncerIngest):
     def _tick_rounds(self) -> None:
         """Open the rounds that fall due on the global clock and tell the learners: over the bus,
         and in storage (the round clock) for learners without one (SPEC §4)."""
+        self.rounds.step_time(self.clock())   # the learners' pace, measured once per loop
         if self.descriptor.schedule != "syncer" or self.fenced:
             return
         for r, p in self.rounds.tick(self.clock()):
