@@ -34,8 +34,9 @@ from .merge import MergeConfig, merge_fragment, token_weights
 from .outer import nesterov_step
 from .types import CommitRecord, DeltaHeader, DroppedRecord, InputRecord, RunDescriptor
 
-__all__ = ["FragmentState", "SyncerState", "RoundInput", "FoldResult", "ReplayMismatch", "published",
-           "initial_state", "fold", "fold_fence", "check_commit", "CHECKPOINT_KIND", "CHECKPOINT_VERSION"]
+__all__ = ["FragmentState", "SyncerState", "RoundInput", "FoldResult", "ReplayMismatch", "DropReason", "published",
+           "initial_state", "fold", "fold_fence", "check_commit", "compare_records", "CHECKPOINT_KIND",
+           "CHECKPOINT_VERSION"]
 
 CHECKPOINT_KIND = "syncer-checkpoint"
 NON_FINITE_RESULT = "non-finite-result"   # the merged step overflowed: the round's survivors are dropped
@@ -203,6 +204,28 @@ def initial_state(descriptor: RunDescriptor, init: Mapping[str, np.ndarray], *, 
 
 
 @dataclass(frozen=True)
+class DropReason:
+    """A recorded drop reason, typed: ``category`` (``shape-mismatch``, ``pending-overflow`` ...) and
+    an optional ``detail``. Written in ``DroppedRecord.reason`` as ``"category: detail"`` (or the
+    category alone); ``parse`` reads that back, so no caller splits the text itself."""
+
+    category: str
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.category or ":" in self.category:
+            raise ValueError(f"drop reason category {self.category!r} must be non-empty and hold no ':'")
+
+    def __str__(self) -> str:
+        return f"{self.category}: {self.detail}" if self.detail else self.category
+
+    @classmethod
+    def parse(cls, text: str) -> "DropReason":
+        category, _, detail = text.partition(":")
+        return cls(category or "?", detail.strip())
+
+
+@dataclass(frozen=True)
 class RoundInput:
     """One delta offered to a round: its header, where it lies, and its decoded values (None if not decodable)."""
 
@@ -250,7 +273,7 @@ def _why_dropped(inp: RoundInput, fragment: int, fs: FragmentState, hw: Mapping[
         if not legacy and h.id not in seen and h.incarnation < mark[0]:
             # A newer life of this learner id was merged: this life restarted since, or two processes
             # run under one id (each claims its own incarnation from storage; issue 11 item 13).
-            return f"stale-incarnation: incarnation {mark[0]} of {h.learner} was merged since"
+            return str(DropReason("stale-incarnation", f"incarnation {mark[0]} of {h.learner} was merged since"))
         return "duplicate"
     if h.c_steps == 0:
         return "zero-steps"
@@ -264,7 +287,7 @@ def _why_dropped(inp: RoundInput, fragment: int, fs: FragmentState, hw: Mapping[
         return "undecodable"
     for n in sorted(set(specs) | set(inp.tensors)):
         if n not in specs or n not in inp.tensors or np.shape(inp.tensors[n]) != specs[n]:
-            return f"shape-mismatch: {n}"
+            return str(DropReason("shape-mismatch", n))
     for n in sorted(specs):
         if not np.all(np.isfinite(inp.tensors[n])):
             return "non-finite"
@@ -289,6 +312,28 @@ def _dropped(inp: RoundInput, reason: str) -> DroppedRecord:
     return DroppedRecord(h.id, h.learner, inp.key, inp.checksum, reason, h.c_tokens)
 
 
+def _select(inputs: Sequence[RoundInput], fragment: int, fs: FragmentState, hw: Mapping[str, tuple[int, int]],
+            specs: Mapping[str, tuple[int, ...]], schedule: str) -> tuple[list[RoundInput], list[DroppedRecord]]:
+    """The round's survivors (sorted by learner, incarnation, seq) and its drops, every one with its
+    reason (sorted by learner, delta id, key)."""
+    ordered = sorted(inputs, key=lambda i: (i.header.learner, i.header.incarnation, i.header.seq, i.key, i.checksum))
+    dropped: list[DroppedRecord] = []
+    candidates: list[RoundInput] = []
+    seen: set[str] = set()
+    for inp in ordered:
+        reason = _why_dropped(inp, fragment, fs, hw, specs, seen, schedule == "learner")
+        if reason:
+            dropped.append(_dropped(inp, reason))
+        else:                                    # a later copy of a kept delta (fast path + spill) is a duplicate
+            seen.add(inp.header.id)
+            candidates.append(inp)
+    newest = {_lineage(i.header, schedule): i for i in candidates}   # sorted ascending: the last wins
+    survivors = [i for i in candidates if newest[_lineage(i.header, schedule)] is i]
+    dropped += [_dropped(i, "superseded") for i in candidates if newest[_lineage(i.header, schedule)] is not i]
+    dropped.sort(key=lambda d: (d.learner, d.delta_id, d.key))
+    return survivors, dropped
+
+
 def fold(state: SyncerState, descriptor: RunDescriptor, fragment: int, inputs: Sequence[RoundInput], *,
          seq: int, epoch: int, output_key: str, quorum: int = 0, grace_wait_s: float = 0.0,
          info: dict | None = None, round_id: int = -1) -> FoldResult:
@@ -300,23 +345,7 @@ def fold(state: SyncerState, descriptor: RunDescriptor, fragment: int, inputs: S
     fs = state.fragments[fragment]
     hw = state.high_water[fragment]
     specs = {s.name: s.shape for s in descriptor.fragment_specs(fragment)}
-    ordered = sorted(inputs, key=lambda i: (i.header.learner, i.header.incarnation, i.header.seq, i.key, i.checksum))
-
-    dropped: list[DroppedRecord] = []
-    candidates: list[RoundInput] = []
-    seen: set[str] = set()
-    for inp in ordered:
-        reason = _why_dropped(inp, fragment, fs, hw, specs, seen, descriptor.schedule == "learner")
-        if reason:
-            dropped.append(_dropped(inp, reason))
-        else:                                    # a later copy of a kept delta (fast path + spill) is a duplicate
-            seen.add(inp.header.id)
-            candidates.append(inp)
-    newest = {_lineage(i.header, descriptor.schedule): i for i in candidates}   # sorted ascending: the last wins
-    survivors = [i for i in candidates if newest[_lineage(i.header, descriptor.schedule)] is i]
-    dropped += [_dropped(i, "superseded") for i in candidates
-                if newest[_lineage(i.header, descriptor.schedule)] is not i]
-    dropped.sort(key=lambda d: (d.learner, d.delta_id, d.key))
+    survivors, dropped = _select(inputs, fragment, fs, hw, specs, descriptor.schedule)
     info = dict(info or {})
 
     def drop_commit(dropped: list[DroppedRecord]) -> FoldResult:
@@ -385,8 +414,11 @@ def fold_fence(state: SyncerState, seq: int, epoch: int, info: dict | None = Non
     return FoldResult(new_state, CommitRecord(seq=seq, epoch=epoch, kind="fence", info=dict(info or {})), None)
 
 
-def _compare(rec: CommitRecord, got: CommitRecord, recorded_output: Mapping[str, np.ndarray] | None,
-             pub: Mapping[str, np.ndarray] | None) -> None:
+def compare_records(rec: CommitRecord, got: CommitRecord, recorded_output: Mapping[str, np.ndarray] | None,
+                    pub: Mapping[str, np.ndarray] | None) -> None:
+    """Raise :class:`ReplayMismatch` at the first difference between a recorded commit and its
+    recomputation (kind, version, inputs, weights, drops, high-water marks, output checksum); the
+    norm guard's norms are compared by pipeline/commit.py."""
     def fail(detail: str, tensor: str = "", diff: float | None = None) -> None:
         raise ReplayMismatch(rec.seq, rec.fragment, tensor, diff, detail)
 
@@ -441,8 +473,11 @@ def check_commit(state: SyncerState, descriptor: RunDescriptor, record: CommitRe
         return fold_fence(state, record.seq, record.epoch, record.info)
     if record.kind not in ("merge", "drop"):
         raise ValueError(f"check_commit: a {record.kind!r} commit is not produced by fold")
+    # The recorded info is reused as it is, but for the guard's norms: fold records none (they are
+    # pipeline/commit.py's, which compares them), and a recomputed commit of another kind has none.
+    info = {k: v for k, v in record.info.items() if k != "norms"}
     res = fold(state, descriptor, record.fragment, inputs, seq=record.seq, epoch=record.epoch,
-               output_key=record.output_key, quorum=record.quorum, grace_wait_s=record.grace_wait_s, info=record.info,
+               output_key=record.output_key, quorum=record.quorum, grace_wait_s=record.grace_wait_s, info=info,
                round_id=record.round)
-    _compare(record, res.record, recorded_output, res.published)
+    compare_records(record, res.record, recorded_output, res.published)
     return res

@@ -7,6 +7,7 @@ live beside them so that one place owns each format; docs/formats.md describes t
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -215,6 +216,10 @@ class CommitRecord:
     grace_wait_s: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)  # timings, syncer id; never secrets
     round: int = -1       # the round this commit closed (SPEC §4); -1: none (learner-driven runs, drops)
+    # The norm guard's L2 norm of each merged input, in ``inputs`` order (merge commits of guarded
+    # runs; None otherwise). Written as ``info["norms"]``, as every earlier record has it: ``info``
+    # always mirrors this field, so the bytes written and old records read are unchanged.
+    norms: tuple[float, ...] | None = None
 
     KIND = "commit"
     VERSION = 1
@@ -224,6 +229,25 @@ class CommitRecord:
             raise ValueError(f"commit kind {self.kind!r} not one of {COMMIT_KINDS}")
         if self.seq < 0 or self.epoch < 0:
             raise ValueError(f"commit seq/epoch must be non-negative, got {self.seq}/{self.epoch}")
+        if not isinstance(self.info, dict):
+            raise ValueError(f"commit info must be a map, got {type(self.info).__name__}")
+        written = self.info.get("norms")
+        if self.norms is None and written is None:
+            return
+        norms = _check_norms(self.norms if self.norms is not None else written)
+        if self.kind != "merge" or len(norms) != len(self.inputs):
+            raise ValueError(f"norms {list(norms)} on a {self.kind!r} commit of {len(self.inputs)} inputs (one "
+                             "norm per merged input, merge commits only)")
+        if written is not None and list(written) != list(norms):
+            raise ValueError(f"norms {list(norms)} differ from info['norms'] {written!r}")
+        object.__setattr__(self, "norms", norms)
+        if written is None:
+            object.__setattr__(self, "info", _info_with_norms(self.info, norms))
+
+    def with_norms(self, norms: tuple[float, ...] | None) -> "CommitRecord":
+        """The same record with other ``norms`` (``info["norms"]`` follows; None removes them)."""
+        info = {k: v for k, v in self.info.items() if k != "norms"}
+        return dataclasses.replace(self, norms=norms, info=info)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -238,6 +262,8 @@ class CommitRecord:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CommitRecord":
+        """Validate a record (FormatError naming the field); ``info["norms"]``, when present, must be
+        one finite float >= 0 per merged input of a merge commit and becomes ``norms``."""
         what = "commit record"
         hw = _get(d, "high_water", dict, what)
         for k, v in hw.items():
@@ -266,6 +292,25 @@ class CommitRecord:
     def from_bytes(cls, blob: bytes, what: str | None = None) -> "CommitRecord":
         _, d = unpack_record(blob, cls.KIND, cls.VERSION, what=what)
         return cls.from_dict(d)
+
+
+def _check_norms(norms: Any) -> tuple[float, ...]:
+    """Recorded norms: a list of finite floats >= 0 (ValueError otherwise; ints are not what the
+    guard computes, and replay compares them bit for bit)."""
+    if not isinstance(norms, (list, tuple)) or \
+            not all(isinstance(n, float) and math.isfinite(n) and n >= 0 for n in norms):
+        raise ValueError(f"norms must be a list of finite floats >= 0, got {norms!r}")
+    return tuple(norms)
+
+
+def _info_with_norms(info: dict[str, Any], norms: tuple[float, ...]) -> dict[str, Any]:
+    """``info`` with ``norms`` after the other entries and before the signature: where the syncer
+    has always written them, so the record's bytes are unchanged."""
+    out = {k: v for k, v in info.items() if k not in ("norms", "sig")}
+    out["norms"] = list(norms)
+    if "sig" in info:
+        out["sig"] = info["sig"]
+    return out
 
 
 @dataclass(frozen=True)
