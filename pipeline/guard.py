@@ -18,9 +18,9 @@ Descriptors without the key (runs made before it was on by default, hand-built o
 ``enabled: false`` have no guard; version-1 maps (no ``version`` key) have no cap, as before.
 
 Deterministic, so replay reaches the same verdicts (SPEC §7 'Replay'): the median comes from the
-norms the syncer *recorded* in earlier merge commits (``info["norms"]``, one per merged input, in
-record order); the cap from the state before the commit; and every norm is bit-stable whatever the
-BLAS thread count (issue 11 item 3): float32 values are squared exactly in float64, summed per
+norms the syncer *recorded* in earlier merge commits (``CommitRecord.norms``, one per merged
+input, in record order; pipeline/commit.py keeps the window); the cap from the state before the
+commit; and every norm is bit-stable whatever the BLAS thread count (issue 11 item 3): float32 values are squared exactly in float64, summed per
 fixed chunk of ``CHUNK`` values with numpy's pairwise sum (never ``np.dot``/BLAS, whose blocking
 depends on its thread count), and the chunk sums are added with ``math.fsum`` (correctly rounded,
 so independent of order).
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -185,33 +184,40 @@ def norms_agree(recorded: Sequence[float], computed: Sequence[float | None], cfg
         c is not None and math.isclose(r, c, rel_tol=1e-9, abs_tol=0.0) for r, c in zip(recorded, computed))
 
 
+@dataclass(frozen=True)
 class NormWindow:
-    """The recent merged norms of every fragment (what ``verdict`` compares against)."""
+    """The recent merged norms of every fragment (what ``verdict`` compares against), as a value:
+    ``pushed``/``prepended`` return a new window, so a commit that is never appended (fenced, a
+    failed write) leaves the window it started from untouched."""
 
-    def __init__(self, fragments: int, cfg: NormGuardConfig):
-        self.cfg = cfg
-        self._recent = [deque(maxlen=cfg.window) for _ in range(fragments)]
+    cfg: NormGuardConfig
+    recent: tuple[tuple[float, ...], ...]
+
+    @classmethod
+    def empty(cls, fragments: int, cfg: NormGuardConfig) -> "NormWindow":
+        if not isinstance(fragments, int) or fragments < 1:
+            raise ValueError(f"a norm window needs at least one fragment, got {fragments!r}")
+        return cls(cfg, tuple(() for _ in range(fragments)))
+
+    @property
+    def fragments(self) -> int:
+        return len(self.recent)
 
     def history(self, fragment: int) -> list[float]:
-        return list(self._recent[fragment])
-
-    def push(self, fragment: int, norms: Sequence[float]) -> None:
-        self._recent[fragment].extend(float(n) for n in norms)
+        return list(self.recent[fragment])
 
     def full(self, fragment: int) -> bool:
-        return len(self._recent[fragment]) >= self.cfg.window
+        return len(self.recent[fragment]) >= self.cfg.window
 
-    def prepend(self, fragment: int, norms: Sequence[float]) -> None:
-        """Add older norms (when filling the window backwards from a checkpoint)."""
-        keep = list(norms) + list(self._recent[fragment])
-        self._recent[fragment] = deque(keep[-self.cfg.window:], maxlen=self.cfg.window)
+    def pushed(self, fragment: int, norms: Sequence[float]) -> "NormWindow":
+        """The window after ``norms`` (newer than every norm in it) were merged into ``fragment``."""
+        return self._with(fragment, self.recent[fragment] + tuple(float(n) for n in norms))
 
+    def prepended(self, fragment: int, norms: Sequence[float]) -> "NormWindow":
+        """The window with older norms added (when filling it backwards from a starting point)."""
+        return self._with(fragment, tuple(float(n) for n in norms) + self.recent[fragment])
 
-def recorded_norms(info: Mapping[str, Any], count: int, what: str) -> list[float]:
-    """The ``norms`` a merge commit recorded for its ``count`` inputs (FormatError if absent or malformed)."""
-    norms = info.get("norms")
-    if not isinstance(norms, list) or len(norms) != count or \
-            not all(isinstance(n, float) and math.isfinite(n) and n >= 0 for n in norms):
-        raise FormatError(f"{what}: the run has a norm guard but the commit records no valid norms for its "
-                          f"{count} inputs")
-    return norms
+    def _with(self, fragment: int, norms: tuple[float, ...]) -> "NormWindow":
+        recent = list(self.recent)
+        recent[fragment] = norms[-self.cfg.window:]     # the newest ``window`` norms decide
+        return NormWindow(self.cfg, tuple(recent))

@@ -2,7 +2,8 @@
 
 SPEC §7-8: the syncer restarts from the log and loses nothing that was committed. Recovery re-folds
 every commit after the newest usable checkpoint with the same code as replay (``Refolder`` in
-workers/replay.py), so every restart is a replay check. Unlike replay, which stops at the first
+workers/replay.py, which calls ``pipeline.commit.verify_commit``), so every restart is a replay
+check; the norm window it rebuilds is part of the result (``Recovery.window``). Unlike replay, which stops at the first
 problem (it must report, never repair), recovery *salvages* what it can and says so:
 
 - a checkpoint that is damaged, forged or for another commit: the next older one is used
@@ -38,14 +39,15 @@ import numpy as np
 
 from pipeline.checksum import tensor_digest
 from pipeline.errors import FormatError
+from pipeline.commit import backfill_window, initial_window, window_after
 from pipeline.fold import FragmentState, SyncerState, fold_fence, published
-from pipeline.guard import NormWindow, guard_config, recorded_norms
+from pipeline.guard import NormWindow
 from pipeline.types import CommitRecord, RunDescriptor
 from storage.errors import NotFound, StoreError
 from storage.log import CommitLog
 from storage.store import ObjectStore
 from .keys import Roster
-from .replay import Refolder, ReplayStats, _backfill, origin_state, security_of
+from .replay import Refolder, ReplayStats, older_commits, origin_state, security_of
 from .signing import Signer
 from .versions import VersionTracker, decode_version, encode_version
 
@@ -57,7 +59,8 @@ FENCE_NOTES = 16          # notes recorded in the fence commit (all of them go t
 class Recovery:
     """The recovered state and what it took. ``salvaged``: the state is not a pure re-fold of the
     log (checkpoint it at once); ``uncertain``: fragments whose exact state was lost (their commits
-    are adopted); ``to_bump``: fragments a lost commit may have merged, none adopted since."""
+    are adopted); ``to_bump``: fragments a lost commit may have merged, none adopted since;
+    ``window``: the norm guard's window after the recovered commits (None: the run has no guard)."""
 
     state: SyncerState
     stats: ReplayStats
@@ -66,6 +69,7 @@ class Recovery:
     gaps: list[int] = field(default_factory=list)
     uncertain: set[int] = field(default_factory=set)
     to_bump: set[int] = field(default_factory=set)
+    window: NormWindow | None = None
 
     def fence_info(self) -> dict:
         """What the fence commit records about this recovery ({} when nothing was salvaged)."""
@@ -84,36 +88,35 @@ def _ranges(seqs: list[int]) -> str:
 
 
 def recover_state(store: ObjectStore, descriptor: RunDescriptor, upto: int, *, roster: Roster | None = None,
-                  window: NormWindow | None = None, start: Recovery | None = None,
-                  finish: bool = True) -> Recovery:
+                  start: Recovery | None = None, finish: bool = True) -> Recovery:
     """Read-only: the syncer state after commit ``upto``, salvaging damage (module docstring).
-    ``start``: an earlier recovery to continue (with the same ``window``); ``finish=False`` when
+    ``start``: an earlier recovery to continue (its state and window); ``finish=False`` when
     one will continue this one (a fragment's version number is skipped only at the end). Raises only when no
     starting state exists (no usable checkpoint and a damaged init commit or version 0), or on a
     store error that may pass (``Unavailable``: the caller retries)."""
     log = CommitLog(store)
     sec, roster = security_of(store, descriptor, roster)
-    if guard_config(descriptor) is not None and window is None:
-        window = NormWindow(descriptor.num_fragments, guard_config(descriptor))
     stats = ReplayStats()
     if start is None:
-        rec = Recovery(SyncerState([], [], -1), stats, gaps=log.gaps(upto))
+        rec = Recovery(SyncerState([], [], -1), stats, gaps=log.gaps(upto), window=initial_window(descriptor))
         if rec.gaps:
             rec.notes.append(f"the commit log has gaps: commits {_ranges(rec.gaps)} are missing; replay before "
                              "them is impossible (docs/replay.md 'Damage')")
         rec.state = origin_state(store, descriptor, log, upto, use_checkpoint=True, sec=sec, stats=stats)
         rec.notes += stats.rejected_checkpoints
-        if window is not None:
-            _backfill(log, window, rec.state.last_seq + 1, descriptor.num_fragments)
+        if rec.window is not None:
+            rec.window = backfill_window(rec.window, older_commits(log, rec.state.last_seq + 1))
     else:
         rec = dataclasses.replace(start, stats=stats, notes=list(start.notes), uncertain=set(start.uncertain),
                                   to_bump=set(start.to_bump))
     stats.start_seq = rec.state.last_seq + 1
-    salvage = _Salvage(Refolder(store, descriptor, sec, roster, window), log, rec)
+    folder = Refolder(store, descriptor, sec, roster, rec.window)
+    salvage = _Salvage(folder, log, rec)
     for seq in range(rec.state.last_seq + 1, upto + 1):
         rec.state = salvage.step(rec.state, seq)
         stats.commits += 1
         stats.end_seq = seq
+    rec.window = folder.window
     for p in sorted(rec.to_bump) if finish else ():
         rec.state = _bump(rec.state, p, descriptor)
         rec.notes.append(f"fragment {p}: no commit after the lost one to adopt; it goes on at version "
@@ -187,12 +190,7 @@ class _Salvage:
         fragments[p] = FragmentState(rec.version, _frozen(params), _frozen(momentum), history)
         high_water = list(state.high_water)
         high_water[p] = {m: (int(o[0]), int(o[1])) for m, o in rec.high_water.items()}
-        window = self.folder.window
-        if window is not None:
-            try:
-                window.push(p, recorded_norms(rec.info, len(rec.inputs), f"commit {rec.seq}"))
-            except FormatError:
-                pass              # the replay's backfill skips it the same way
+        self.folder.window = window_after(self.folder.window, rec)   # as recorded: it was not re-folded
         return SyncerState(fragments, high_water, rec.seq, state.run_id)
 
 

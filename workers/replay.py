@@ -1,8 +1,9 @@
 """Recompute a run's state from its log with the same pure fold the syncer uses (SPEC §7 'Replay').
 
 ``rebuild`` starts from the newest checkpoint at or before the start (or from the init commits),
-then re-folds every commit after it from the inputs the log names, checking each one bit for bit
-(``pipeline.fold.check_commit``). The syncer's restart recovery calls it, so every restart is a
+then re-folds every commit after it from the inputs the log names, checking each one bit for bit,
+norms included (``pipeline.commit.verify_commit``: the same ``apply_commit`` as the live syncer;
+this module only fetches what it needs). The syncer's restart recovery calls it, so every restart is a
 replay check; ``ddiloco replay`` calls it through ``workers.replay_verify.replay_run``, which
 also checks every stored version object and every checkpoint it passes against the recomputed state
 (through the optional ``load_output`` and ``on_commit`` hooks).
@@ -12,15 +13,17 @@ error naming the object, the commit that names it and what is wrong (never a sil
 """
 from __future__ import annotations
 
-import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
+from pipeline.commit import (PENDING_OVERFLOW, RECORDED_REASONS, Commit, backfill_window, initial_window,
+                             verify_commit, with_recorded_decisions)
 from pipeline.errors import FormatError
-from pipeline.fold import FoldResult, ReplayMismatch, RoundInput, SyncerState, check_commit, initial_state
+from pipeline.fold import ReplayMismatch, SyncerState, initial_state
+from pipeline.guard import NormWindow
 from pipeline.types import CommitRecord, RunDescriptor
 from storage.checkpoints import latest_checkpoint
 from storage.errors import NotFound
@@ -29,15 +32,12 @@ from storage.log import CommitLog
 from storage.store import ObjectStore
 from .deltas import load_inputs
 from .versions import decode_version
-# issue "Security": signatures, checkpoints the syncer signed, the norm guard's window
-from pipeline.guard import NormWindow, apply_guard, guard_config, norms_agree, recorded_norms
+# issue "Security": signatures, checkpoints the syncer signed
 from .keys import Roster, RunSecurity, run_security
 from .signing import check_commit_signature, commit_signature_ok, open_checkpoint
 
-# Drop reasons replay takes from the commit record rather than recomputing: what the live syncer
-# decided about the *set* of a round (issue 11 item 5), not about a delta's bytes.
-PENDING_OVERFLOW = "pending-overflow"
-RECORDED_REASONS = (PENDING_OVERFLOW,)
+__all__ = ["PENDING_OVERFLOW", "RECORDED_REASONS", "with_recorded_decisions", "ReplayStats", "Refolder", "rebuild",
+           "init_state", "origin_state", "older_commits", "commit_signed", "trusted_commits", "security_of"]
 
 
 @dataclass
@@ -104,32 +104,15 @@ def _load_checkpoint(store: ObjectStore, descriptor: RunDescriptor, sec: RunSecu
     return None
 
 
-def _backfill(log: CommitLog, window: NormWindow, before: int, fragments: int) -> None:
-    """Fill the norm window from the merge commits before ``before`` (newest first), as far back as
-    needed: the window at a commit is a function of the log before it, wherever a replay starts.
-    A commit that is missing or damaged, or whose norms are not valid, adds nothing (recovery's
-    salvage, workers/recovery.py, skips it the same way, so both rebuild the same window)."""
-    seq = before - 1
-    while seq >= 0 and not all(window.full(p) for p in range(fragments)):
+def older_commits(log: CommitLog, before: int) -> Iterator[CommitRecord | None]:
+    """The commits before ``before``, newest first, read one at a time as they are asked for (what
+    ``pipeline.commit.backfill_window`` fills the norm window from); None for one that is missing
+    or damaged."""
+    for seq in range(before - 1, -1, -1):
         try:
-            rec = log.read(seq)
-            if rec.kind == "merge" and 0 <= rec.fragment < fragments and not window.full(rec.fragment):
-                window.prepend(rec.fragment, recorded_norms(rec.info, len(rec.inputs), f"commit {rec.seq}"))
+            yield log.read(seq)
         except (NotFound, FormatError):
-            pass
-        seq -= 1
-
-
-def with_recorded_decisions(record: CommitRecord, inputs: list[RoundInput]) -> list[RoundInput]:
-    """Inputs as ``load_inputs`` returns them (merged, then dropped, in record order), with the drops
-    that only the live syncer could decide taken from the record (``RECORDED_REASONS``): which deltas
-    a round contains is the syncer's choice, not a function of the bytes (issue 11 item 5)."""
-    out = list(inputs)
-    for k, d in enumerate(record.dropped):
-        i = len(record.inputs) + k
-        if d.reason.split(":")[0] in RECORDED_REASONS and i < len(out):
-            out[i] = dataclasses.replace(out[i], reject_reason=d.reason, tensors=None)
-    return out
+            yield None
 
 
 def commit_signed(descriptor: RunDescriptor, record: CommitRecord) -> bool:
@@ -151,16 +134,14 @@ def trusted_commits(descriptor: RunDescriptor) -> Callable[[CommitRecord], bool]
 
 @dataclass
 class Refolder:
-    """What re-folding one commit needs besides the state: the store, the run, its keys, the guard."""
+    """What re-folding one commit needs besides the state: the store, the run, its keys, and the
+    norm window as it stands (None: the run has no guard), replaced after each commit verified."""
 
     store: ObjectStore
     descriptor: RunDescriptor
     sec: RunSecurity | None
     roster: Roster | None
     window: NormWindow | None
-
-    def __post_init__(self) -> None:
-        self.guard = guard_config(self.descriptor)
 
     def check_signature(self, rec: CommitRecord) -> bool:
         """Raise FormatError on a missing or bad syncer signature; True if one was verified."""
@@ -170,28 +151,18 @@ class Refolder:
         return True
 
     def refold(self, state: SyncerState, rec: CommitRecord,
-               recorded: Mapping[str, np.ndarray] | None = None) -> FoldResult:
-        """Recompute one commit from the inputs it names and check it bit for bit (norms included);
-        the norm window advances only when it reproduces."""
+               recorded: Mapping[str, np.ndarray] | None = None) -> Commit:
+        """Fetch the inputs one commit names and verify it (``verify_commit``: bit for bit, norms
+        included); the norm window advances only when it reproduces."""
         if rec.kind == "init":
             raise FormatError(f"commit {rec.seq}: an init commit after the start of the run")
         if rec.kind in ("merge", "drop") and not 0 <= rec.fragment < self.descriptor.num_fragments:
             raise FormatError(f"commit {rec.seq}: fragment {rec.fragment} is not one of the run's "
                               f"{self.descriptor.num_fragments}")
         inputs = load_inputs(self.store, self.descriptor, rec, self.roster) if rec.kind in ("merge", "drop") else []
-        inputs = with_recorded_decisions(rec, inputs)
-        norms: dict[str, float] = {}
-        if self.guard is not None and inputs:
-            inputs, norms = apply_guard(inputs, self.window.history(rec.fragment), self.guard,
-                                        state.fragments[rec.fragment].params)
-        result = check_commit(state, self.descriptor, rec, inputs, recorded_output=recorded)
-        if self.guard is not None and rec.kind == "merge":
-            want = recorded_norms(rec.info, len(rec.inputs), f"commit {rec.seq}")
-            got = [norms.get(i.checksum) for i in rec.inputs]
-            if not norms_agree(want, got, self.guard):
-                raise ReplayMismatch(rec.seq, rec.fragment, "", None,
-                                     f"recorded input norms {want} but the inputs have norms {got}")
-            self.window.push(rec.fragment, want)
+        result = verify_commit(state, self.window, self.descriptor, rec, with_recorded_decisions(rec, inputs),
+                               recorded_output=recorded)
+        self.window = result.window
         return result
 
 
@@ -206,34 +177,28 @@ def rebuild(store: ObjectStore, descriptor: RunDescriptor, upto: int, *, use_che
             start_state: SyncerState | None = None,
             progress: Callable[[CommitRecord, ReplayStats], None] | None = None,
             verify_outputs: bool = False, roster: Roster | None = None,
-            window: NormWindow | None = None,
             load_output: Callable[[CommitRecord], Mapping[str, np.ndarray]] | None = None,
-            on_commit: Callable[[CommitRecord, FoldResult], None] | None = None) -> tuple[SyncerState, ReplayStats]:
+            on_commit: Callable[[CommitRecord, Commit], None] | None = None) -> tuple[SyncerState, ReplayStats]:
     """Fold commits up to ``upto`` (inclusive) and return the state; raises ReplayMismatch or
     FormatError naming the first commit that does not reproduce (or, in a signed run, the first
     commit or version whose signature does not verify).
 
     ``roster``: the signed run's key list (default: the descriptor's plus the membership records
-    in the store). ``window``: with the norm guard on, the window to use (the syncer keeps using
-    it): an empty one is filled from the log before the start; one given together with
-    ``start_state`` is taken as that state's window and continued. By default a private one.
+    in the store). With the norm guard on, its window is filled from the log before the start.
     ``load_output(record)``: the stored values of a merge commit's version, handed to
-    ``check_commit`` so that a mismatch names the tensor (replay's loader, instead of
+    ``verify_commit`` so that a mismatch names the tensor (replay's loader, instead of
     ``verify_outputs``' checksum-checked one). ``on_commit(record, result)``: called after each
-    commit reproduced, with the fold's result (replay checks stored versions and checkpoints)."""
+    commit reproduced, with the commit's result (replay checks stored versions and checkpoints)."""
     log = CommitLog(store)
     stats = ReplayStats()
     sec, roster = security_of(store, descriptor, roster)
-    guard = guard_config(descriptor)
-    continued = window is not None and start_state is not None
-    if guard is not None and window is None:
-        window = NormWindow(descriptor.num_fragments, guard)
     state = start_state
     if state is None:
         state = origin_state(store, descriptor, log, upto, use_checkpoint=use_checkpoint, sec=sec, stats=stats)
     stats.start_seq = state.last_seq + 1
-    if guard is not None and not continued:
-        _backfill(log, window, stats.start_seq, descriptor.num_fragments)
+    window = initial_window(descriptor)
+    if window is not None:
+        window = backfill_window(window, older_commits(log, stats.start_seq))
     folder = Refolder(store, descriptor, sec, roster, window)
     if upto > state.last_seq:
         for rec in log.read_range(state.last_seq + 1, upto + 1):

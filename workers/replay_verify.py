@@ -4,9 +4,9 @@ inspection of a run's fragment log").
 :func:`replay_run` drives ``workers.replay.rebuild`` — the very path the syncer's restart recovery
 takes — from the nearest checkpoint before ``start`` (or the init commits), folding silently (every
 commit still checked) up to ``start``, then verifying ``start..end``: each commit is recomputed from
-its recorded inputs and compared with the record (``pipeline.fold.check_commit``), each stored
-version object is compared with the recomputed values (naming the worst tensor), and each
-checkpoint passed is compared with the recomputed state. Nothing is written: damage stops the
+its recorded inputs and compared with the record, norms included (``pipeline.commit.verify_commit``),
+each stored version object is compared with the recomputed values (naming the worst tensor), and
+each checkpoint passed is compared with the recomputed state. Nothing is written: damage stops the
 replay with an error naming the object, the commit and what is wrong.
 """
 from __future__ import annotations
@@ -20,8 +20,9 @@ import numpy as np
 
 from pipeline.checksum import tensor_digest
 from pipeline.codec import decode
+from pipeline.commit import Commit
 from pipeline.errors import FormatError
-from pipeline.fold import FoldResult, ReplayMismatch, SyncerState
+from pipeline.fold import ReplayMismatch, SyncerState
 from pipeline.types import CommitRecord, RunDescriptor
 from storage.checkpoints import list_checkpoints, read_checkpoint
 from storage.errors import NotFound, StoreError
@@ -82,8 +83,8 @@ def log_bounds(store: ObjectStore, descriptor: RunDescriptor, start: int | None,
 
 
 class _Verifier:
-    """The checks beyond ``check_commit``, through ``rebuild``'s hooks: ``load_output`` hands the
-    stored version to ``check_commit`` (so a divergence names the tensor), ``after`` compares the
+    """The checks beyond ``verify_commit``, through ``rebuild``'s hooks: ``load_output`` hands the
+    stored version to ``verify_commit`` (so a divergence names the tensor), ``after`` compares the
     stored version and any checkpoint with what was recomputed."""
 
     def __init__(self, store: ObjectStore, descriptor: RunDescriptor):
@@ -97,7 +98,7 @@ class _Verifier:
         self.stored = (rec.seq, blob, values)
         return values
 
-    def after(self, rec: CommitRecord, result: FoldResult) -> None:
+    def after(self, rec: CommitRecord, result: Commit) -> None:
         if rec.kind == "merge" and result.published is not None:
             if self.stored is None or self.stored[0] != rec.seq:
                 self.load_output(rec)

@@ -1,5 +1,6 @@
 """The syncer (SPEC §4, §7, paper §3): collects deltas, closes rounds with the quorum + grace
-policy, merges with the pure fold, commits versions to the log, announces them.
+policy, decides each commit with ``pipeline.commit.apply_commit`` (norm guard, fold, norm window:
+the very function replay and recovery verify with), commits versions to the log, announces them.
 
 One thread runs the loop below; the bus sockets and the pending sets belong to it. Storage is
 the truth: a delta is acked only after it is in the inbox (``spill_key``), every commit names
@@ -27,15 +28,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
+from pipeline.commit import Commit, CommitMeta, apply_commit, initial_window
 from pipeline.envelope import digest
 from pipeline.errors import FormatError
-from pipeline.fold import FoldResult, SyncerState, fold, fold_fence
-from pipeline.guard import NormWindow, apply_guard, guard_config
+from pipeline.fold import DropReason, SyncerState, fold_fence
 from pipeline.policy import Decision, Ewma, Pending, PolicyConfig, Timing, decide, late_deadline
 from pipeline.types import CommitRecord, RunDescriptor
 from storage.checkpoints import write_checkpoint
 from storage.errors import AlreadyExists, Fenced, StoreError
-from storage.layout import CLOCK_KEY, delta_key, quarantine_key, read_descriptor, version_key
+from storage.layout import CLOCK_KEY, delta_key, read_descriptor, version_key
 from storage.log import CommitLog, claim_epoch
 from storage.probe import probe_conditional_writes
 from storage.store import ObjectStore, open_store
@@ -47,9 +48,9 @@ from .gc import RetentionConfig, SyncerRetention
 from .keys import Gate, KeyRing, Roster, check_syncer_keys
 from .recovery import Recovery, recover_state, republish_damaged
 from .replay import trusted_commits
-from .rounds import RoundBook
+from .rounds import OpenRound, RoundBook
 from .signing import seal_checkpoint, sign_commit
-from .syncer_ingest import SyncerIngest, _Held
+from .syncer_ingest import Quarantined, SyncerIngest, _Held
 from .versions import encode_version
 
 REJECTED_FLUSH = 16                   # rejected deltas of one fragment that force a drop commit
@@ -132,9 +133,7 @@ class Syncer(SyncerIngest):
         # Bus messages above the largest delta this run can produce are dropped by libzmq unread.
         self.bus_cfg = None if bus is None else dataclasses.replace(
             bus, max_message_bytes=max(HEAD_MAX_BYTES, min(bus.max_message_bytes, self.max_delta)))
-        guard = guard_config(self.descriptor)
-        self.guard = guard
-        self.window = NormWindow(self.descriptor.num_fragments, guard) if guard is not None else None
+        self.window = initial_window(self.descriptor)   # the norm guard's; recovery rebuilds it from the log
         self.log = CommitLog(self.store)
         self.policy = PolicyConfig(quorum=self.descriptor.quorum, overlap=self.descriptor.overlap,
                                    gamma=self.descriptor.grace_gamma, cap_s=self.descriptor.grace_cap_s)
@@ -167,14 +166,14 @@ class Syncer(SyncerIngest):
         probe_conditional_writes(self.store)   # raises, naming the store, on one that does not
         self._refresh_members(force=True)
         before = recover_state(self.store, self.descriptor, CommitLog(self.store).tail(), roster=self.roster,
-                               window=self.window, finish=False)
+                               finish=False)
         sign = None if self.signer is None else (lambda r: sign_commit(r, self.signer, self.descriptor.run_id))
         self.epoch, fence_seq, self.log = claim_epoch(self.store, self.cfg.syncer_id, sign=sign,
                                                       info=before.fence_info(),
                                                       trusted=trusted_commits(self.descriptor))
-        rs = recover_state(self.store, self.descriptor, fence_seq - 1, roster=self.roster, window=self.window,
-                           start=before)
+        rs = recover_state(self.store, self.descriptor, fence_seq - 1, roster=self.roster, start=before)
         self.state = fold_fence(rs.state, fence_seq, self.epoch).state
+        self.window = rs.window
         self._report_recovery(rs)
         # Round ids are global steps: a new syncer goes on after the newest round in the log, so
         # that (epoch, round) orders every opening learners ever heard.
@@ -340,37 +339,33 @@ class Syncer(SyncerIngest):
                 waits.append(d.wait_s)
         return min(waits) if waits else None
 
-    def _merge(self, p: int, keys: list[str], decision: Decision) -> None:
-        t0 = self.clock()
-        held = [self.pending[p][k] for k in keys if k in self.pending[p]]
-        inputs = []
-        for h in held:
-            key = quarantine_key(h.pkey.split(":", 1)[1]) if h.reason else \
-                delta_key(h.header.learner, h.header.incarnation, h.header.seq)
-            inputs.append(round_input(h.blob, key, self.descriptor, self.roster, h.opened))
-        norms: dict[str, float] = {}
-        if self.guard is not None:
-            inputs, norms = apply_guard(inputs, self.window.history(p), self.guard, self.state.fragments[p].params)
-        seq = self.state.last_seq + 1
-        opened = self.rounds.open[p] if decision.merge else None
+    def _commit_meta(self, p: int, held: list[_Held], decision: Decision, t0: float,
+                     opened: OpenRound | None) -> CommitMeta:
+        """What this syncer decides about a commit besides its inputs (seq, keys, timings, info);
+        ``opened``: the round it closes (None: none, e.g. a drop of rejected deltas only)."""
         grace = max(0.0, t0 - decision.quorum_met_at) if decision.quorum_met_at is not None else 0.0
-        version = self.state.fragments[p].version + 1
         info = {"syncer": self.cfg.syncer_id, "decided": decision.reason, "live": self._live_count() or 0,
                 "committed_at": round(self.wall(), 4)}
         if self._since_commit:
             info["rejected"] = dict(sorted(self._since_commit.items()))   # ingest refusals since the last commit
-        res = fold(self.state, self.descriptor, p, inputs, seq=seq, epoch=self.epoch,
-                   output_key=version_key(p, version, self.epoch),
-                   quorum=len(set(h.header.learner for h in held if not h.reason)),
-                   grace_wait_s=round(grace, 4), info=info, round_id=opened.round if opened is not None else -1)
-        rec = res.record
-        if self.guard is not None and rec.kind == "merge":
-            rec = dataclasses.replace(rec, info={**rec.info, "norms": [norms[i.checksum] for i in rec.inputs]})
+        return CommitMeta(seq=self.state.last_seq + 1, epoch=self.epoch,
+                          output_key=version_key(p, self.state.fragments[p].version + 1, self.epoch),
+                          quorum=len(set(h.header.learner for h in held if not h.reason)),
+                          grace_wait_s=round(grace, 4), info=info, round=opened.round if opened is not None else -1)
+
+    def _merge(self, p: int, keys: list[str | Quarantined], decision: Decision) -> None:
+        t0 = self.clock()
+        held = [self.pending[p][k] for k in keys if k in self.pending[p]]
+        inputs = [round_input(h.blob, h.stored_key, self.descriptor, self.roster, h.opened) for h in held]
+        opened = self.rounds.open[p] if decision.merge else None
+        commit = apply_commit(self.state, self.window, self.descriptor, p, inputs,
+                              self._commit_meta(p, held, decision, t0, opened))
         if self.signer is not None:
-            rec = sign_commit(rec, self.signer, self.descriptor.run_id)
-        res = FoldResult(res.state, rec, res.published)
+            commit = dataclasses.replace(commit, record=sign_commit(commit.record, self.signer,
+                                                                    self.descriptor.run_id))
+        rec = commit.record
         try:
-            if not self._persist_and_commit(res, held, inputs):
+            if not self._persist_and_commit(commit, held, inputs):
                 return
         except _KeyConflict as exc:
             # A learner reused a delta id with other bytes: that copy is refused (left in the inbox as
@@ -382,12 +377,10 @@ class Syncer(SyncerIngest):
                     if h.inbox_key:
                         self.bad_inbox.add(h.inbox_key)
             return
-        self.state = res.state
+        self.state, self.window = commit.state, commit.window
         if opened is not None:
             self.rounds.close(p)
         self._since_commit.clear()
-        if self.window is not None and rec.kind == "merge":
-            self.window.push(p, rec.info["norms"])
         for h in held:
             self.pending[p].pop(h.pkey, None)
             if h.inbox_key:
@@ -395,7 +388,7 @@ class Syncer(SyncerIngest):
         self.stats.commits += 1
         self.stats.merged += len(rec.inputs)
         self.stats.dropped += len(rec.dropped)
-        self.stats.drops.update(d.reason.split(":")[0] for d in rec.dropped)
+        self.stats.drops.update(DropReason.parse(d.reason).category for d in rec.dropped)
         self.stats.quorum_sizes.append(rec.quorum)
         self.stats.grace_waits.append(rec.grace_wait_s)
         self.sync_time = self.sync_time.update(self.clock() - t0)
@@ -413,7 +406,7 @@ class Syncer(SyncerIngest):
         if rec.seq % self.cfg.checkpoint_every == 0:
             self._checkpoint()
 
-    def _persist_and_commit(self, res: FoldResult, held: list[_Held], inputs) -> bool:
+    def _persist_and_commit(self, res: Commit, held: list[_Held], inputs) -> bool:
         """Inputs, then the version blob, then the commit (data before the commit that names it).
         Retries while the store is unavailable; False when fenced."""
         rec = res.record

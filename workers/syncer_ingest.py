@@ -15,12 +15,21 @@ from pipeline.envelope import digest
 from pipeline.errors import FormatError
 from pipeline.types import DeltaHeader
 from storage.errors import AlreadyExists, NotFound, StoreError
-from storage.layout import SPILL_PREFIX, parse_spill_key, spill_key
+from pipeline.commit import PENDING_OVERFLOW
+from pipeline.fold import DropReason
+from storage.layout import SPILL_PREFIX, delta_key, parse_spill_key, quarantine_key, spill_key
 from .bus import Message
 from .deltas import UNKNOWN_LEARNER, Opened, open_stored
-from .replay import PENDING_OVERFLOW
 
 BELOW_HIGH_WATER = "below-high-water"   # held out of the quorum; the fold records the reason
+
+
+@dataclass(frozen=True)
+class Quarantined:
+    """The pending-set key of a rejected delta: its content digest, never the id it claims (which
+    its real owner may still need); it is persisted under ``quarantine/<sha256>``."""
+
+    sha256: str
 
 
 @dataclass
@@ -31,7 +40,7 @@ class _Held:
     arrived_at: float
     source: str            # "bus" | "spill"
     opened: Opened | None = None   # the verdict on these bytes (workers/deltas.py), reused at merge
-    pkey: str = ""                 # its key in the pending set (below)
+    pkey: str | Quarantined = ""   # its key in the pending set: the delta id, or Quarantined (below)
     hold: str = ""                 # why the syncer keeps it out of every quorum (issue 11 items 5, 13)
 
     @property
@@ -41,7 +50,14 @@ class _Held:
 
     def __post_init__(self) -> None:
         # Rejected deltas are keyed by content, so a forgery never shadows the real delta's id.
-        self.pkey = f"rejected:{digest(self.blob)}" if self.reason else self.header.id
+        self.pkey = Quarantined(digest(self.blob)) if self.reason else self.header.id
+
+    @property
+    def stored_key(self) -> str:
+        """Where the delta is persisted before the commit that names it."""
+        if isinstance(self.pkey, Quarantined):
+            return quarantine_key(self.pkey.sha256)
+        return delta_key(self.header.learner, self.header.incarnation, self.header.seq)
 
 
 
@@ -198,7 +214,7 @@ class SyncerIngest:
         def superseded(h: _Held) -> bool:
             return h.header.seq < newest[(h.header.learner, h.header.incarnation, h.header.base_version)]
         for h in sorted(valid, key=lambda h: (not superseded(h), h.arrived_at, h.header.id))[:excess]:
-            reason = f"{PENDING_OVERFLOW}: {'superseded' if superseded(h) else 'oldest'}"
+            reason = str(DropReason(PENDING_OVERFLOW, "superseded" if superseded(h) else "oldest"))
             opened = dataclasses.replace(h.opened, reason=reason) if h.opened is not None else \
                 Opened(h.header, h.blob, reason)
             pend.pop(h.pkey, None)
@@ -227,7 +243,10 @@ class SyncerIngest:
                 named = parse_spill_key(key)
                 size = self.store.head(key).size
                 if size > self.max_delta:   # checked before reading: a planted huge object must not exhaust memory
-                    raise FormatError(f"{key}: {size} bytes exceeds the run's delta size limit {self.max_delta}")
+                    self._reject(None, None, key, f"{key}: {size} bytes exceeds the run's delta size limit "
+                                                  f"{self.max_delta}", "oversize")
+                    self.bad_inbox.add(key)
+                    continue
                 blob = self.store.get(key)
                 opened = open_stored(blob, self.descriptor, self.roster, key)
                 if (opened.header.learner, opened.header.incarnation, opened.header.seq) != tuple(named):
@@ -237,7 +256,7 @@ class SyncerIngest:
             except (FormatError, ValueError) as exc:
                 # A damaged or foreign object in the inbox: logged once and left untouched (never
                 # deleted: it is evidence), and kept out of every round.
-                self._reject(None, None, key, str(exc), "oversize" if "size limit" in str(exc) else "undecodable")
+                self._reject(None, None, key, str(exc), "undecodable")
                 self.bad_inbox.add(key)
                 continue
             except StoreError as exc:

@@ -1,0 +1,175 @@
+"""One commit, decided in one place: the norm guard, the fold and the norm window (SPEC §4, §7).
+
+The live syncer (workers/syncer.py), its restart recovery (workers/recovery.py) and the replay tool
+(workers/replay.py) all call :func:`apply_commit`, and nothing else decides what a round merges or
+drops. Given the syncer state, the norm window (None when the run has no guard, pipeline/guard.py),
+a fragment, the round's inputs and the commit's metadata, it returns the next state, the next
+window, the commit record and the published values:
+
+1. inputs the caller already rejected from their bytes or the round's set (``RoundInput.reject_reason``:
+   ``bad-signature``, ``unsigned``, ``dtype-mismatch``, ``pending-overflow`` ...) pass through as they are;
+2. the norm guard marks outliers ``norm-outlier`` against the window and the fragment's cap
+   (non-finite deltas are left to the fold, which says ``non-finite``);
+3. the fold (pipeline/fold.py) drops for every other reason and merges the survivors;
+4. a merge commit records the norm of each merged input, in ``inputs`` order
+   (``CommitRecord.norms``), and only a merge commit moves the window, by exactly those norms.
+
+Replay and recovery call :func:`verify_commit`, which is :func:`apply_commit` with the record's
+own metadata followed by a bit-for-bit comparison (norms with ``guard.norms_agree``). Pure and
+deterministic: no I/O; a window is a value, so a commit that is never appended changes nothing.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from .errors import FormatError
+from .fold import (DropReason, ReplayMismatch, RoundInput, SyncerState, compare_records, fold,
+                   fold_fence)
+from .guard import NormWindow, apply_guard, guard_config, norms_agree
+from .types import CommitRecord, RunDescriptor
+
+__all__ = ["CommitMeta", "Commit", "apply_commit", "verify_commit", "initial_window", "backfill_window",
+           "window_after", "with_recorded_decisions", "PENDING_OVERFLOW", "RECORDED_REASONS"]
+
+# Drop reasons replay takes from the commit record rather than recomputing: what the live syncer
+# decided about the *set* of a round (issue 11 item 5), not about a delta's bytes.
+PENDING_OVERFLOW = "pending-overflow"
+RECORDED_REASONS = frozenset({PENDING_OVERFLOW})
+_END = object()
+
+
+@dataclass(frozen=True)
+class CommitMeta:
+    """What the caller decides about a commit besides its inputs: its place in the log, the key
+    of its version object and the informative fields (quorum, grace wait, ``info``, round)."""
+
+    seq: int
+    epoch: int
+    output_key: str = ""
+    quorum: int = 0
+    grace_wait_s: float = 0.0
+    info: Mapping[str, Any] = field(default_factory=dict)
+    round: int = -1
+
+    def __post_init__(self) -> None:
+        if "norms" in self.info:
+            raise ValueError("CommitMeta.info must not carry 'norms': apply_commit records them")
+
+    @classmethod
+    def of(cls, record: CommitRecord) -> "CommitMeta":
+        """The metadata of a recorded commit (replay recomputes the rest)."""
+        info = {k: v for k, v in record.info.items() if k != "norms"}
+        return cls(record.seq, record.epoch, record.output_key, record.quorum, record.grace_wait_s, info,
+                   record.round)
+
+
+@dataclass(frozen=True)
+class Commit:
+    """The result of one commit: the next state and window, the record, the published values
+    (None when no new version)."""
+
+    state: SyncerState
+    window: NormWindow | None
+    record: CommitRecord
+    published: dict[str, np.ndarray] | None
+
+
+def initial_window(descriptor: RunDescriptor) -> NormWindow | None:
+    """An empty norm window for the run's guard, or None when the run has none."""
+    cfg = guard_config(descriptor)
+    return None if cfg is None else NormWindow.empty(descriptor.num_fragments, cfg)
+
+
+def _check_window(descriptor: RunDescriptor, window: NormWindow | None) -> None:
+    """The window must be the run's: a missing one would silently switch the guard off."""
+    cfg = guard_config(descriptor)
+    if cfg is None and window is not None:
+        raise ValueError(f"run {descriptor.run_id} has no norm guard, but a norm window was passed")
+    if cfg is not None and (window is None or window.cfg != cfg or window.fragments != descriptor.num_fragments):
+        raise ValueError(f"run {descriptor.run_id} has a norm guard {cfg}: pass its window "
+                         f"(initial_window(descriptor)), got {window!r:.120}")
+
+
+def apply_commit(state: SyncerState, window: NormWindow | None, descriptor: RunDescriptor, fragment: int,
+                 inputs: Sequence[RoundInput], meta: CommitMeta) -> Commit:
+    """Decide one commit of ``fragment`` (module docstring): guard, fold, record the merged norms,
+    move the window. ``inputs`` may hold deltas the caller rejected (``reject_reason``)."""
+    _check_window(descriptor, window)
+    if not 0 <= fragment < len(state.fragments):
+        raise ValueError(f"fragment {fragment} out of range for a state of {len(state.fragments)} fragments")
+    norms: dict[str, float] = {}
+    if window is not None and inputs:
+        inputs, norms = apply_guard(inputs, window.history(fragment), window.cfg, state.fragments[fragment].params)
+    res = fold(state, descriptor, fragment, inputs, seq=meta.seq, epoch=meta.epoch, output_key=meta.output_key,
+               quorum=meta.quorum, grace_wait_s=meta.grace_wait_s, info=dict(meta.info), round_id=meta.round)
+    record = res.record
+    if window is not None and record.kind == "merge":
+        # Every survivor was decoded and judged by the guard, so each has a norm.
+        record = record.with_norms(tuple(norms[i.checksum] for i in record.inputs))
+    return Commit(res.state, window_after(window, record), record, res.published)
+
+
+def window_after(window: NormWindow | None, record: CommitRecord) -> NormWindow | None:
+    """The window after ``record`` as recorded: only a merge commit's norms move it (a drop or a
+    fence merged nothing). Recovery uses it for a commit it adopts rather than re-folds; one
+    without valid norms adds nothing, as ``backfill_window`` skips it."""
+    if window is None or record.kind != "merge" or record.norms is None \
+            or not 0 <= record.fragment < window.fragments:
+        return window
+    return window.pushed(record.fragment, record.norms)
+
+
+def backfill_window(window: NormWindow, older: Iterable[CommitRecord | None]) -> NormWindow:
+    """Fill ``window`` backwards from the commits before a starting point, ``older`` newest first
+    (None: a commit that is missing or damaged), reading no further than needed: the window at a
+    commit is a function of the log before it, wherever a replay or a recovery starts. A commit
+    without valid norms adds nothing (recovery's salvage skips it the same way)."""
+    records = iter(older)
+    while not all(window.full(p) for p in range(window.fragments)):   # checked before each read
+        rec = next(records, _END)
+        if rec is _END:
+            break
+        if rec is not None and rec.kind == "merge" and rec.norms is not None \
+                and 0 <= rec.fragment < window.fragments and not window.full(rec.fragment):
+            window = window.prepended(rec.fragment, rec.norms)
+    return window
+
+
+def with_recorded_decisions(record: CommitRecord, inputs: Sequence[RoundInput]) -> list[RoundInput]:
+    """Inputs in record order (merged, then dropped), with the drops that only the live syncer could
+    decide taken from the record (``RECORDED_REASONS``): which deltas a round contains is the
+    syncer's choice, not a function of the bytes (issue 11 item 5)."""
+    out = list(inputs)
+    for k, d in enumerate(record.dropped):
+        i = len(record.inputs) + k
+        if DropReason.parse(d.reason).category in RECORDED_REASONS and i < len(out):
+            out[i] = dataclasses.replace(out[i], reject_reason=d.reason, tensors=None)
+    return out
+
+
+def verify_commit(state: SyncerState, window: NormWindow | None, descriptor: RunDescriptor, record: CommitRecord,
+                  inputs: Sequence[RoundInput], *, recorded_output: Mapping[str, np.ndarray] | None = None) -> Commit:
+    """Recompute a recorded commit with :func:`apply_commit` and check it bit for bit (SPEC §7
+    'Replay'): ReplayMismatch at the first difference, norms included; FormatError for a merge of
+    a guarded run that records no norms. The window moves by the *recorded* norms (what the live
+    syncer's later verdicts used; version-1 guard maps' norms may differ in the last bits)."""
+    if record.kind == "fence":
+        res = fold_fence(state, record.seq, record.epoch, record.info)
+        return Commit(res.state, window, res.record, None)
+    if record.kind not in ("merge", "drop"):
+        raise ValueError(f"verify_commit: a {record.kind!r} commit is not produced by apply_commit")
+    got = apply_commit(state, window, descriptor, record.fragment, inputs, CommitMeta.of(record))
+    compare_records(record, got.record, recorded_output, got.published)
+    if window is None or record.kind != "merge":
+        return got
+    if record.norms is None:
+        raise FormatError(f"commit {record.seq}: the run has a norm guard but the commit records no valid norms "
+                          f"for its {len(record.inputs)} inputs")
+    if not norms_agree(record.norms, got.record.norms, window.cfg):
+        raise ReplayMismatch(record.seq, record.fragment, "", None, f"recorded input norms {list(record.norms)} "
+                             f"but the inputs have norms {list(got.record.norms)}")
+    return dataclasses.replace(got, record=got.record.with_norms(record.norms), window=window_after(window, record))
