@@ -2,8 +2,9 @@
 
 By default the corpus is the Python standard library's own source files (sorted, so every machine
 builds the same token stream); ``--data PATH`` takes a text file or a directory of files instead.
-The last ``eval_fraction`` of the stream is held out; the rest is cut into one contiguous shard per
-learner. Batches are drawn with a generator seeded by (seed, shard), so a learner and its replica
+Every ``1/eval_fraction``-th block of ``HOLDOUT_BLOCK`` bytes is held out (so the held-out split samples
+the whole corpus, not its last files); the rest is cut into one contiguous shard per learner (the
+learners' data differ, as separate datasets would). Batches are drawn with a generator seeded by (seed, shard), so a learner and its replica
 in the data-parallel baseline see the same data in the same order.
 """
 from __future__ import annotations
@@ -63,15 +64,22 @@ def load_corpus(cfg: DataConfig) -> np.ndarray:
     return data
 
 
+HOLDOUT_BLOCK = 4096     # bytes; held-out blocks are spread evenly over the stream
+
+
 class Corpus:
     """Train shards and the held-out split of one token stream."""
 
     def __init__(self, cfg: DataConfig):
         self.cfg = cfg
         data = load_corpus(cfg)
-        n_eval = max(int(len(data) * cfg.eval_fraction), 4 * (cfg.block_size + 1))
-        self.train = data[:-n_eval]
-        self.eval = data[-n_eval:]
+        every = max(2, round(1 / cfg.eval_fraction))
+        blocks = np.arange(len(data)) // HOLDOUT_BLOCK
+        held = blocks % every == every - 1
+        if held.sum() < 4 * (cfg.block_size + 1):    # a tiny corpus: hold out its tail instead
+            held = np.arange(len(data)) >= len(data) - 4 * (cfg.block_size + 1)
+        self.train = data[~held]
+        self.eval = data[held]
 
     def shard(self, index: int, count: int) -> np.ndarray:
         if not 0 <= index < count:
@@ -94,10 +102,12 @@ class Corpus:
             yield torch.from_numpy(x), torch.from_numpy(y)
 
     def eval_batches(self, max_batches: int = 16):
-        """Fixed held-out batches (non-overlapping windows from the start of the split)."""
+        """Fixed held-out batches: non-overlapping windows spread evenly over the whole split (about
+        one window in 64 spans the seam between two held-out blocks)."""
         B, T = self.cfg.batch_size, self.cfg.block_size
         windows = (len(self.eval) - 1) // T
-        starts = np.arange(min(windows, B * max_batches)) * T
+        n = min(windows, B * max_batches)
+        starts = (np.arange(n) * windows // n) * T
         for i in range(0, len(starts), B):
             s = starts[i:i + B]
             x = np.stack([self.eval[j:j + T] for j in s]).astype(np.int64)

@@ -27,7 +27,7 @@ from pipeline.merge import MergeConfig, merge_fragment, token_weights
 from pipeline.outer import nesterov_step
 from .data import Corpus, evaluate
 from .events import EventLog
-from .job import JobSettings, make_optimizer
+from .job import JobSettings, make_optimizer, set_lr
 from .model import EMBEDDING_TENSORS, GPTConfig, build_model
 
 
@@ -86,6 +86,7 @@ def diloco_baseline(gcfg: GPTConfig, job: JobSettings, learners: int, seed: int,
     for step in range(job.steps):
         for m, (model, opt, s) in enumerate(zip(models, opts, streams)):
             x, y = next(s)
+            set_lr(opt, job, step)
             opt.zero_grad(set_to_none=True)
             model(x, y)[1].backward()
             opt.step()

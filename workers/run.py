@@ -32,7 +32,7 @@ from storage.log import CommitLog
 from storage.store import ObjectStore, open_store
 from .data import Corpus, evaluate
 from .events import EventLog, Tail, read_events
-from .job import JobSettings, dp_baseline
+from .job import LR_SCHEDULES, JobSettings, dp_baseline
 from .keys import SYNCER, ensure_identities, key_paths
 from .launch import RunSettings, create_run
 from .logview import stored_base, token_figures
@@ -70,6 +70,9 @@ def configure(parser):
     a("--batch-size", type=int, default=DEMO_BATCH_SIZE)
     a("--max-bytes", type=int, default=2_000_000, help="corpus size in bytes (split into one shard per learner)")
     a("--lr", type=float, default=3e-3, help="inner AdamW learning rate")
+    a("--lr-schedule", default="constant", choices=LR_SCHEDULES,
+      help="inner lr schedule of every learner (cosine: --warmup-steps linear warmup, decay to 0.1 x lr)")
+    a("--warmup-steps", type=int, default=20, help="linear warmup steps of the cosine schedule")
     a("--outer-lr", type=float, default=0.7)
     # DiLoCo's 0.7/0.9 are tuned for H in the hundreds; at this job's H=16, 0.5 measured better (README).
     a("--outer-momentum", type=float, default=0.5)
@@ -143,7 +146,7 @@ def run(args) -> int:
     if args.tokens is not None:
         steps = max(1, args.tokens // (args.batch_size * gcfg.block_size))
     job = JobSettings(steps=steps, batch_size=args.batch_size, lr=args.lr, data=args.data, shards=args.learners,
-                      max_bytes=args.max_bytes)
+                      max_bytes=args.max_bytes, lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps)
     if args.mode in ("dp", "diloco"):
         return _run_baseline(args, out, gcfg, job)
     store_uri = args.store or str(out / "store")

@@ -26,7 +26,7 @@ from storage.store import open_store
 from workers.bus import BusConfig
 from workers.data import Corpus
 from workers.events import EventLog
-from workers.job import job_from, make_optimizer
+from workers.job import job_from, make_optimizer, set_lr
 from workers.keys import SYNCER, KeyRing, key_paths, load_identity, load_public
 from workers.learner import Learner, LearnerConfig
 from workers.model import GPT
@@ -77,10 +77,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     learner.start()
     n = args.steps if args.steps is not None else job.steps
-    for _ in range(n):
+    for i in range(n):
         if stop.is_set():
             break
         x, y = next(batches)
+        set_lr(learner.optimizer, job, i)
         t0 = time.monotonic()
         learner.step(lambda: model(x, y)[1], tokens=x.numel())
         factor = args.slow * max(0.5, 1.0 + args.jitter * float(rng.standard_normal()))
