@@ -3,8 +3,11 @@
 The model *after commit SEQ* is, for every fragment, the version named by the newest ``init`` or
 ``merge`` commit at or before SEQ (found by scanning the log back from SEQ). Every version is
 checked against its commit's ``output_checksum`` as it loads. ``export`` writes it as a plain
-PyTorch state dict (float32 tensors under the model's own names; ``torch.load(weights_only=True)``
-reads it). ``diff`` prints per-tensor norms of the change between two points.
+PyTorch state dict (``--format torch``, the default: float32 tensors under the model's own names;
+``torch.load(weights_only=True)`` reads it) or as safetensors (``--format safetensors``, also chosen
+by an output name ending in ``.safetensors``: the same tensors, plus the run id, the commit and
+each fragment's version in the file's metadata, docs/formats.md "Exported weights"). ``diff``
+prints per-tensor norms of the change between two points.
 """
 from __future__ import annotations
 
@@ -26,6 +29,12 @@ from storage.store import ObjectStore
 from .replay_verify import open_run
 from .replay_cli import EXIT_DAMAGED, EXIT_USAGE, add_location_args, pipe_safe
 from .versions import decode_version
+
+FORMATS = ("torch", "safetensors")
+# safetensors metadata (str -> str): "format" is the key other tools read ("pt": torch tensors);
+# every other key is ours, under "ddiloco.", versioned by EXPORT_METADATA_VERSION (docs/formats.md).
+EXPORT_METADATA_VERSION = 1
+META_PREFIX = "ddiloco."
 
 
 def versions_at(store: ObjectStore, descriptor: RunDescriptor, seq: int) -> dict[int, CommitRecord]:
@@ -91,6 +100,71 @@ def state_dict(values: dict[str, np.ndarray]) -> dict:
     return {n: torch.from_numpy(np.array(a, dtype=np.float32, copy=True)) for n, a in values.items()}
 
 
+def export_metadata(descriptor: RunDescriptor, seq: int, commits: dict[int, CommitRecord]) -> dict[str, str]:
+    """The safetensors metadata of the model after commit ``seq`` (``commits``: each fragment's
+    version-carrying commit, as ``model_at`` returns them)."""
+    return {
+        "format": "pt",
+        f"{META_PREFIX}metadata_version": str(EXPORT_METADATA_VERSION),
+        f"{META_PREFIX}run_id": descriptor.run_id,
+        f"{META_PREFIX}commit_seq": str(seq),
+        f"{META_PREFIX}fragment_versions": json.dumps({str(p): r.version for p, r in commits.items()}),
+        f"{META_PREFIX}fragment_commits": json.dumps({str(p): r.seq for p, r in commits.items()}),
+        f"{META_PREFIX}dtype": "float32",
+    }
+
+
+@dataclass(frozen=True)
+class ExportInfo:
+    """What a safetensors export's metadata says about where its weights come from."""
+
+    run_id: str
+    commit_seq: int
+    fragment_versions: dict[int, int]
+    fragment_commits: dict[int, int]
+
+
+def read_export_metadata(path: str | Path) -> ExportInfo:
+    """The run, commit and fragment versions of a safetensors file ``ddiloco export`` wrote;
+    FormatError if it has none or they are malformed, or a newer metadata version."""
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), framework="numpy") as fh:
+            meta = fh.metadata() or {}
+    except Exception as exc:   # noqa: BLE001 - safetensors raises its own (untyped) errors on a bad header
+        raise FormatError(f"{path}: not a readable safetensors file ({exc})") from None
+    version = meta.get(f"{META_PREFIX}metadata_version")
+    if version is None:
+        raise FormatError(f"{path}: no ddiloco metadata (not written by `ddiloco export --format safetensors`)")
+    try:
+        if int(version) > EXPORT_METADATA_VERSION:
+            raise FormatError(f"{path}: ddiloco metadata version {version} is newer than this reader "
+                              f"({EXPORT_METADATA_VERSION}): upgrade decoupled-diloco")
+        return ExportInfo(
+            run_id=meta[f"{META_PREFIX}run_id"], commit_seq=int(meta[f"{META_PREFIX}commit_seq"]),
+            fragment_versions={int(p): int(v) for p, v in json.loads(meta[f"{META_PREFIX}fragment_versions"]).items()},
+            fragment_commits={int(p): int(v) for p, v in json.loads(meta[f"{META_PREFIX}fragment_commits"]).items()})
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:
+        raise FormatError(f"{path}: malformed ddiloco metadata ({exc.__class__.__name__}: {exc})") from None
+
+
+def write_export(path: Path, fmt: str, values: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
+    """Write ``values`` (float32) as ``fmt`` through a temporary file, so a reader never sees half a
+    file; ``metadata`` goes into a safetensors file (a torch state dict has no place for it)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}: choose from {', '.join(FORMATS)}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    if fmt == "torch":
+        import torch
+        torch.save(state_dict(values), tmp)
+    else:
+        from safetensors.numpy import save_file
+        save_file({n: np.ascontiguousarray(a, dtype=np.float32) for n, a in values.items()}, str(tmp),
+                  metadata=metadata)
+    tmp.replace(path)
+
+
 @dataclass(frozen=True)
 class TensorChange:
     """How one tensor changed from point A to point B."""
@@ -127,12 +201,17 @@ def _fail(err: TextIO, what: str, exc: Exception) -> int:
 
 
 def configure_export(parser: argparse.ArgumentParser):
-    """Write the global model as it stood after a commit as a PyTorch state dict (torch.load-able)."""
+    """Write the global model as it stood after a commit: a PyTorch state dict or safetensors."""
     add_location_args(parser)
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--seq", default=None, metavar="SEQ", help="the commit after which to take the model")
     which.add_argument("--latest", action="store_true", help="the end of the log")
-    parser.add_argument("-o", "--output", required=True, metavar="PATH", help="file to write (e.g. model.pt)")
+    parser.add_argument("-o", "--output", required=True, metavar="PATH",
+                        help="file to write (e.g. model.pt, model.safetensors)")
+    parser.add_argument("--format", choices=FORMATS, default=None,
+                        help="torch: a state dict for torch.load (the default); safetensors: the same tensors "
+                             "with the run id, commit and fragment versions as metadata (the default for an "
+                             "output name ending in .safetensors)")
     return pipe_safe(export_command)
 
 
@@ -147,16 +226,17 @@ def export_command(args, out: TextIO, err: TextIO) -> int:
         values, commits = model_at(store, descriptor, seq)
     except (StoreError, FormatError) as exc:
         return _fail(err, "export", exc)
-    import torch
     path = Path(args.output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state_dict(values), tmp)
-    tmp.replace(path)   # a reader never sees half a file
+    fmt = args.format or ("safetensors" if path.suffix == ".safetensors" else "torch")
+    try:
+        write_export(path, fmt, values, export_metadata(descriptor, seq, commits))
+    except OSError as exc:
+        print(f"error: cannot write {path}: {exc}", file=err)
+        return EXIT_USAGE
     params = sum(a.size for a in values.values())
     versions = ", ".join(f"f{p} v{r.version}" for p, r in commits.items())
-    print(f"wrote {path}: {len(values)} tensors, {params} parameters (float32), the model after commit {seq} "
-          f"of run {descriptor.run_id} ({versions})", file=out)
+    print(f"wrote {path} ({fmt}): {len(values)} tensors, {params} parameters (float32), the model after "
+          f"commit {seq} of run {descriptor.run_id} ({versions})", file=out)
     return 0
 
 
