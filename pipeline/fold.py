@@ -30,7 +30,7 @@ import numpy as np
 from .checksum import tensor_digest
 from .envelope import DEFAULT_MAX_BYTES, seal, unseal
 from .errors import FormatError
-from .merge import MergeConfig, merge_fragment, token_weights
+from .merge import merge_fragment, token_weights
 from .outer import nesterov_step
 from .types import CommitRecord, DeltaHeader, DroppedRecord, InputRecord, RunDescriptor
 
@@ -152,9 +152,9 @@ def _state_from_body(body: Any, descriptor: RunDescriptor, name: str) -> SyncerS
             if v in history or not 0 <= v <= version:
                 raise FormatError(f"{where}: history version {v} is repeated or outside 0..{version}")
             history[v] = _arrays_from(item[1], specs, f"{where} history v{v}")
-        if version < 0 or version not in history or len(history) > descriptor.retain_versions:
+        if version < 0 or version not in history or len(history) > descriptor.versions.retain:
             raise FormatError(f"{where}: version {version} with history {sorted(history)} "
-                              f"(must hold the current version and at most {descriptor.retain_versions})")
+                              f"(must hold the current version and at most {descriptor.versions.retain})")
         fragments.append(FragmentState(version, _arrays_from(_need(f, "params", dict, where), specs, f"{where} params"),
                                        _arrays_from(_need(f, "momentum", dict, where), specs, f"{where} momentum"),
                                        history))
@@ -184,7 +184,7 @@ def published(values: Mapping[str, np.ndarray], version_dtype: str) -> dict[str,
 
 def initial_state(descriptor: RunDescriptor, init: Mapping[str, np.ndarray], *, last_seq: int = -1) -> SyncerState:
     """Version 0 of every fragment from the one initial model (SPEC §7), zero momentum."""
-    names = {t.name for t in descriptor.tensors}
+    names = {t.name for t in descriptor.layout.tensors}
     if set(init) != names:
         raise ValueError(f"initial model tensors differ from the descriptor's: missing {sorted(names - set(init))}, "
                          f"extra {sorted(set(init) - names)}")
@@ -199,7 +199,7 @@ def initial_state(descriptor: RunDescriptor, init: Mapping[str, np.ndarray], *, 
                 raise ValueError(f"initial tensor {spec.name} has non-finite values")
             params[spec.name] = _frozen(a)
         momentum = {n: _frozen(np.zeros(a.shape, np.float32)) for n, a in params.items()}
-        fragments.append(FragmentState(0, params, momentum, {0: published(params, descriptor.version_dtype)}))
+        fragments.append(FragmentState(0, params, momentum, {0: published(params, descriptor.versions.dtype)}))
     return SyncerState(fragments, [{} for _ in fragments], last_seq, descriptor.run_id)
 
 
@@ -345,7 +345,7 @@ def fold(state: SyncerState, descriptor: RunDescriptor, fragment: int, inputs: S
     fs = state.fragments[fragment]
     hw = state.high_water[fragment]
     specs = {s.name: s.shape for s in descriptor.fragment_specs(fragment)}
-    survivors, dropped = _select(inputs, fragment, fs, hw, specs, descriptor.schedule)
+    survivors, dropped = _select(inputs, fragment, fs, hw, specs, descriptor.schedule.driver)
     info = dict(info or {})
 
     def drop_commit(dropped: list[DroppedRecord]) -> FoldResult:
@@ -369,9 +369,9 @@ def fold(state: SyncerState, descriptor: RunDescriptor, fragment: int, inputs: S
             v[n] = ((current[n].astype(np.float64) - base[n].astype(np.float64)) + d).astype(np.float32)
         grads.append(v)
     weights = token_weights([i.header.c_tokens for i in survivors], [i.header.c_steps for i in survivors])
-    cfg = MergeConfig(descriptor.merge, frozenset(descriptor.embedding_tensors))
+    cfg = descriptor.merge
     g = merge_fragment(grads, weights, cfg)
-    params, momentum = nesterov_step(fs.params, fs.momentum, g, descriptor.outer_lr, descriptor.outer_momentum)
+    params, momentum = nesterov_step(fs.params, fs.momentum, g, descriptor.outer.lr, descriptor.outer.momentum)
     if not all(np.all(np.isfinite(a)) for d in (params, momentum) for a in d.values()):
         # Finite inputs whose merge overflows float32 (only without the norm guard, which caps
         # them): recorded, never published, never raised (issue 11 item 1).
@@ -380,8 +380,8 @@ def fold(state: SyncerState, descriptor: RunDescriptor, fragment: int, inputs: S
     params = {n: _frozen(a) for n, a in params.items()}
     momentum = {n: _frozen(a) for n, a in momentum.items()}
     version = fs.version + 1
-    pub = published(params, descriptor.version_dtype)
-    keep = range(version - descriptor.retain_versions + 1, version)
+    pub = published(params, descriptor.versions.dtype)
+    keep = range(version - descriptor.versions.retain + 1, version)
     history = {v: fs.history[v] for v in sorted(fs.history) if v in keep}
     history[version] = pub
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import re
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, MutableMapping, Sequence
 
 import numpy as np
@@ -116,6 +117,46 @@ def make_layout(specs: Sequence[TensorSpec], P: int, strategy: str = "balanced")
     if strategy == "roundrobin":
         return roundrobin_layout(specs, P)
     raise ValueError(f"fragment strategy {strategy!r} not one of {STRATEGIES}")
+
+
+@dataclass(frozen=True)
+class FragmentLayout:
+    """The run's tensors and which fragment holds each (the run descriptor's ``layout``): fragment p
+    is ``fragments[p]``, whole tensors by name, every tensor in exactly one; ``strategy`` (one of
+    STRATEGIES) records how ``make_layout`` made it."""
+
+    tensors: tuple[TensorSpec, ...]
+    fragments: tuple[tuple[str, ...], ...]
+    strategy: str = "balanced"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tensors", tuple(self.tensors))
+        object.__setattr__(self, "fragments", tuple(tuple(f) for f in self.fragments))
+        if not all(isinstance(t, TensorSpec) for t in self.tensors):
+            raise ValueError("layout tensors must be TensorSpecs")
+        if len(self.fragments) < 1:
+            raise ValueError("a run needs at least one fragment")
+        names = [t.name for t in self.tensors]
+        if len(set(names)) != len(names):
+            raise ValueError("duplicate tensor names in the layout")
+        if sorted(n for frag in self.fragments for n in frag) != sorted(names):
+            raise ValueError("fragments must place every tensor exactly once")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"layout strategy {self.strategy!r} not one of {STRATEGIES}")
+
+    @property
+    def num_fragments(self) -> int:
+        return len(self.fragments)
+
+    def spec(self, name: str) -> TensorSpec:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    def fragment_specs(self, p: int) -> list[TensorSpec]:
+        by_name = {t.name: t for t in self.tensors}
+        return [by_name[n] for n in self.fragments[p]]
 
 
 def fragment_offsets(P: int, H: int) -> list[int]:

@@ -1,7 +1,7 @@
 """Norm guard: drop a delta whose norm is far out of line (issue "Security", issue 11 item 2).
 
-On by default for new runs (``create_run`` writes ``RunDescriptor.extra["norm_guard"]``, map
-version 2: ``{"version": 2, "factor": F, "window": W, "min_history": N, "cap": C, "enabled": E}``).
+On by default for new runs (``create_run`` writes the descriptor's ``guard`` section, a
+NormGuardConfig: ``{"factor": F, "window": W, "min_history": N, "cap": C, "enabled": E, "version": 2}``).
 A delta of fragment p is dropped with reason ``norm-outlier`` when either
 
 - its L2 norm exceeds ``C * max(|Theta_p|, sqrt(n_p))`` (``|Theta_p|`` the norm of the fragment's
@@ -14,8 +14,9 @@ A delta of fragment p is dropped with reason ``norm-outlier`` when either
 It bounds how far one signed-but-wrong learner (a bug, a bit flip, a compromised key) can push a
 fragment in one round; RDA already bounds the merged norm by the weighted mean of the inputs'
 norms (SPEC §4), so without the guard one huge delta moves the fragment by a weighted share of it.
-Descriptors without the key (runs made before it was on by default, hand-built ones) and maps with
-``enabled: false`` have no guard; version-1 maps (no ``version`` key) have no cap, as before.
+Descriptors without a guard (runs made before it was on by default, hand-built ones) and guards with
+``enabled: false`` have no guard; version-1 guards (maps written without a ``version`` key) have no
+cap, as before.
 
 Deterministic, so replay reaches the same verdicts (SPEC §7 'Replay'): the median comes from the
 norms the syncer *recorded* in earlier merge commits (``CommitRecord.norms``, one per merged
@@ -30,13 +31,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
-from .errors import FormatError
-from .fold import RoundInput
-from .types import RunDescriptor
+if TYPE_CHECKING:      # annotations only: the descriptor imports NormGuardConfig from here
+    from .descriptor import RunDescriptor
+    from .fold import RoundInput
 
 OUTLIER = "norm-outlier"
 GUARD_MAP_VERSION = 2
@@ -80,22 +81,11 @@ class NormGuardConfig:
         return d
 
 
-def guard_config(descriptor: RunDescriptor) -> NormGuardConfig | None:
-    """The run's norm guard, or None when it has none (no key, or ``enabled: false``)."""
-    d = descriptor.extra.get("norm_guard")
-    if d is None:
-        return None
-    fields = {f.name for f in dataclasses.fields(NormGuardConfig)}
-    if not isinstance(d, dict) or not set(d) <= fields:
-        raise FormatError(f"run {descriptor.run_id}: norm_guard must be a map of {sorted(fields)}")
-    kw = dict(d)
-    if "version" not in kw:              # a version-1 map: no cap, as it was written
-        kw.update(version=1, cap=None)
-    try:
-        cfg = NormGuardConfig(**kw)
-    except (TypeError, ValueError) as exc:
-        raise FormatError(f"run {descriptor.run_id}: {exc}") from None
-    return cfg if cfg.enabled else None
+def guard_config(descriptor: "RunDescriptor") -> NormGuardConfig | None:
+    """The run's norm guard, or None when it has none (no ``guard`` section, or ``enabled: false``).
+    The descriptor validated the section when it was read (pipeline/descriptor.py)."""
+    cfg = descriptor.guard
+    return cfg if cfg is not None and cfg.enabled else None
 
 
 def _sumsq_parts(a: np.ndarray) -> list[float]:

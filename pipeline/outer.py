@@ -19,11 +19,12 @@ twice differs from rounding once). Pure: inputs are never mutated.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Mapping
 
 import numpy as np
 
-__all__ = ["fma32", "nesterov_step"]
+__all__ = ["OuterConfig", "fma32", "nesterov_step"]
 
 
 def fma32(a: np.ndarray, b: np.ndarray | float, c: np.ndarray | float) -> np.ndarray:
@@ -87,6 +88,20 @@ def _check_scalar(name: str, value: float) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
     return float(value)
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """The run's outer optimizer: learning rate eta and Nesterov momentum mu (the descriptor's ``outer``)."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        if _check_scalar("outer lr", self.lr) < 0:
+            raise ValueError(f"outer lr must be >= 0, got {self.lr}")
+        if not 0.0 <= _check_scalar("outer momentum", self.momentum) < 1.0:
+            raise ValueError(f"outer momentum must lie in [0, 1), got {self.momentum}")
 
 
 def nesterov_step(params: Mapping[str, np.ndarray], momentum: Mapping[str, np.ndarray],

@@ -18,9 +18,31 @@ from typing import Any, Sequence
 from .envelope import pack_record, unpack_record
 from .errors import FormatError
 
-__all__ = ["RoundClock", "ClockRecord", "latest_round", "CLOCK_KIND", "CLOCK_VERSION"]
+__all__ = ["ScheduleConfig", "DRIVERS", "RoundClock", "ClockRecord", "latest_round", "CLOCK_KIND", "CLOCK_VERSION"]
 
 CLOCK_KIND, CLOCK_VERSION = "round-clock", 1
+DRIVERS = ("syncer", "learner")     # who opens rounds; "learner": runs made before syncer-driven rounds
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """When fragments sync (the run descriptor's ``schedule``): fragment p falls due at steps t with
+    ``t mod sync_every == offsets[p]`` (H and t_p, SPEC §2); ``driver`` says who opens rounds (SPEC
+    §3-4: the syncer; "learner" only replays old logs with their rules, pipeline/fold.py)."""
+
+    sync_every: int
+    offsets: tuple[int, ...]
+    driver: str = "syncer"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "offsets", tuple(self.offsets))
+        H = self.sync_every
+        if not isinstance(H, int) or isinstance(H, bool) or H < 1:
+            raise ValueError(f"schedule sync_every (H) must be an int >= 1, got {H!r}")
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < H for t in self.offsets):
+            raise ValueError(f"schedule offsets {list(self.offsets)} must lie in 0..{H - 1}")
+        if self.driver not in DRIVERS:
+            raise ValueError(f"schedule driver {self.driver!r} not one of {DRIVERS}")
 
 
 def _check_offsets(H: int, offsets: Sequence[int]) -> None:

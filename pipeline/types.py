@@ -1,8 +1,9 @@
-"""Typed records shared by every component: delta headers, commit records, the run descriptor.
+"""Typed records shared by every component: delta headers, tensor specs, commit records.
 
 Each has ``to_dict()`` (plain msgpack/JSON-able values) and ``from_dict()`` which validates and
 raises ``FormatError`` naming the bad field. Their byte encodings (envelope kinds and versions)
-live beside them so that one place owns each format; docs/formats.md describes them.
+live beside them so that one place owns each format; docs/formats.md describes them. The run
+descriptor is in pipeline/descriptor.py (re-exported here).
 """
 from __future__ import annotations
 
@@ -194,7 +195,6 @@ class DroppedRecord:
 
 
 COMMIT_KINDS = ("init", "fence", "merge", "drop")  # drop: deltas rejected, no new version
-SCHEDULES = ("syncer", "learner")
 
 
 @dataclass(frozen=True)
@@ -313,127 +313,11 @@ def _info_with_norms(info: dict[str, Any], norms: tuple[float, ...]) -> dict[str
     return out
 
 
-@dataclass(frozen=True)
-class RunDescriptor:
-    """Everything fixed for a run, written once (create-if-absent) with version 0 of the model.
-
-    Carries no secrets. ``fragments`` is the tensor layout (list of tensor names per fragment),
-    ``offsets[p]`` the step offset t_p at which fragment p falls due (SPEC §2).
-    """
-
-    run_id: str
-    tensors: tuple[TensorSpec, ...]
-    fragments: tuple[tuple[str, ...], ...]
-    offsets: tuple[int, ...]
-    sync_every: int                      # H
-    overlap: int = 1                     # tau
-    quorum: int = 1                      # K
-    compression: str = "int4"            # int4 | int8 | bf16 | fp32
-    block_size: int = 64
-    zstd_level: int = 3
-    version_dtype: str = "fp32"          # fp32 | bf16: how merged versions travel
-    merge: str = "rda"                   # rda | mean
-    embedding_tensors: tuple[str, ...] = ()
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    grace_gamma: float = 0.5
-    grace_cap_s: float = 0.0             # 0 = one measured step time
-    retain_versions: int = 16
-    mixing_alpha: float = 0.0
-    fragment_strategy: str = "balanced"
-    schedule: str = "syncer"             # syncer: rounds opened by the syncer (SPEC §3-4); learner: old runs
-    keep_progress: bool = False          # learners keep their steps since the answer when a version lands
-    seed: int = 0
-    model: dict[str, Any] = field(default_factory=dict)   # model config for jobs that build one
-    extra: dict[str, Any] = field(default_factory=dict)   # forward-compatible, never secrets
-
-    KIND = "run-descriptor"
-    VERSION = 1
-
-    def __post_init__(self) -> None:
-        if not self.run_id:
-            raise ValueError("run_id must be non-empty")
-        P = len(self.fragments)
-        if P < 1:
-            raise ValueError("a run needs at least one fragment")
-        if len(self.offsets) != P:
-            raise ValueError(f"{P} fragments but {len(self.offsets)} offsets")
-        if self.sync_every < 1:
-            raise ValueError(f"sync_every (H) must be >= 1, got {self.sync_every}")
-        if any(not 0 <= t < self.sync_every for t in self.offsets):
-            raise ValueError(f"offsets {list(self.offsets)} must lie in 0..{self.sync_every - 1}")
-        names = [t.name for t in self.tensors]
-        if len(set(names)) != len(names):
-            raise ValueError("duplicate tensor names in descriptor")
-        placed = [n for frag in self.fragments for n in frag]
-        if sorted(placed) != sorted(names):
-            raise ValueError("fragments must place every tensor exactly once")
-        if self.quorum < 1:
-            raise ValueError(f"quorum (K) must be >= 1, got {self.quorum}")
-        if self.compression not in ("int4", "int8", "bf16", "fp32"):
-            raise ValueError(f"compression {self.compression!r} not one of int4, int8, bf16, fp32")
-        if self.version_dtype not in ("fp32", "bf16"):
-            raise ValueError(f"version_dtype {self.version_dtype!r} not one of fp32, bf16")
-        if self.merge not in ("rda", "mean"):
-            raise ValueError(f"merge {self.merge!r} not one of rda, mean")
-        if self.block_size < 2 or self.block_size % 2:
-            raise ValueError(f"block_size must be an even number >= 2, got {self.block_size}")
-        if self.retain_versions < 1:
-            raise ValueError(f"retain_versions must be >= 1, got {self.retain_versions}")
-        if not 0.0 <= self.mixing_alpha < 1.0:
-            raise ValueError(f"mixing_alpha must lie in [0, 1), got {self.mixing_alpha}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule {self.schedule!r} not one of {SCHEDULES}")
-
-    @property
-    def num_fragments(self) -> int:
-        return len(self.fragments)
-
-    def spec(self, name: str) -> TensorSpec:
-        for t in self.tensors:
-            if t.name == name:
-                return t
-        raise KeyError(name)
-
-    def fragment_specs(self, p: int) -> list[TensorSpec]:
-        by_name = {t.name: t for t in self.tensors}
-        return [by_name[n] for n in self.fragments[p]]
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["tensors"] = [t.to_dict() for t in self.tensors]
-        d["fragments"] = [list(f) for f in self.fragments]
-        d["offsets"] = list(self.offsets)
-        d["embedding_tensors"] = list(self.embedding_tensors)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "RunDescriptor":
-        what = "run descriptor"
-        if not isinstance(d, dict):
-            raise FormatError(f"{what}: expected a map")
-        kw = dict(d)
-        unknown = set(kw) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise FormatError(f"{what}: unknown fields {sorted(unknown)}")
-        try:
-            kw["tensors"] = tuple(TensorSpec.from_dict(t) for t in _get(d, "tensors", list, what))
-            kw["fragments"] = tuple(tuple(f) for f in _get(d, "fragments", list, what))
-            kw["offsets"] = tuple(_get(d, "offsets", list, what))
-            kw["embedding_tensors"] = tuple(kw.get("embedding_tensors", ()))
-            # Descriptors written before syncer-driven rounds had learners send on their own step
-            # counters: their logs replay with that run's rules (pipeline/fold.py).
-            kw.setdefault("schedule", "learner")
-            return cls(**kw)
-        except (TypeError, ValueError) as exc:
-            if isinstance(exc, FormatError):
-                raise
-            raise FormatError(f"{what}: {exc}") from None
-
-    def to_bytes(self) -> bytes:
-        return pack_record(self.KIND, self.VERSION, self.to_dict())
-
-    @classmethod
-    def from_bytes(cls, blob: bytes, what: str | None = None) -> "RunDescriptor":
-        _, d = unpack_record(blob, cls.KIND, cls.VERSION, what=what)
-        return cls.from_dict(d)
+def __getattr__(name: str) -> Any:
+    # The run descriptor composes the components' config sections (pipeline/descriptor.py), and
+    # those modules import this one: it is loaded on first use, so ``from pipeline.types import
+    # RunDescriptor`` keeps working.
+    if name == "RunDescriptor":
+        from .descriptor import RunDescriptor
+        return RunDescriptor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -78,7 +78,7 @@ def plan_retention(store: ObjectStore, keep_checkpoints: int = 2, keep_versions:
         raise ValueError(f"scan_from must be an int >= 0, got {scan_from!r}")
     if keep_versions is None:
         try:
-            keep_versions = read_descriptor(store).retain_versions
+            keep_versions = read_descriptor(store).versions.retain
         except (NotFound, FormatError):
             keep_versions = 16
     if not isinstance(keep_versions, int) or keep_versions < 1:

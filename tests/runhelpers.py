@@ -69,7 +69,7 @@ class TinyRun:
         job = JobSettings(steps=self.steps, batch_size=4, lr=3e-3, max_bytes=300_000, shards=self.learners)
         model = build_model(TINY, 0)
         init = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
-        kw = dict(fragments=3, sync_every=6, model=TINY.to_dict(), extra={"job": job.to_dict()})
+        kw = dict(fragments=3, sync_every=6, model=TINY.to_dict(), job=job.to_dict())
         kw.update(settings)
         names = [f"l{m}" for m in range(self.learners)]
         self.idents = ensure_identities(self.keydir, [SYNCER, *names]) if self.secure else {}

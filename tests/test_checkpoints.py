@@ -7,6 +7,9 @@ import pytest
 
 from conftest import make_commit
 from pipeline.errors import FormatError
+from pipeline.descriptor import VersionsConfig
+from pipeline.fragment import FragmentLayout
+from pipeline.schedule import ScheduleConfig
 from pipeline.types import DroppedRecord, RunDescriptor, TensorSpec
 from storage import layout
 from storage.checkpoints import (CheckpointPolicy, latest_checkpoint, list_checkpoints, read_checkpoint,
@@ -73,8 +76,8 @@ def test_checkpoint_policy():
 def _build_run(store):
     """Commits 0..11; each merge names one delta (some spilled) and produces a version of
     fragment 0; checkpoints after 3, 7 and 11."""
-    write_descriptor(store, RunDescriptor(run_id="r", tensors=(TensorSpec("w", (1,)),), fragments=(("w",),),
-                                          offsets=(0,), sync_every=1, retain_versions=3))
+    write_descriptor(store, RunDescriptor(run_id="r", layout=FragmentLayout((TensorSpec("w", (1,)),), (("w",),)),
+                                          schedule=ScheduleConfig(1, (0,)), versions=VersionsConfig(retain=3)))
     log = CommitLog(store)
     store.put_if_absent(layout.version_key(0, 0), b"v0")
     log.append(make_commit(0, kind="init", version=0, output_key=layout.version_key(0, 0)))

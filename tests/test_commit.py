@@ -14,17 +14,20 @@ from pipeline.envelope import pack_record
 from pipeline.errors import FormatError
 from pipeline.fold import ReplayMismatch, RoundInput, fold, initial_state
 from pipeline.guard import NormGuardConfig, NormWindow, delta_norm
-from pipeline.types import CommitRecord, DeltaHeader, DroppedRecord, RunDescriptor, TensorSpec
+from pipeline.descriptor import RunDescriptor, VersionsConfig
+from pipeline.fragment import FragmentLayout
+from pipeline.merge import MergeConfig
+from pipeline.schedule import ScheduleConfig
+from pipeline.types import CommitRecord, DeltaHeader, DroppedRecord, TensorSpec
 
 SHAPES = {"wte.weight": (4, 3), "h.0.w": (5,), "h.1.w": (6,)}
 GUARD = NormGuardConfig(factor=4.0, window=4, min_history=2)
 
 
-def make_desc(guard: NormGuardConfig | dict | None = GUARD, **kw) -> RunDescriptor:
-    extra = {} if guard is None else {"norm_guard": guard.to_dict() if isinstance(guard, NormGuardConfig) else guard}
-    base = dict(run_id="run-c", tensors=tuple(TensorSpec(n, s) for n, s in SHAPES.items()),
-                fragments=(("h.0.w", "wte.weight"), ("h.1.w",)), offsets=(0, 1), sync_every=2,
-                embedding_tensors=("wte.weight",), retain_versions=3, extra=extra)
+def make_desc(guard: NormGuardConfig | None = GUARD, **kw) -> RunDescriptor:
+    layout = FragmentLayout(tuple(TensorSpec(n, s) for n, s in SHAPES.items()), (("h.0.w", "wte.weight"), ("h.1.w",)))
+    base = dict(run_id="run-c", layout=layout, schedule=ScheduleConfig(2, (0, 1)),
+                merge=MergeConfig("rda", frozenset({"wte.weight"})), versions=VersionsConfig(retain=3), guard=guard)
     base.update(kw)
     return RunDescriptor(**base)
 
@@ -217,7 +220,7 @@ def test_replay_rejects_altered_or_missing_norms():
 
 
 def test_a_version_1_guard_accepts_norms_off_in_the_last_bits_and_keeps_the_recorded_ones():
-    v1 = {"factor": 4.0, "window": 4, "min_history": 2}              # written before the cap existed
+    v1 = NormGuardConfig(4.0, 4, 2, cap=None, version=1)              # written before the cap existed
     desc, s0, w0 = start(make_desc(guard=v1))
     assert w0.cfg.version == 1 and w0.cfg.cap is None
     (c, ins), *_ = _rounds(desc, s0, w0)

@@ -16,15 +16,21 @@ from pipeline.fold import (FoldResult, ReplayMismatch, RoundInput, SyncerState, 
 from pipeline.checksum import tensor_digest
 from pipeline.merge import MergeConfig, merge_fragment, token_weights
 from pipeline.outer import nesterov_step
-from pipeline.types import DeltaHeader, RunDescriptor, TensorSpec
+from pipeline.descriptor import RunDescriptor, VersionsConfig
+from pipeline.fragment import FragmentLayout
+from pipeline.schedule import ScheduleConfig
+from pipeline.types import DeltaHeader, TensorSpec
 
 SHAPES = {"wte.weight": (4, 3), "h.0.w": (5,), "h.1.w": (6,)}
 
 
-def make_desc(**kw) -> RunDescriptor:
-    base = dict(run_id="run-1", tensors=tuple(TensorSpec(n, s) for n, s in SHAPES.items()),
-                fragments=(("h.0.w", "wte.weight"), ("h.1.w",)), offsets=(0, 1), sync_every=2,
-                embedding_tensors=("wte.weight",), retain_versions=3)
+def make_layout(shapes=SHAPES) -> FragmentLayout:
+    return FragmentLayout(tuple(TensorSpec(n, s) for n, s in shapes.items()), (("h.0.w", "wte.weight"), ("h.1.w",)))
+
+
+def make_desc(method: str = "rda", **kw) -> RunDescriptor:
+    base = dict(run_id="run-1", layout=make_layout(), schedule=ScheduleConfig(2, (0, 1)),
+                merge=MergeConfig(method, frozenset({"wte.weight"})), versions=VersionsConfig(retain=3))
     base.update(kw)
     return RunDescriptor(**base)
 
@@ -51,7 +57,7 @@ def run(state, desc, inputs, frag=0, **kw) -> FoldResult:
 # ------------------------------------------------------------------ merge semantics
 
 def test_fresh_delta_merges_as_the_outer_gradient_exactly():
-    desc = make_desc(merge="mean")
+    desc = make_desc(method="mean")
     s0 = initial_state(desc, init_model())
     d = delta(np.random.default_rng(1))
     res = run(s0, desc, [inp("a", 0, d)])
@@ -67,7 +73,7 @@ def test_fresh_delta_merges_as_the_outer_gradient_exactly():
 
 
 def test_stale_delta_is_reconstructed_against_the_current_version():
-    desc = make_desc(merge="mean")
+    desc = make_desc(method="mean")
     rng = np.random.default_rng(2)
     s0 = initial_state(desc, init_model())
     s1 = run(s0, desc, [inp("a", 0, delta(rng))]).state
@@ -123,7 +129,7 @@ def test_seq_must_follow_the_last_one():
 # ------------------------------------------------------------------ drops
 
 def test_every_drop_reason_is_recorded():
-    desc = make_desc(retain_versions=2)
+    desc = make_desc(versions=VersionsConfig(retain=2))
     rng = np.random.default_rng(5)
     s = initial_state(desc, init_model())
     s = run(s, desc, [inp("h", 3, delta(rng))]).state             # v1; h's high water (0, 3)
@@ -190,7 +196,7 @@ def test_high_water_dedupes_across_rounds_and_copies():
 
 
 def test_history_is_trimmed_to_retain_versions():
-    desc = make_desc(retain_versions=2)
+    desc = make_desc(versions=VersionsConfig(retain=2))
     rng = np.random.default_rng(8)
     s = initial_state(desc, init_model())
     for v in range(4):
@@ -221,7 +227,7 @@ def test_fold_is_bit_identical_under_any_input_order(perm):
 
 def test_bf16_versions_publish_rounded_values():
     codec = pytest.importorskip("pipeline.codec")
-    desc = make_desc(version_dtype="bf16")
+    desc = make_desc(versions=VersionsConfig("bf16", 3))
     s0 = initial_state(desc, init_model())
     res = run(s0, desc, [inp("a", 0, delta(np.random.default_rng(10)))])
     for n, a in res.published.items():
@@ -268,7 +274,7 @@ def test_damaged_checkpoints_raise_format_error():
         SyncerState.from_bytes(s.to_bytes()[:-100], desc)
     with pytest.raises(FormatError, match="not of run 'other'"):
         SyncerState.from_bytes(s.to_bytes(), make_desc(run_id="other"))
-    other_shape = make_desc(tensors=tuple(TensorSpec(n, (7,) if n == "h.1.w" else sh) for n, sh in SHAPES.items()))
+    other_shape = make_desc(layout=make_layout({n: (7,) if n == "h.1.w" else sh for n, sh in SHAPES.items()}))
     with pytest.raises(FormatError, match=r"tensor h.1.w: shape \[6\] but the descriptor says \[7\]"):
         SyncerState.from_bytes(s.to_bytes(), other_shape)
     # well-sealed bodies with wrong contents

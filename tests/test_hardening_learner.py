@@ -40,7 +40,7 @@ def append_version(store, desc, fragment: int, version: int, values: dict[str, n
     """A merge commit of ``fragment`` naming a version blob with ``values`` (what a syncer writes)."""
     log = CommitLog(store)
     seq = log.tail() + 1
-    part = published({n: values[n] for n in desc.fragments[fragment]}, desc.version_dtype)
+    part = published({n: values[n] for n in desc.layout.fragments[fragment]}, desc.versions.dtype)
     key = version_key(fragment, version, 0)
     checksum = tensor_digest(part)
     store.put_if_absent(key, encode_version(desc, fragment, version, seq, 0, part, None, checksum))
@@ -74,7 +74,7 @@ def params_finite(model) -> bool:
 
 
 def bomb(desc, value=1e30) -> dict[str, np.ndarray]:
-    return {t.name: np.full(t.shape, value, np.float32) for t in desc.tensors}
+    return {t.name: np.full(t.shape, value, np.float32) for t in desc.layout.tensors}
 
 
 # -- item 2: non-finite models ---------------------------------------------------------------------
@@ -89,14 +89,14 @@ def test_a_version_that_makes_the_model_explode_is_reverted(tmp_path):
     learner, events = start_learner(store, model)
     try:
         train_until(learner, lambda: learner.step_count >= 3, "three good steps")
-        good = {n: p.detach().clone() for n, p in model.named_parameters() if n in desc.fragments[0]}
+        good = {n: p.detach().clone() for n, p in model.named_parameters() if n in desc.layout.fragments[0]}
         append_version(store, desc, 0, 1, bomb(desc))
         train_until(learner, lambda: events.named("nonfinite-step"), "the bomb to be applied and caught")
         (ev,) = events.named("nonfinite-step")
         assert ev["action"] == "reload-last-good" and ev["reloaded"] == {"0": 0}, ev
         assert learner.base_version[0] == 0 and learner.c_steps[0] == 0
         for n, p in model.named_parameters():
-            if n in desc.fragments[0]:    # its version-0 values (AdamW moved them a little since: not equal)
+            if n in desc.layout.fragments[0]:    # its version-0 values (AdamW moved them a little since: not equal)
                 assert torch.equal(p.detach(), torch.from_numpy(learner.base[0][n])), n
         assert not all(torch.equal(good[n], torch.from_numpy(learner.base[0][n])) for n in good)
         losses = []
@@ -193,7 +193,7 @@ def test_a_version_that_failed_to_load_is_retried_not_skipped(tmp_path, flaky):
     store = flaky(inner)
     learner, events = start_learner(store, model)
     try:
-        values = {t.name: np.full(t.shape, 0.01, np.float32) for t in desc.tensors}
+        values = {t.name: np.full(t.shape, 0.01, np.float32) for t in desc.layout.tensors}
         store.fail("get", times=5, prefix=version_key(0, 1, 0))
         append_version(inner, desc, 0, 1, values)
         train_until(learner, lambda: learner.base_version[0] == 1, "version 1 to be applied after the failures")
@@ -214,7 +214,7 @@ def test_failed_flag_is_set_while_versions_cannot_load(tmp_path, flaky):
     learner, events = start_learner(store, model)
     try:
         store.fail("get", times=10**6, prefix=version_key(1, 1, 0))
-        append_version(inner, desc, 1, 1, {t.name: np.zeros(t.shape, np.float32) for t in desc.tensors})
+        append_version(inner, desc, 1, 1, {t.name: np.zeros(t.shape, np.float32) for t in desc.layout.tensors})
         train_until(learner, lambda: learner.stats()["receiver_failed"], "the receiver to report itself failed")
         assert "fragment 1" in learner.stats()["receiver_failed"]
         assert "injected failure" in learner.stats()["receiver_failed"]

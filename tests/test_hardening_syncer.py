@@ -63,7 +63,7 @@ def _syncer(store, **cfg) -> tuple[Syncer, list[tuple[str, dict]]]:
 
 def _blob(desc, h: DeltaHeader, fill: float = 0.01, scheme: str = "int8", fragment: int | None = None) -> bytes:
     p = h.fragment if fragment is None else fragment
-    tensors = {n: np.full(desc.spec(n).shape, fill, np.float32) for n in desc.fragments[p]}
+    tensors = {n: np.full(desc.spec(n).shape, fill, np.float32) for n in desc.layout.fragments[p]}
     return encode("delta", h.to_dict(), tensors, CodecConfig(scheme=scheme))
 
 
@@ -150,7 +150,7 @@ def _bytes_of(desc, hd: dict, kind: str, fill: float, scheme: str, junk: bytes) 
     if kind == "garbage":
         return junk
     if kind == "shape":
-        tensors = {n: np.full((3,), fill, np.float32) for n in desc.fragments[frag]}
+        tensors = {n: np.full((3,), fill, np.float32) for n in desc.layout.fragments[frag]}
         return encode("delta", h.to_dict(), tensors, CodecConfig(scheme=scheme))
     if kind == "other-header":     # the blob names another delta than the message
         return _blob(desc, DeltaHeader(**{**hd, "seq": hd["seq"] + 1 if hd["seq"] < 10**12 else 0}), fill,
@@ -317,7 +317,7 @@ def test_an_older_life_of_a_learner_id_is_dropped_as_stale_incarnation(tmp_path)
     state = initial_state(desc, _init(), last_seq=0)
     state.high_water[0]["l0"] = (7, 2)
     h = DeltaHeader("l0", 6, 9, 0, 0, 4, 400, 9)
-    tensors = {n: np.full(desc.spec(n).shape, 0.01, np.float32) for n in desc.fragments[0]}
+    tensors = {n: np.full(desc.spec(n).shape, 0.01, np.float32) for n in desc.layout.fragments[0]}
     res = fold(state, desc, 0, [RoundInput(h, "k", "c" * 64, tensors)], seq=1, epoch=1, output_key="v")
     assert res.record.kind == "drop"
     assert res.record.dropped[0].reason == "stale-incarnation: incarnation 7 of l0 was merged since"

@@ -170,9 +170,9 @@ def test_a_damaged_newest_version_is_skipped_by_learners_and_republished_by_the_
     _done(s)
     values, versions = VersionTracker(run.store, run.desc).load_all()
     assert versions[0] == rec.version
-    np.testing.assert_array_equal(values["a.weight"] if "a.weight" in run.desc.fragments[0] else
-                                  values[run.desc.fragments[0][0]],
-                                  s.state.fragments[0].history[rec.version][run.desc.fragments[0][0]])
+    np.testing.assert_array_equal(values["a.weight"] if "a.weight" in run.desc.layout.fragments[0] else
+                                  values[run.desc.layout.fragments[0][0]],
+                                  s.state.fragments[0].history[rec.version][run.desc.layout.fragments[0][0]])
 
 
 def test_a_deleted_commit_before_the_checkpoint_is_reported_not_appended_over_silently(tmp_path):
@@ -207,7 +207,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_an_older_one_loudly(tmp_path)
 
 def test_fences_are_signed_and_a_forged_one_is_refused_by_replay_and_skipped_by_recovery(tmp_path):
     run, _ = _grown(tmp_path, merges=3, signed=True)
-    sec = run.desc.extra["security"]["syncer"]["sign"]
+    sec = run.desc.security.syncer.sign
     fences = [r for r in _commits(run.store) if r.kind == "fence"]
     assert fences and all(commit_signature_ok(r, sec, run.desc.run_id) for r in fences)
     log = CommitLog(run.store)

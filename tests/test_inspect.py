@@ -152,7 +152,7 @@ def test_export_of_the_last_commit_is_the_final_model(run, tmp_path, capsys):
     state = torch.load(path, weights_only=True)
     store, desc = open_run(store_of(run))
     final, _ = VersionTracker(store, desc).load_all()
-    assert list(state) == [t.name for t in desc.tensors]
+    assert list(state) == [t.name for t in desc.layout.tensors]
     for name, value in final.items():
         assert state[name].dtype == torch.float32
         assert np.array_equal(state[name].numpy(), value), name

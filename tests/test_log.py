@@ -13,6 +13,8 @@ import pytest
 
 from conftest import FlakyStore, make_commit
 from pipeline.errors import FormatError
+from pipeline.fragment import FragmentLayout
+from pipeline.schedule import ScheduleConfig
 from pipeline.types import RunDescriptor, TensorSpec
 from storage import layout
 from storage.errors import AlreadyExists, Conflict, Fenced, NotFound, Unavailable
@@ -60,8 +62,8 @@ def test_key_builders_reject_bad_values(call):
 
 
 def _descriptor(run_id: str = "run-a") -> RunDescriptor:
-    return RunDescriptor(run_id=run_id, tensors=(TensorSpec("w", (2, 2)),), fragments=(("w",),), offsets=(0,),
-                         sync_every=1)
+    return RunDescriptor(run_id=run_id, layout=FragmentLayout((TensorSpec("w", (2, 2)),), (("w",),)),
+                         schedule=ScheduleConfig(1, (0,)))
 
 
 def test_descriptor_create_once(store):

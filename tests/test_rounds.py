@@ -5,10 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pipeline.descriptor import migrate_v1
 from pipeline.errors import FormatError
 from pipeline.fold import RoundInput, fold, initial_state
 from pipeline.policy import Pending, PolicyConfig, Timing, decide, late_deadline
-from pipeline.schedule import ClockRecord, RoundClock, latest_round
+from pipeline.fragment import FragmentLayout
+from pipeline.merge import MergeConfig
+from pipeline.schedule import ClockRecord, RoundClock, ScheduleConfig, latest_round
 from pipeline.types import CommitRecord, DeltaHeader, InputRecord, RunDescriptor, TensorSpec
 from workers.rounds import RoundBook
 
@@ -91,8 +94,8 @@ SHAPES = {"w": (6,)}
 
 
 def _desc(schedule="syncer") -> RunDescriptor:
-    return RunDescriptor(run_id="r", tensors=(TensorSpec("w", (6,)),), fragments=(("w",),), offsets=(0,),
-                         sync_every=1, merge="mean", schedule=schedule)
+    return RunDescriptor(run_id="r", layout=FragmentLayout((TensorSpec("w", (6,)),), (("w",),)),
+                         schedule=ScheduleConfig(1, (0,), schedule), merge=MergeConfig("mean"))
 
 
 def _inp(seq, base, rnd, scale, learner="a"):
@@ -132,9 +135,9 @@ def test_learner_driven_logs_replay_with_their_own_rule():
 
 
 def test_records_without_rounds_still_load_and_old_descriptors_are_learner_driven():
-    d = _desc().to_dict()
-    del d["schedule"]
-    assert RunDescriptor.from_dict(d).schedule == "learner"
+    v1 = {"run_id": "r", "tensors": [{"name": "w", "shape": [6], "dtype": "float32"}], "fragments": [["w"]],
+          "offsets": [0], "sync_every": 1, "merge": "mean"}              # a v1 document, without "schedule"
+    assert RunDescriptor.from_dict(migrate_v1(v1)).schedule.driver == "learner"
     h = DeltaHeader("a", 1, 2, 0, 0, 1, 1, 0).to_dict()
     del h["round"]
     assert DeltaHeader.from_dict(h).round == -1
@@ -151,8 +154,8 @@ def test_records_without_rounds_still_load_and_old_descriptors_are_learner_drive
 # ------------------------------------------------------------------ the syncer's round book
 
 def test_round_book_follows_the_live_learners_pace_and_replaces_unclosed_rounds():
-    desc = RunDescriptor(run_id="r", tensors=(TensorSpec("a", (2,)), TensorSpec("b", (2,))),
-                         fragments=(("a",), ("b",)), offsets=(0, 2), sync_every=4)
+    desc = RunDescriptor(run_id="r", layout=FragmentLayout((TensorSpec("a", (2,)), TensorSpec("b", (2,))),
+                                                           (("a",), ("b",))), schedule=ScheduleConfig(4, (0, 2)))
     book = RoundBook(desc, live_timeout_s=5.0, initial_step_s=1.0)
     assert book.tick(0.0) == [(0, 0)]                       # before any pace: the initial step time
     book.heartbeat("l0", 0.1, 0.1)

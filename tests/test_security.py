@@ -70,7 +70,7 @@ def signed(tmp_path):
 
 def _blob(desc, learner: str, seq: int, scale: float = 0.01, inc: int = 1, base: int = 0):
     h = DeltaHeader(learner, inc, seq, 0, base, 4, 400, seq)
-    tensors = {t.name: np.full(t.shape, scale * (seq + 1), np.float32) for t in desc.tensors}
+    tensors = {t.name: np.full(t.shape, scale * (seq + 1), np.float32) for t in desc.layout.tensors}
     return h, encode("delta", h.to_dict(), tensors, CodecConfig(scheme="int8"))
 
 

@@ -38,7 +38,7 @@ def _run(tmp_path):
 
 def _spill(store, desc, seq: int) -> DeltaHeader:
     h = DeltaHeader("l0", 1, seq, 0, 0, 4, 400, seq)
-    tensors = {t.name: np.full(t.shape, 0.01 * (seq + 1), np.float32) for t in desc.tensors}
+    tensors = {t.name: np.full(t.shape, 0.01 * (seq + 1), np.float32) for t in desc.layout.tensors}
     store.put_if_absent(spill_key(h.learner, h.incarnation, h.seq), encode("delta", h.to_dict(), tensors,
                                                                            CodecConfig(scheme="int8")))
     return h

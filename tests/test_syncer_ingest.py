@@ -36,7 +36,7 @@ def tiny(tmp_path):
 
 def _delta(desc, seq: int, learner: str = "l0") -> tuple[DeltaHeader, bytes]:
     h = DeltaHeader(learner, 1, seq, 0, 0, 4, 400, seq)
-    tensors = {t.name: np.full(t.shape, 0.01 * (seq + 1), np.float32) for t in desc.tensors}
+    tensors = {t.name: np.full(t.shape, 0.01 * (seq + 1), np.float32) for t in desc.layout.tensors}
     return h, encode("delta", h.to_dict(), tensors, CodecConfig(scheme="int8"))
 
 

@@ -33,7 +33,7 @@ from storage.layout import read_descriptor
 from storage.store import open_store
 from .bus import BusConfig
 from .events import EventLog
-from .keys import SYNCER, KeyRing, key_paths, load_identity, load_public, run_security
+from .keys import SYNCER, KeyRing, key_paths, load_identity, load_public
 from .syncer import Syncer, SyncerConfig
 
 
@@ -61,7 +61,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 def _keyring(args, store, role: str, ident: str) -> KeyRing | None:
     """The role's keys from --key/--keys, checked against the run's mode (SystemExit with the fix)."""
     desc = read_descriptor(store)
-    signed = run_security(desc) is not None
+    signed = desc.security is not None
     given = args.key or args.keys or getattr(args, "syncer_key", None)
     if args.insecure and given:
         raise SystemExit("--insecure and key options exclude each other")

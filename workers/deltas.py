@@ -41,9 +41,9 @@ def max_delta_bytes(descriptor: RunDescriptor) -> int:
     largest; int8 can exceed it only through block padding of tiny tensors), zstd's worst-case
     expansion and the envelope, header and signature around it. Bus messages and spilled
     objects above this are refused before they are read."""
-    bs = descriptor.block_size
+    bs = descriptor.codec.block_size
     worst = 0
-    for frag in descriptor.fragments:
+    for frag in descriptor.layout.fragments:
         raw = 0
         for name in frag:
             spec = descriptor.spec(name)
@@ -103,7 +103,7 @@ def _decode(inner: bytes, descriptor: RunDescriptor, what: str) -> tuple[dict[st
         dec = decode(inner, DELTA_KIND, max_bytes=max_fragment_bytes(descriptor), what=what)
     except FormatError:
         return None, ""
-    names = {t.name: t.dtype for t in descriptor.tensors}
+    names = {t.name: t.dtype for t in descriptor.layout.tensors}
     for n, a in sorted(dec.tensors.items()):
         want = names.get(n)
         if dec.scheme == "fp32" and want in ("float16", "float32", "float64") and a.dtype != np.dtype(want):

@@ -77,7 +77,7 @@ def model_at(store: ObjectStore, descriptor: RunDescriptor, seq: int,
             if cache is not None:
                 cache[rec.output_key] = values
         parts.update(values)
-    return {t.name: parts[t.name] for t in descriptor.tensors}, commits
+    return {t.name: parts[t.name] for t in descriptor.layout.tensors}, commits
 
 
 def resolve_seq(store: ObjectStore, text: str | int) -> int:
@@ -182,9 +182,9 @@ class TensorChange:
 
 def diff_models(a: dict[str, np.ndarray], b: dict[str, np.ndarray], descriptor: RunDescriptor,
                 va: dict[int, CommitRecord], vb: dict[int, CommitRecord]) -> list[TensorChange]:
-    frag = {n: p for p, names in enumerate(descriptor.fragments) for n in names}
+    frag = {n: p for p, names in enumerate(descriptor.layout.fragments) for n in names}
     out = []
-    for t in descriptor.tensors:
+    for t in descriptor.layout.tensors:
         x, y = a[t.name].astype(np.float64), b[t.name].astype(np.float64)
         d = y - x
         na, nd = float(np.linalg.norm(x)), float(np.linalg.norm(d))

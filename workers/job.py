@@ -1,7 +1,7 @@
 """The default job: the GPT of workers/model.py on a real offline corpus (workers/data.py).
 
 ``learner_process`` is what one ``ddiloco learner`` process runs: everything it needs comes from
-the run descriptor (model config in ``model``, job settings in ``extra["job"]``), so a learner
+the run descriptor (model config in ``model``, job settings in ``job``), so a learner
 needs only the run's location and its id to join. ``dp_baseline`` is the lock-step data-parallel
 comparison (same model, same data order, same token budget), run in one process.
 """
@@ -80,10 +80,11 @@ class JobSettings:
 
 
 def job_from(descriptor: RunDescriptor) -> tuple[GPTConfig, JobSettings]:
-    if "job" not in descriptor.extra or not descriptor.model:
+    """The model config and job settings of a run the default job created (its ``model`` and ``job``)."""
+    if descriptor.job is None or not descriptor.model:
         raise ValueError(f"run {descriptor.run_id} was not created by the default job (no model/job settings); "
                          "drive it with the Learner API instead")
-    return GPTConfig.from_dict(descriptor.model), JobSettings.from_dict(descriptor.extra["job"])
+    return GPTConfig.from_dict(descriptor.model), JobSettings.from_dict(descriptor.job)
 
 
 def make_optimizer(model: torch.nn.Module, job: JobSettings) -> torch.optim.Optimizer:

@@ -8,7 +8,8 @@ format ``zmq.auth.create_certificates`` writes and ``zmq.auth.load_certificate``
 The Ed25519 keys ride in the certificate's ``metadata`` section (``ddiloco-sign-public``, and in
 the secret file only ``ddiloco-sign-secret``), so ZeroMQ's own tools still read the files.
 
-A signed run lists PUBLIC keys only, in ``RunDescriptor.extra["security"]``:
+A signed run lists PUBLIC keys only, in the descriptor's ``security`` section (pipeline/security.py
+``RunSecurity``, re-exported here with ``PublicIdentity``):
 ``{"mode": "signed", "version": 1, "syncer": {name, role, curve, sign}, "learners": {id: {...}}}``.
 Its mode is fixed at creation. Learners that join later are added by *membership records*
 ``members/<id>`` (kind ``member`` v1, create-if-absent, never replaced) signed by the syncer's key;
@@ -18,32 +19,28 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import stat
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Callable, Iterable
 
 import zmq
 
 from pipeline.envelope import pack_record, unpack_record
 from pipeline.errors import FormatError
-from pipeline.types import RunDescriptor, check_learner_id
+from pipeline.descriptor import RunDescriptor
+from pipeline.security import (HEX_RE as _HEX_RE, SYNCER, Z85_RE as _Z85_RE, PublicIdentity, RunSecurity,
+                               check_key_name as _check_name)
 from storage.errors import AlreadyExists, NotFound, StoreError
 from storage.layout import MEMBER_PREFIX, member_key as layout_member_key
 from storage.store import ObjectStore
 from .bus import CurveKeys
 from .signing import Signer, canonical, verify
 
-SYNCER = "syncer"
-ROLES = ("syncer", "learner")
-SECURITY_VERSION = 1
 MEMBER_KIND, MEMBER_VERSION = "member", 1
-_Z85_RE = re.compile(r"^[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
-_HEX_RE = re.compile(r"^[0-9a-f]{64}$")
 _BANNER = {
     "public": "#   ****  Generated on {now} by ddiloco (pyzmq certificate format)  ****\n"
               "#   ZeroMQ CURVE Public Certificate\n"
@@ -53,44 +50,6 @@ _BANNER = {
               "#   ZeroMQ CURVE **Secret** Certificate\n"
               "#   DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions.\n\n",
 }
-
-
-def _check_name(name: str) -> str:
-    try:
-        return check_learner_id(name)
-    except ValueError:
-        raise ValueError(f"key name {name!r} must be a learner id (letters, digits, _ . -) or 'syncer'") from None
-
-
-@dataclass(frozen=True)
-class PublicIdentity:
-    """The public half of an identity: what a run lists and peers pin."""
-
-    name: str
-    role: str
-    curve: str           # CURVE public key, z85 (40 characters)
-    sign: str            # Ed25519 public key, hex (64 characters)
-
-    def __post_init__(self) -> None:
-        _check_name(self.name)
-        if self.role not in ROLES:
-            raise ValueError(f"role {self.role!r} not one of {ROLES}")
-        if not isinstance(self.curve, str) or not _Z85_RE.match(self.curve):
-            raise ValueError(f"{self.name}: CURVE public key must be 40 z85 characters")
-        if not isinstance(self.sign, str) or not _HEX_RE.match(self.sign):
-            raise ValueError(f"{self.name}: Ed25519 public key must be 64 lowercase hex characters")
-
-    def to_dict(self) -> dict[str, str]:
-        return {"name": self.name, "role": self.role, "curve": self.curve, "sign": self.sign}
-
-    @classmethod
-    def from_dict(cls, d: Any, what: str) -> "PublicIdentity":
-        if not isinstance(d, dict) or set(d) != {"name", "role", "curve", "sign"}:
-            raise FormatError(f"{what}: a public identity is a map of exactly name, role, curve, sign")
-        try:
-            return cls(d["name"], d["role"], d["curve"], d["sign"])
-        except (ValueError, TypeError) as exc:
-            raise FormatError(f"{what}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -236,43 +195,6 @@ def ensure_identities(directory: str | Path, names: Iterable[str]) -> dict[str, 
 
 # -- the run's list ------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class RunSecurity:
-    """The public key list of a signed run (``RunDescriptor.extra["security"]``)."""
-
-    syncer: PublicIdentity
-    learners: Mapping[str, PublicIdentity]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"mode": "signed", "version": SECURITY_VERSION, "syncer": self.syncer.to_dict(),
-                "learners": {n: p.to_dict() for n, p in sorted(self.learners.items())}}
-
-    @classmethod
-    def from_dict(cls, d: Any, what: str = "run descriptor security") -> "RunSecurity":
-        if not isinstance(d, dict) or d.get("mode") != "signed" or d.get("version") != SECURITY_VERSION:
-            raise FormatError(f"{what}: expected mode 'signed' version {SECURITY_VERSION}, got "
-                              f"{(d.get('mode'), d.get('version')) if isinstance(d, dict) else type(d).__name__}")
-        learners = d.get("learners")
-        if not isinstance(learners, dict):
-            raise FormatError(f"{what}: learners must be a map")
-        syncer = PublicIdentity.from_dict(d.get("syncer"), f"{what} syncer")
-        listed = {n: PublicIdentity.from_dict(v, f"{what} learner {n!r}") for n, v in learners.items()}
-        if any(p.name != n or p.role != "learner" for n, p in listed.items()) or syncer.role != SYNCER:
-            raise FormatError(f"{what}: names and roles of the listed keys do not match")
-        return cls(syncer, listed)
-
-
-def security_extra(syncer: PublicIdentity, learners: Iterable[PublicIdentity]) -> dict[str, Any]:
-    """The ``extra["security"]`` value for a new signed run."""
-    return RunSecurity(syncer, {p.name: p for p in learners}).to_dict()
-
-
-def run_security(descriptor: RunDescriptor) -> RunSecurity | None:
-    """The run's key list, or None for an unsigned run (created with --insecure)."""
-    sec = descriptor.extra.get("security")
-    return None if sec is None else RunSecurity.from_dict(sec, f"run {descriptor.run_id} security")
-
-
 # -- members who join later ----------------------------------------------------------------------
 
 def member_key(name: str) -> str:
@@ -288,7 +210,7 @@ def member_record(descriptor: RunDescriptor, authority: Identity, member: Public
 
 def add_member(store: ObjectStore, descriptor: RunDescriptor, authority: Identity, member: PublicIdentity) -> str:
     """List ``member`` in a running signed run (create-if-absent: a listed key is never replaced)."""
-    sec = run_security(descriptor)
+    sec = descriptor.security
     if sec is None:
         raise ValueError(f"run {descriptor.run_id} is unsigned: it has no key list to join")
     if authority.public.sign != sec.syncer.sign:
@@ -334,8 +256,7 @@ class Roster:
 
     @classmethod
     def for_run(cls, descriptor: RunDescriptor) -> "Roster | None":
-        sec = run_security(descriptor)
-        return None if sec is None else cls(descriptor, sec)
+        return None if descriptor.security is None else cls(descriptor, descriptor.security)
 
     def sign_key(self, learner: str) -> str | None:
         p = self._learners.get(learner)
@@ -381,7 +302,7 @@ class Roster:
 
 def check_syncer_keys(descriptor: RunDescriptor, keys: KeyRing | None) -> RunSecurity | None:
     """The run's key list, after checking that ``keys`` fit the run's mode (ValueError saying the fix)."""
-    sec, run = run_security(descriptor), descriptor.run_id
+    sec, run = descriptor.security, descriptor.run_id
     if sec is None:
         if keys is not None:
             raise ValueError(f"run {run} is unsigned (created with --insecure): a signed syncer cannot join it")

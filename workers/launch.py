@@ -5,7 +5,7 @@ learner loads it; no learner initialises its own weights. The descriptor is writ
 create-if-absent, so two launchers can never create one run twice with different settings.
 
 Security (docs/security.md): given the syncer's identity, the run is *signed*: the descriptor lists
-the public keys (``extra["security"]``, never a secret) and version 0 and the init commits carry
+the public keys (its ``security`` section, never a secret) and version 0 and the init commits carry
 the syncer's signatures. Without it the run is unsigned for its whole life.
 """
 from __future__ import annotations
@@ -19,21 +19,28 @@ import numpy as np
 
 from pipeline.checksum import tensor_digest
 from pipeline.fold import published
-from pipeline.fragment import fragment_offsets, make_layout, specs_from_arrays
+from pipeline.codec import CodecConfig
+from pipeline.descriptor import LearnerRules, RunDescriptor, VersionsConfig
+from pipeline.fragment import FragmentLayout, fragment_offsets, make_layout, specs_from_arrays
 from pipeline.guard import NormGuardConfig
-from pipeline.merge import default_embedding_tensors
-from pipeline.types import CommitRecord, RunDescriptor
+from pipeline.merge import MergeConfig, default_embedding_tensors
+from pipeline.outer import OuterConfig
+from pipeline.policy import PolicyConfig
+from pipeline.schedule import ScheduleConfig
+from pipeline.security import RunSecurity
+from pipeline.types import CommitRecord
 from storage.layout import version_key, write_descriptor
 from storage.log import CommitLog
 from storage.store import ObjectStore
-from .keys import Identity, PublicIdentity, security_extra
+from .keys import Identity, PublicIdentity
 from .signing import sign_commit
 from .versions import encode_version
 
 
 @dataclass(frozen=True)
 class RunSettings:
-    """What a user chooses for a run (validated by RunDescriptor as well)."""
+    """What a user chooses for a run, flat (``descriptor`` maps it to the descriptor's sections, in
+    one place; the sections validate it)."""
 
     fragments: int = 4                 # P
     sync_every: int = 8                # H (each fragment synced every H steps)
@@ -56,17 +63,37 @@ class RunSettings:
     run_id: str = ""
     norm_guard: NormGuardConfig | None = None     # None: the default guard, on (pipeline/guard.py); off: enabled=False
     model: dict[str, Any] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
+    job: dict[str, Any] | None = None  # the default job's settings (workers/job.py JobSettings.to_dict())
+    extra: dict[str, Any] = field(default_factory=dict)   # free-form notes, never read
 
     def __post_init__(self) -> None:
-        if "security" in self.extra or "norm_guard" in self.extra:
-            raise ValueError("extra must not hold 'security' or 'norm_guard': create_run writes them "
-                             "(pass the keys to create_run and norm_guard to RunSettings)")
+        if {"security", "norm_guard", "job"} & set(self.extra):
+            raise ValueError("extra must not hold 'security', 'norm_guard' or 'job': they are sections of the "
+                             "descriptor (pass the keys to create_run, norm_guard and job to RunSettings)")
         if self.fragments < 1:
-            raise ValueError(f"--fragments must be >= 1, got {self.fragments}")
+            raise ValueError(f"fragments must be >= 1, got {self.fragments}")
         if self.sync_every < self.fragments:
-            raise ValueError(f"--sync-every (H={self.sync_every}) must be >= --fragments (P={self.fragments}): "
+            raise ValueError(f"sync_every (H={self.sync_every}) must be >= fragments (P={self.fragments}): "
                              "each fragment needs its own step offset")
+
+    def descriptor(self, run_id: str, specs: Sequence, embedding_tensors: Sequence[str],
+                   security: RunSecurity | None = None) -> RunDescriptor:
+        """The run descriptor these settings make for a model of ``specs`` (the one mapping from
+        settings to sections; ``ValueError`` from the section that refuses a value)."""
+        layout = make_layout(specs, self.fragments, self.strategy)
+        return RunDescriptor(
+            run_id=run_id, seed=self.seed, model=dict(self.model), job=None if self.job is None else dict(self.job),
+            extra=dict(self.extra), security=security,
+            layout=FragmentLayout(tuple(specs), tuple(tuple(f) for f in layout), self.strategy),
+            schedule=ScheduleConfig(self.sync_every, tuple(fragment_offsets(self.fragments, self.sync_every))),
+            policy=PolicyConfig(self.quorum, self.overlap, self.grace_gamma, self.grace_cap_s),
+            codec=CodecConfig(self.compression, self.block_size, self.zstd_level),
+            versions=VersionsConfig(self.version_dtype, self.retain_versions),
+            merge=MergeConfig(self.merge, frozenset(embedding_tensors)),
+            outer=OuterConfig(self.outer_lr, self.outer_momentum),
+            learner=LearnerRules(self.mixing_alpha, self.keep_progress),
+            # Always recorded, so replay knows the run's guard (issue 11 item 2: on unless turned off).
+            guard=self.norm_guard if self.norm_guard is not None else NormGuardConfig())
 
 
 def create_run(store: ObjectStore, init: Mapping[str, np.ndarray], settings: RunSettings,
@@ -84,30 +111,14 @@ def create_run(store: ObjectStore, init: Mapping[str, np.ndarray], settings: Run
         raise ValueError("learner keys were given without the syncer's identity: a signed run needs both")
     if syncer is not None and syncer.public.role != "syncer":
         raise ValueError(f"key {syncer.name!r} has role {syncer.public.role!r}, not 'syncer'")
-    extra = dict(settings.extra)
-    if syncer is not None:
-        extra["security"] = security_extra(syncer.public, learners)
-    # Always recorded, so replay knows the run's guard (issue 11 item 2: on unless turned off).
-    extra["norm_guard"] = (settings.norm_guard if settings.norm_guard is not None else NormGuardConfig()).to_dict()
+    security = RunSecurity.listing(syncer.public, learners) if syncer is not None else None
     signer = syncer.signer() if syncer is not None else None
-    specs = specs_from_arrays(init)
-    layout = make_layout(specs, settings.fragments, settings.strategy)
     emb = embedding_tensors if embedding_tensors is not None else tuple(sorted(default_embedding_tensors(init)))
-    desc = RunDescriptor(
-        run_id=settings.run_id or uuid.uuid4().hex[:12], tensors=tuple(specs),
-        fragments=tuple(tuple(f) for f in layout), offsets=tuple(fragment_offsets(settings.fragments, settings.sync_every)),
-        sync_every=settings.sync_every, overlap=settings.overlap, quorum=settings.quorum,
-        compression=settings.compression, block_size=settings.block_size, zstd_level=settings.zstd_level,
-        version_dtype=settings.version_dtype, merge=settings.merge, embedding_tensors=emb,
-        outer_lr=settings.outer_lr, outer_momentum=settings.outer_momentum, grace_gamma=settings.grace_gamma,
-        grace_cap_s=settings.grace_cap_s, retain_versions=settings.retain_versions,
-        mixing_alpha=settings.mixing_alpha, keep_progress=settings.keep_progress,
-        fragment_strategy=settings.strategy, seed=settings.seed,
-        model=dict(settings.model), extra=extra)
+    desc = settings.descriptor(settings.run_id or uuid.uuid4().hex[:12], specs_from_arrays(init), emb, security)
     write_descriptor(store, desc)
-    values = published({n: np.asarray(a, dtype=np.float32) for n, a in init.items()}, desc.version_dtype)
+    values = published({n: np.asarray(a, dtype=np.float32) for n, a in init.items()}, desc.versions.dtype)
     log = CommitLog(store)
-    for p, names in enumerate(desc.fragments):
+    for p, names in enumerate(desc.layout.fragments):
         part = {n: values[n] for n in names}
         key = version_key(p, 0, 0)
         checksum = tensor_digest(part)

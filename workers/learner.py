@@ -32,7 +32,6 @@ from typing import Callable
 import numpy as np
 import torch
 
-from pipeline.codec import CodecConfig
 from pipeline.fragment import extract
 from pipeline.types import DeltaHeader, RunDescriptor, check_learner_id
 from storage.layout import read_descriptor
@@ -40,7 +39,7 @@ from storage.log import claim_incarnation
 from storage.store import ObjectStore, open_store
 from .bus import BusConfig
 from .events import EventLog
-from .keys import KeyRing, Roster, run_security
+from .keys import KeyRing, Roster
 from .nonfinite import NonFiniteGuard
 from .receiver import Receiver
 from .sender import Sender, SenderConfig, SenderStats
@@ -110,8 +109,8 @@ class Learner:
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "Learner":
         d = self.descriptor = read_descriptor(self.store)
-        if d.schedule != "syncer":
-            raise ValueError(f"run {d.run_id} was created before syncer-driven rounds (schedule {d.schedule!r}): "
+        if d.schedule.driver != "syncer":
+            raise ValueError(f"run {d.run_id} was created before syncer-driven rounds (driver {d.schedule.driver!r}): "
                              "its log still replays, but learners of this version cannot train it; create a new run")
         self._check_model(d)
         curve, seal = self._security(d)
@@ -122,13 +121,12 @@ class Learner:
             self.incarnation = claim_incarnation(self.store, self.id, floor=tracker.next_incarnation(self.id))
         self._overwrite(values)
         for p in range(d.num_fragments):
-            self.base[p] = {n: values[n].copy() for n in d.fragments[p]}
+            self.base[p] = {n: values[n].copy() for n in d.layout.fragments[p]}
             self.base_version[p] = versions[p]
             self.answered[p] = (-1, -1)
         self.c_steps = [0] * d.num_fragments
         self.c_tokens = [0] * d.num_fragments
-        codec = CodecConfig(scheme=d.compression, block_size=d.block_size, zstd_level=d.zstd_level)
-        self.sender = Sender(self.store, codec, self.cfg.sender, self.events, self.bus, self.id.encode(),
+        self.sender = Sender(self.store, d.codec, self.cfg.sender, self.events, self.bus, self.id.encode(),
                              self._heartbeat, curve=curve, seal=seal)
         self.receiver = Receiver(tracker, versions, self.events, self.bus, self.cfg.poll_s, curve=curve)
         self.sender.start()
@@ -165,7 +163,7 @@ class Learner:
 
     def _security(self, d: RunDescriptor):
         """CURVE keys and the delta sealer for this run, after checking that keys and run agree."""
-        sec, keys = run_security(d), self.cfg.keys
+        sec, keys = d.security, self.cfg.keys
         if sec is None:
             if keys is not None:
                 raise ValueError(f"run {d.run_id} is unsigned (created with --insecure): a learner with keys "
@@ -192,7 +190,7 @@ class Learner:
             raise ValueError(f"learner {self.id}: the model has float64 parameters ({', '.join(wide[:3])}"
                              f"{' ...' if len(wide) > 3 else ''}); runs train float32 models: call "
                              "model.float() before creating the Learner (and before create_run)")
-        want = {t.name: t.shape for t in d.tensors}
+        want = {t.name: t.shape for t in d.layout.tensors}
         have = {n: tuple(p.shape) for n, p in self.params.items()}
         if want != have:
             missing = sorted(set(want) - set(have))
@@ -204,7 +202,7 @@ class Learner:
     # -- the training loop -----------------------------------------------------------------------
     @torch.no_grad()
     def _overwrite(self, values: dict[str, np.ndarray]) -> None:
-        alpha = self.descriptor.mixing_alpha if self.descriptor else 0.0
+        alpha = self.descriptor.learner.mixing_alpha if self.descriptor else 0.0
         for name, v in values.items():
             t = torch.from_numpy(v).to(self.params[name].dtype)
             if alpha > 0.0:   # Streaming DiLoCo's mixing: θ ← α θ_local + (1−α) Θ
@@ -232,7 +230,7 @@ class Learner:
                 continue
             if a.round >= 0 and (a.epoch, a.round) > self.answered[a.fragment]:
                 self._answer(a.fragment, (a.epoch, a.round))   # never overwrite work not yet sent
-            kept = self._at_answer.pop(a.fragment, None) if self.descriptor.keep_progress else None
+            kept = self._at_answer.pop(a.fragment, None) if self.descriptor.learner.keep_progress else None
             if kept is None:
                 self._overwrite(a.values)
                 self.c_steps[a.fragment] = 0
@@ -316,7 +314,7 @@ class Learner:
         return 1
 
     def _emit_delta(self, p: int, round_id: int) -> None:
-        names = self.descriptor.fragments[p]
+        names = self.descriptor.layout.fragments[p]
         current = extract(self.params, names)
         delta = {n: self.base[p][n] - current[n] for n in names}
         # learner_step = the last step whose work the delta holds (steps are counted after they end).
@@ -324,7 +322,7 @@ class Learner:
                              self.c_tokens[p], max(self.step_count - 1, 0), round_id)
         self.seq += 1
         self._answered_steps[p] = header.c_steps
-        if self.descriptor.keep_progress:
+        if self.descriptor.learner.keep_progress:
             self._at_answer[p] = (current, header.c_steps, header.c_tokens)
         # Every produced delta is logged, so a run's ledger can account for each one (docs/chaos.md).
         self.events.emit("delta", delta=header.id, fragment=p, base=header.base_version, steps=header.c_steps,

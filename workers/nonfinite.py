@@ -139,7 +139,7 @@ class NonFiniteGuard:
         else:
             version, values = learner.base_version[p], learner.base[p]
         with torch.no_grad():
-            for name in learner.descriptor.fragments[p]:
+            for name in learner.descriptor.layout.fragments[p]:
                 param = learner.params[name]
                 param.copy_(torch.from_numpy(np.asarray(values[name])).to(param.dtype))
                 param.grad = None
@@ -155,4 +155,4 @@ class NonFiniteGuard:
 
 def _fragment_finite(learner, p: int) -> bool:
     with torch.no_grad():
-        return all(bool(torch.isfinite(learner.params[n]).all()) for n in learner.descriptor.fragments[p])
+        return all(bool(torch.isfinite(learner.params[n]).all()) for n in learner.descriptor.layout.fragments[p])

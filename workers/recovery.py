@@ -175,7 +175,7 @@ class _Salvage:
             return _advance(state, rec.seq)
         try:
             values = decode_version(self.folder.store.get(rec.output_key), self.descriptor, rec)
-            pub = published(values, self.descriptor.version_dtype)
+            pub = published(values, self.descriptor.versions.dtype)
             params, momentum = pub, {n: np.zeros(a.shape, np.float32) for n, a in pub.items()}
             self.note(f"fragment {p}: adopted version {rec.version} from commit {rec.seq}'s stored values; "
                       "its outer momentum restarts at zero")
@@ -183,7 +183,7 @@ class _Salvage:
             pub, params, momentum = fs.history[fs.version], fs.params, fs.momentum
             self.note(f"fragment {p}: commit {rec.seq}'s version {rec.version} is lost too ({exc}); it keeps "
                       f"version {fs.version}'s values under number {rec.version}")
-        keep = range(rec.version - self.descriptor.retain_versions + 1, rec.version)
+        keep = range(rec.version - self.descriptor.versions.retain + 1, rec.version)
         history = {v: fs.history[v] for v in sorted(fs.history) if v in keep}
         history[rec.version] = pub
         fragments = list(state.fragments)
@@ -212,7 +212,7 @@ def _bump(state: SyncerState, p: int, descriptor: RunDescriptor) -> SyncerState:
     """Fragment ``p`` one version number on, same values: the lost commit may have used the number."""
     fs = state.fragments[p]
     version = fs.version + 1
-    keep = range(version - descriptor.retain_versions + 1, version)
+    keep = range(version - descriptor.versions.retain + 1, version)
     history = {v: fs.history[v] for v in sorted(fs.history) if v in keep}
     history[version] = fs.history[fs.version]
     fragments = list(state.fragments)
@@ -243,7 +243,7 @@ def republish_damaged(store: ObjectStore, descriptor: RunDescriptor, state: Sync
         except StoreError as exc:
             notes.append(f"could not check {rec.output_key}: {exc}")
             continue
-        values = {n: fs.history[rec.version][n] for n in descriptor.fragments[p]}
+        values = {n: fs.history[rec.version][n] for n in descriptor.layout.fragments[p]}
         if tensor_digest(values) != rec.output_checksum:
             notes.append(f"{rec.output_key} is damaged ({damage}) and the recovered values differ from commit "
                          f"{rec.seq}'s checksum: not republished; learners use an older version")

@@ -33,7 +33,7 @@ from storage.store import ObjectStore
 from .deltas import load_inputs
 from .versions import decode_version
 # issue "Security": signatures, checkpoints the syncer signed
-from .keys import Roster, RunSecurity, run_security
+from .keys import Roster, RunSecurity
 from .signing import check_commit_signature, commit_signature_ok, open_checkpoint
 
 __all__ = ["PENDING_OVERFLOW", "RECORDED_REASONS", "with_recorded_decisions", "ReplayStats", "Refolder", "rebuild",
@@ -119,13 +119,13 @@ def commit_signed(descriptor: RunDescriptor, record: CommitRecord) -> bool:
     """Whether ``record`` must carry the syncer's signature in a signed run: merges and drops
     always; fences in runs created with syncer-driven rounds (issue 11 item 14: fences were unsigned
     before, and the log of such a run replays as written)."""
-    return record.kind in ("merge", "drop") or (record.kind == "fence" and descriptor.schedule != "learner")
+    return record.kind in ("merge", "drop") or (record.kind == "fence" and descriptor.schedule.driver != "learner")
 
 
 def trusted_commits(descriptor: RunDescriptor) -> Callable[[CommitRecord], bool] | None:
     """In a signed run, whether a commit is the syncer's own (what must be signed is signed and
     verifies): forged records never fence a syncer (storage/log.py ``CommitLog``). None: unsigned."""
-    sec = run_security(descriptor)
+    sec = descriptor.security
     if sec is None:
         return None
     return lambda rec: not commit_signed(descriptor, rec) or commit_signature_ok(rec, sec.syncer.sign,
@@ -223,7 +223,7 @@ def rebuild(store: ObjectStore, descriptor: RunDescriptor, upto: int, *, use_che
 def security_of(store: ObjectStore, descriptor: RunDescriptor,
                 roster: Roster | None) -> tuple[RunSecurity | None, Roster | None]:
     """The run's keys and its roster (the descriptor's plus the membership records in the store)."""
-    sec = run_security(descriptor)
+    sec = descriptor.security
     if sec is not None and roster is None:
         roster = Roster(descriptor, sec)
         roster.refresh(store)

@@ -261,11 +261,10 @@ def _compare_checkpoint(store: ObjectStore, descriptor: RunDescriptor, seq: int,
 
 def _checkpoint_state_bytes(store: ObjectStore, descriptor: RunDescriptor, seq: int) -> bytes:
     payload = read_checkpoint(store, seq)
-    if descriptor.extra.get("security") is None:
+    if descriptor.security is None:
         return payload
-    from .keys import run_security      # signed runs: the state is inside the syncer's signature
-    from .signing import open_checkpoint
-    return open_checkpoint(payload, seq, run_security(descriptor).syncer.sign, descriptor.run_id, f"checkpoint {seq}")
+    from .signing import open_checkpoint      # signed runs: the state is inside the syncer's signature
+    return open_checkpoint(payload, seq, descriptor.security.syncer.sign, descriptor.run_id, f"checkpoint {seq}")
 
 
 def _state_difference(saved: SyncerState, got: SyncerState) -> tuple[int, str, float | None, str]:

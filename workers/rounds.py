@@ -41,7 +41,7 @@ class RoundBook:
                  start_step: int = 0):
         if initial_step_s <= 0:
             raise ValueError(f"initial_step_s must be > 0, got {initial_step_s}")
-        self.clock = RoundClock(descriptor.sync_every, descriptor.offsets, step=start_step)
+        self.clock = RoundClock(descriptor.schedule.sync_every, descriptor.schedule.offsets, step=start_step)
         self.open: list[OpenRound | None] = [None] * descriptor.num_fragments
         self.live_timeout_s = live_timeout_s
         self.initial_step_s = initial_step_s

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.codec import SCHEMES
 from pipeline.guard import NormGuardConfig
 from storage.layout import SPILL_PREFIX
 from storage.log import CommitLog
@@ -53,7 +54,7 @@ def configure(parser):
     a("--fragments", type=int, default=4, help="fragments P")
     a("--sync-every", type=int, default=None, help="H: steps between syncs of one fragment (default 4*P)")
     a("--quorum", type=int, default=1, help="minimum quorum K")
-    a("--compression", default="int4", choices=("int4", "int8", "bf16", "fp32"))
+    a("--compression", default="int4", choices=SCHEMES)
     a("--strategy", default="balanced", choices=("balanced", "layerwise", "roundrobin"))
     a("--store", default=None, help="the run's location: a directory or s3://bucket/prefix (default OUT/store)")
     a("--s3-endpoint", default=None, help="S3 endpoint URL (default: AWS_ENDPOINT_URL)")
@@ -131,6 +132,17 @@ def _spawn(name: str, args: list[str], log: Path, out: Path, nice: int = 0) -> P
     return Proc(name, p, log)
 
 
+def settings_from_args(args, gcfg: GPTConfig, job: JobSettings) -> RunSettings:
+    """The run's settings from ``ddiloco run``'s flags: the one place flags map to the descriptor
+    (RunSettings.descriptor makes its sections)."""
+    return RunSettings(fragments=args.fragments, sync_every=args.sync_every or default_sync_every(args.fragments),
+                       quorum=args.quorum, compression=args.compression, strategy=args.strategy,
+                       outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, seed=args.seed,
+                       keep_progress=args.keep_progress, grace_gamma=args.grace_gamma,
+                       model=gcfg.to_dict(), job=job.to_dict(),
+                       norm_guard=NormGuardConfig(factor=args.norm_guard) if args.norm_guard else None)
+
+
 def _store_args(args) -> list[str]:
     return ["--s3-endpoint", args.s3_endpoint] if args.s3_endpoint else []
 
@@ -153,20 +165,15 @@ def run(args) -> int:
     store = open_store(store_uri, s3_endpoint=args.s3_endpoint)
     model = build_model(gcfg, args.seed)
     init = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
-    settings = RunSettings(fragments=args.fragments, sync_every=args.sync_every or default_sync_every(args.fragments),
-                           quorum=args.quorum, compression=args.compression, strategy=args.strategy,
-                           outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, seed=args.seed,
-                           keep_progress=args.keep_progress, grace_gamma=args.grace_gamma,
-                           model=gcfg.to_dict(), extra={"job": job.to_dict()},
-                           norm_guard=NormGuardConfig(factor=args.norm_guard) if args.norm_guard else None)
+    settings = settings_from_args(args, gcfg, job)
     keydir = Path(args.keys or out / "keys")
     names = [f"l{m}" for m in range(args.learners)]
     idents = {} if args.insecure else ensure_identities(keydir, [SYNCER, *names])
     desc = create_run(store, init, settings, embedding_tensors=EMBEDDING_TENSORS, syncer=idents.get(SYNCER),
                       learners=[idents[n].public for n in names] if idents else ())
     if args.create_only:
-        print(f"created run {desc.run_id} at {store_uri}: {desc.num_fragments} fragments, H={desc.sync_every}, "
-              f"K={desc.quorum}, {desc.compression}; {steps} steps per learner; "
+        print(f"created run {desc.run_id} at {store_uri}: {desc.num_fragments} fragments, H={desc.schedule.sync_every}, "
+              f"K={desc.policy.quorum}, {desc.codec.scheme}; {steps} steps per learner; "
               + ("UNSIGNED (--insecure)" if args.insecure else f"signed, keys in {keydir} (roles: --keys {keydir})"))
         return 0
     corpus = Corpus(job.data_config(gcfg.block_size))
@@ -175,8 +182,8 @@ def run(args) -> int:
         events.emit("security-off", detail="--insecure: no CURVE on the bus and no signatures")
     events.emit("run-created", run_id=desc.run_id, store=store_uri, learners=args.learners, steps=steps,
                 security="off" if args.insecure else "signed",
-                fragments=desc.num_fragments, sync_every=desc.sync_every, quorum=desc.quorum,
-                compression=desc.compression, params=int(sum(a.size for a in init.values())))
+                fragments=desc.num_fragments, sync_every=desc.schedule.sync_every, quorum=desc.policy.quorum,
+                compression=desc.codec.scheme, params=int(sum(a.size for a in init.values())))
     bus = ["--no-bus"] if args.no_bus else ["--ingest", f"tcp://127.0.0.1:{_free_port()}",
                                             "--announce", f"tcp://127.0.0.1:{_free_port()}"]
     common = ["--store", store_uri, *_store_args(args), *bus]

@@ -32,7 +32,7 @@ from pipeline.commit import Commit, CommitMeta, apply_commit, initial_window
 from pipeline.envelope import digest
 from pipeline.errors import FormatError
 from pipeline.fold import DropReason, SyncerState, fold_fence
-from pipeline.policy import Decision, Ewma, Pending, PolicyConfig, Timing, decide, late_deadline
+from pipeline.policy import Decision, Ewma, Pending, Timing, decide, late_deadline
 from pipeline.types import CommitRecord, RunDescriptor
 from storage.checkpoints import write_checkpoint
 from storage.errors import AlreadyExists, Fenced, StoreError
@@ -135,8 +135,7 @@ class Syncer(SyncerIngest):
             bus, max_message_bytes=max(HEAD_MAX_BYTES, min(bus.max_message_bytes, self.max_delta)))
         self.window = initial_window(self.descriptor)   # the norm guard's; recovery rebuilds it from the log
         self.log = CommitLog(self.store)
-        self.policy = PolicyConfig(quorum=self.descriptor.quorum, overlap=self.descriptor.overlap,
-                                   gamma=self.descriptor.grace_gamma, cap_s=self.descriptor.grace_cap_s)
+        self.policy = self.descriptor.policy
         self.pending: list[dict[str, _Held]] = [{} for _ in range(self.descriptor.num_fragments)]
         self.quorum_met: list[float | None] = [None] * self.descriptor.num_fragments
         # The global step, open rounds and the learners' pace (syncer-driven rounds, SPEC §2-4).
@@ -288,7 +287,7 @@ class Syncer(SyncerIngest):
         """Open the rounds that fall due on the global clock and tell the learners: over the bus,
         and in storage (the round clock) for learners without one (SPEC §4)."""
         self.rounds.step_time(self.clock())   # the learners' pace, measured once per loop
-        if self.descriptor.schedule != "syncer" or self.fenced:
+        if self.descriptor.schedule.driver != "syncer" or self.fenced:
             return
         for r, p in self.rounds.tick(self.clock()):
             if self.bus is not None:
@@ -310,7 +309,7 @@ class Syncer(SyncerIngest):
         waits = []
         timing = self._timing()
         live = self._live_count()
-        syncer_driven = self.descriptor.schedule == "syncer"
+        syncer_driven = self.descriptor.schedule.driver == "syncer"
         for p, pend in enumerate(self.pending):
             if not pend or self.fenced:
                 continue
@@ -326,7 +325,7 @@ class Syncer(SyncerIngest):
                            round_id=opened.round if syncer_driven else None)
             if syncer_driven and not d.merge and items:
                 due = late_deadline(min(i.arrived_at for i in items), timing.step_time_s or self.cfg.initial_step_s,
-                                    self.descriptor.sync_every)
+                                    self.descriptor.schedule.sync_every)
                 if self.clock() >= due:
                     d = Decision(tuple(i.delta_id for i in items), (), 0.0, None, None, "late-expired")
                 else:

@@ -22,15 +22,14 @@ from pipeline.types import CommitRecord, RunDescriptor
 from storage.errors import NotFound, StoreError
 from storage.log import CommitLog
 from storage.store import ObjectStore
-from .keys import run_security
 from .signing import Signer, check_commit_signature, commit_signature_ok, sign_version_meta, version_signature_ok
 
 VERSION_KIND = "version"
 
 
 def version_codec(descriptor: RunDescriptor) -> CodecConfig:
-    return CodecConfig(scheme="bf16" if descriptor.version_dtype == "bf16" else "fp32", block_size=descriptor.block_size,
-                       zstd_level=descriptor.zstd_level)
+    return CodecConfig(scheme="bf16" if descriptor.versions.dtype == "bf16" else "fp32",
+                       block_size=descriptor.codec.block_size, zstd_level=descriptor.codec.zstd_level)
 
 
 def encode_version(descriptor: RunDescriptor, fragment: int, version: int, seq: int, epoch: int,
@@ -38,7 +37,7 @@ def encode_version(descriptor: RunDescriptor, fragment: int, version: int, seq: 
                    values_digest: str | None = None) -> bytes:
     """A version blob; signed by ``signer`` (the syncer's key) in a signed run. ``values_digest``
     is the values' tensor digest if the caller has it (the commit's ``output_checksum``)."""
-    values = {n: published[n] for n in descriptor.fragments[fragment]}
+    values = {n: published[n] for n in descriptor.layout.fragments[fragment]}
     meta = {"fragment": fragment, "version": version, "seq": seq, "epoch": epoch}
     if signer is not None:
         meta = sign_version_meta(meta, values_digest or tensor_digest(values), signer, descriptor.run_id)
@@ -47,7 +46,7 @@ def encode_version(descriptor: RunDescriptor, fragment: int, version: int, seq: 
 
 def max_fragment_bytes(descriptor: RunDescriptor) -> int:
     """Upper bound on a fragment's decoded float32 bytes (plus slack), for decode limits."""
-    return max(sum(4 * descriptor.spec(n).numel for n in frag) for frag in descriptor.fragments) + (1 << 20)
+    return max(sum(4 * descriptor.spec(n).numel for n in frag) for frag in descriptor.layout.fragments) + (1 << 20)
 
 
 def max_version_bytes(descriptor: RunDescriptor) -> int:
@@ -60,7 +59,7 @@ def max_version_bytes(descriptor: RunDescriptor) -> int:
 def decode_version(blob: bytes, descriptor: RunDescriptor, record: CommitRecord) -> dict[str, np.ndarray]:
     """Decode and check a committed version against its commit record (FormatError if anything differs)."""
     what = record.output_key
-    sec = run_security(descriptor)
+    sec = descriptor.security
     if sec is not None:
         check_commit_signature(record, sec.syncer.sign, descriptor.run_id, f"commit {record.seq}")
     dec = decode(blob, VERSION_KIND, max_bytes=max_fragment_bytes(descriptor),
@@ -88,7 +87,7 @@ class VersionTracker:
         self.descriptor = descriptor
         self.log = CommitLog(store)
         self.cursor = -1   # seq of the last commit seen
-        self.security = run_security(descriptor)
+        self.security = descriptor.security
         self.refused: list[str] = []       # commits skipped by latest() for a bad signature or damage
         self.newest: dict[int, CommitRecord] = {}   # what latest() found last
         self.bytes_loaded = 0              # bytes of version objects downloaded by load()
@@ -170,7 +169,7 @@ class VersionTracker:
         takes a slightly older version rather than dying; it applies newer ones as they come, and
         the syncer republishes the damaged one when it next starts). FormatError if none loads."""
         first: Exception | None = None
-        for _ in range(self.descriptor.retain_versions + 1):
+        for _ in range(self.descriptor.versions.retain + 1):
             try:
                 return self.load(rec), rec
             except (NotFound, FormatError) as exc:

@@ -305,7 +305,7 @@ def goodput_measures(events: dict[str, list[dict]], records, descriptor, t0: flo
                     produced_in.add(e["delta"])
                 if e["delta"] in merged:
                     last = e["t"]
-    stepped = stepped * descriptor.sync_every / descriptor.num_fragments
+    stepped = stepped * descriptor.schedule.sync_every / descriptor.num_fragments
     useful = sum(useful_steps(records, descriptor.num_fragments, produced_in).values())
     commit_t = np.array(sorted(r.info["committed_at"] for r in records if r.kind == "merge"
                                and t0 <= r.info.get("committed_at", 0) <= t_end))

@@ -163,7 +163,7 @@ class ChaosRun:
         settings = RunSettings(fragments=spec.fragments, sync_every=spec.sync_every, quorum=spec.quorum,
                                retain_versions=spec.retain_versions, seed=spec.seed, model=gcfg.to_dict(),
                                grace_gamma=spec.grace_gamma, keep_progress=spec.keep_progress,
-                               extra={"job": job.to_dict()})
+                               job=job.to_dict())
         self.descriptor = create_run(self.store, init, settings, embedding_tensors=EMBEDDING_TENSORS,
                                      syncer=idents[SYNCER], learners=[idents[n].public for n in (*names, ROGUE)])
         self.relays = (Relay(self.syncer_ports[0], name="ingest").start(),

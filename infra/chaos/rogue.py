@@ -253,9 +253,9 @@ class Rogue:
 
     def _too_old(self, p: int) -> list[Injection]:
         current = self.versions()[p]
-        old = current - self.desc.retain_versions
+        old = current - self.desc.versions.retain
         if old < 0:
-            raise RuntimeError(f"too-old needs fragment {p} at version >= {self.desc.retain_versions} "
+            raise RuntimeError(f"too-old needs fragment {p} at version >= {self.desc.versions.retain} "
                                f"(the retained window), it is at {current}")
         h, blob = self.good(p, base=old)
         return [self._note("too-old", h, "bus", "", blob, ("dropped:base-too-old",), self.send(h, blob))]

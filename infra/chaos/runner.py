@@ -257,8 +257,8 @@ def _rogue(run: ChaosRun, f: Fault, injections: list) -> None:
     attacks = [a for a in f.target.split(",") if a]
     desc = run.descriptor
     if "too-old" in attacks:   # its base must already be outside the retained window
-        run.wait_for(lambda: min(_versions(run).values()) >= desc.retain_versions, 60,
-                     f"every fragment at version >= {desc.retain_versions}", tick=run.poll)
+        run.wait_for(lambda: min(_versions(run).values()) >= desc.versions.retain, 60,
+                     f"every fragment at version >= {desc.versions.retain}", tick=run.poll)
     rogue = Rogue(run.store, desc, run.keydir, BusConfig(run.relays[0].endpoint, run.relays[1].endpoint))
     run.mark(ROGUE, "rogue", ",".join(attacks))
     try:

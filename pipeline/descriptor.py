@@ -1,0 +1,358 @@
+"""The run descriptor: everything fixed for a run, written once with version 0 of the model.
+
+Format v2 (docs/formats.md "Run descriptor"): a map of typed sections, each one the config type of
+the component that uses it - ``layout`` (pipeline/fragment.py), ``schedule`` (pipeline/schedule.py),
+``policy`` (pipeline/policy.py), ``codec`` (pipeline/codec.py), ``merge`` (pipeline/merge.py),
+``outer`` (pipeline/outer.py), ``guard`` (pipeline/guard.py), ``security`` (pipeline/security.py),
+and ``versions`` and ``learner`` (defined here: their users live in workers/, which pipeline/ cannot
+import). ``job`` is the default job's settings as a plain map (workers/job.py types it), ``model``
+the model config, ``extra`` free-form notes no component reads. Carries no secrets.
+
+Validated once, in ``from_dict``: every error is a FormatError naming the field's path (``descriptor
+policy.quorum: ...``); unknown sections and fields are refused (a setting a reader does not know
+could change the math, so it is never ignored). Version 1 documents (flat fields, sections inside
+``extra``) are migrated in memory by ``migrate_v1``; their bytes stay as they are on storage.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from .codec import CodecConfig
+from .envelope import pack_record, unpack_record
+from .errors import FormatError
+from .fragment import FragmentLayout
+from .guard import NormGuardConfig
+from .merge import MergeConfig
+from .outer import OuterConfig
+from .policy import PolicyConfig
+from .schedule import ScheduleConfig
+from .security import RunSecurity
+from .types import TensorSpec
+
+__all__ = ["RunDescriptor", "VersionsConfig", "LearnerRules", "migrate_v1", "VERSION_DTYPES"]
+
+VERSION_DTYPES = ("fp32", "bf16")
+RESERVED_EXTRA = ("security", "norm_guard", "job")    # v1 kept these in extra; v2 has sections
+
+
+@dataclass(frozen=True)
+class VersionsConfig:
+    """How merged fragment versions travel (``dtype``, the syncer keeps fp32 master state) and how
+    many recent versions of each fragment are kept (``retain``; the fold, recovery and gc read it)."""
+
+    dtype: str = "fp32"
+    retain: int = 16
+
+    def __post_init__(self) -> None:
+        if self.dtype not in VERSION_DTYPES:
+            raise ValueError(f"versions dtype {self.dtype!r} not one of {VERSION_DTYPES}")
+        if not isinstance(self.retain, int) or isinstance(self.retain, bool) or self.retain < 1:
+            raise ValueError(f"versions retain must be an int >= 1, got {self.retain!r}")
+
+
+@dataclass(frozen=True)
+class LearnerRules:
+    """What a learner does when a new version lands (workers/learner.py): mix its replica into it
+    with weight ``mixing_alpha`` (0: take the version), and ``keep_progress`` (keep its steps since
+    the answer it sent)."""
+
+    mixing_alpha: float = 0.0
+    keep_progress: bool = False
+
+    def __post_init__(self) -> None:
+        a = self.mixing_alpha
+        if not isinstance(a, (int, float)) or isinstance(a, bool) or not 0.0 <= a < 1.0:
+            raise ValueError(f"learner mixing_alpha must lie in [0, 1), got {a!r}")
+        if not isinstance(self.keep_progress, bool):
+            raise ValueError(f"learner keep_progress must be a bool, got {self.keep_progress!r}")
+
+
+@dataclass(frozen=True)
+class RunDescriptor:
+    """Everything fixed for a run (see the module docstring). ``layout`` says which tensors form each
+    fragment, ``schedule`` when each falls due (H, offsets t_p); the other sections default to what
+    ``create_run`` would choose without settings. ``guard``/``security``/``job`` None: none."""
+
+    run_id: str
+    layout: FragmentLayout
+    schedule: ScheduleConfig
+    policy: PolicyConfig = PolicyConfig()
+    codec: CodecConfig = CodecConfig()
+    versions: VersionsConfig = VersionsConfig()
+    merge: MergeConfig = MergeConfig()
+    outer: OuterConfig = OuterConfig()
+    learner: LearnerRules = LearnerRules()
+    guard: NormGuardConfig | None = None
+    security: RunSecurity | None = None
+    job: dict[str, Any] | None = None      # the default job's settings (workers/job.py JobSettings)
+    seed: int = 0
+    model: dict[str, Any] = field(default_factory=dict)   # model config for jobs that build one
+    extra: dict[str, Any] = field(default_factory=dict)   # free-form notes; no component reads them
+
+    KIND = "run-descriptor"
+    VERSION = 2
+    READS = (1, 2)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.run_id, str) or not self.run_id:
+            raise ValueError("run_id must be a non-empty string")
+        for name, typ in _SECTION_TYPES.items():
+            value = getattr(self, name)
+            if not isinstance(value, typ) and not (value is None and name in _OPTIONAL):
+                raise ValueError(f"{name} must be a {typ.__name__}, got {type(value).__name__}")
+        if len(self.schedule.offsets) != self.layout.num_fragments:
+            raise ValueError(f"{self.layout.num_fragments} fragments but {len(self.schedule.offsets)} offsets")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        for name in ("job", "model", "extra"):
+            value = getattr(self, name)
+            if value is None and name == "job":
+                continue
+            if not isinstance(value, dict):
+                raise ValueError(f"{name} must be a map, got {type(value).__name__}")
+            _check_plain(value, name)
+        reserved = sorted(set(self.extra) & set(RESERVED_EXTRA))
+        if reserved:
+            raise ValueError(f"extra must not hold {reserved}: they are sections of the descriptor")
+
+    # -- conveniences: the layout is read everywhere ---------------------------------------------
+
+    @property
+    def num_fragments(self) -> int:
+        return self.layout.num_fragments
+
+    def spec(self, name: str) -> TensorSpec:
+        return self.layout.spec(name)
+
+    def fragment_specs(self, p: int) -> list[TensorSpec]:
+        return self.layout.fragment_specs(p)
+
+    # -- the document ------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """The v2 map (every section present; fixed key order, so equal descriptors write equal bytes)."""
+        simple = {name: dataclasses.asdict(getattr(self, name)) for name in ("policy", "codec", "versions", "outer",
+                                                                             "learner")}
+        return {
+            "run_id": self.run_id, "seed": self.seed,
+            "layout": {"tensors": [t.to_dict() for t in self.layout.tensors],
+                       "fragments": [list(f) for f in self.layout.fragments], "strategy": self.layout.strategy},
+            "schedule": {"sync_every": self.schedule.sync_every, "offsets": list(self.schedule.offsets),
+                         "driver": self.schedule.driver},
+            **simple,
+            "merge": {"method": self.merge.method, "embedding_tensors": sorted(self.merge.embedding_tensors)},
+            "guard": None if self.guard is None else dataclasses.asdict(self.guard),
+            "security": None if self.security is None else self.security.to_dict(),
+            "job": None if self.job is None else dict(self.job),
+            "model": dict(self.model), "extra": dict(self.extra),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "RunDescriptor":
+        """Validate a v2 map (FormatError naming the field's path); see ``migrate_v1`` for v1 maps."""
+        _fields(d, "descriptor", _TOP, _TOP)
+        kw: dict[str, Any] = {"run_id": _typed(d["run_id"], str, "descriptor run_id"),
+                              "seed": _typed(d["seed"], int, "descriptor seed")}
+        for name, parse in _PARSERS.items():
+            value = d[name]
+            if value is None and name in _OPTIONAL:
+                kw[name] = None
+            else:
+                kw[name] = parse(value, f"descriptor {name}")
+        try:
+            return cls(**kw)
+        except ValueError as exc:
+            raise FormatError(f"descriptor: {exc}") from None
+
+    def to_bytes(self) -> bytes:
+        return pack_record(self.KIND, self.VERSION, self.to_dict())
+
+    @classmethod
+    def from_bytes(cls, blob: bytes, what: str | None = None) -> "RunDescriptor":
+        """Read a stored descriptor of either version (v1 is migrated in memory)."""
+        version, d = unpack_record(blob, cls.KIND, cls.READS, what=what)
+        try:
+            return cls.from_dict(migrate_v1(d) if version == 1 else d)
+        except FormatError as exc:
+            raise FormatError(f"{what}: {exc}" if what else str(exc)) from None
+
+
+# -- v1 -> v2 --------------------------------------------------------------------------------------
+
+# Every v1 field and the default its dataclass gave a document without it (older writers left
+# out fields added later); None: required.
+_V1 = {"run_id": None, "tensors": None, "fragments": None, "offsets": None, "sync_every": None, "overlap": 1,
+       "quorum": 1, "compression": "int4", "block_size": 64, "zstd_level": 3, "version_dtype": "fp32",
+       "merge": "rda", "embedding_tensors": [], "outer_lr": 0.7, "outer_momentum": 0.9, "grace_gamma": 0.5,
+       "grace_cap_s": 0.0, "retain_versions": 16, "mixing_alpha": 0.0, "fragment_strategy": "balanced",
+       "schedule": "learner", "keep_progress": False, "seed": 0, "model": {}, "extra": {}}
+
+
+def migrate_v1(d: Any) -> dict[str, Any]:
+    """The v2 map of a v1 map: flat fields grouped into sections, ``extra["security"]``,
+    ``extra["norm_guard"]`` and ``extra["job"]`` moved to their sections, v1 defaults filled in (a
+    v1 map without ``schedule`` was written before syncer-driven rounds: driver "learner"; a norm
+    guard map without ``version`` is version 1, without a cap). Pure; checks only the v1 shape, the
+    result is validated by ``RunDescriptor.from_dict``."""
+    _fields(d, "descriptor (v1)", _V1, [k for k, v in _V1.items() if v is None])
+    v = {**_V1, **d}
+    extra = _typed(v["extra"], dict, "descriptor (v1) extra")
+    extra = dict(extra)
+    guard = extra.pop("norm_guard", None)
+    if isinstance(guard, dict):
+        known = {f.name for f in dataclasses.fields(NormGuardConfig)}
+        _fields(guard, "descriptor (v1) extra.norm_guard", known, ())
+        defaults = dataclasses.asdict(NormGuardConfig())
+        guard = {**defaults, **guard} if "version" in guard else {**defaults, **guard, "version": 1, "cap": None}
+    return {
+        "run_id": v["run_id"], "seed": v["seed"],
+        "layout": {"tensors": v["tensors"], "fragments": v["fragments"], "strategy": v["fragment_strategy"]},
+        "schedule": {"sync_every": v["sync_every"], "offsets": v["offsets"], "driver": v["schedule"]},
+        "policy": {"quorum": v["quorum"], "overlap": v["overlap"], "gamma": v["grace_gamma"],
+                   "cap_s": v["grace_cap_s"]},
+        "codec": {"scheme": v["compression"], "block_size": v["block_size"], "zstd_level": v["zstd_level"]},
+        "versions": {"dtype": v["version_dtype"], "retain": v["retain_versions"]},
+        "merge": {"method": v["merge"], "embedding_tensors": v["embedding_tensors"]},
+        "outer": {"lr": v["outer_lr"], "momentum": v["outer_momentum"]},
+        "learner": {"mixing_alpha": v["mixing_alpha"], "keep_progress": v["keep_progress"]},
+        "guard": guard, "security": extra.pop("security", None), "job": extra.pop("job", None),
+        "model": v["model"], "extra": extra,
+    }
+
+
+# -- validation helpers ----------------------------------------------------------------------------
+
+def _fields(d: Any, path: str, allowed, required) -> None:
+    if not isinstance(d, dict):
+        raise FormatError(f"{path} must be a map, got {type(d).__name__}")
+    unknown = sorted(set(d) - set(allowed), key=str)
+    if unknown:
+        raise FormatError(f"{path}: unknown fields {unknown}")
+    missing = sorted(set(required) - set(d))
+    if missing:
+        raise FormatError(f"{path}: missing fields {missing}")
+
+
+def _typed(value: Any, typ: type | tuple, path: str) -> Any:
+    """``value`` if it has type ``typ`` (ints are taken for floats; bools are never ints)."""
+    types = typ if isinstance(typ, tuple) else (typ,)
+    if value is None and type(None) in types:
+        return None
+    if float in types and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, bool) and bool not in types or not isinstance(value, tuple(t for t in types if t)):
+        names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+        raise FormatError(f"{path} must be {names}, got {type(value).__name__} {value!r}"[:300])
+    return value
+
+
+def _check_plain(value: Any, path: str) -> None:
+    """A msgpack-able map of plain values with string keys (ValueError naming the path)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ValueError(f"{path} has a non-string key {k!r}")
+            _check_plain(v, f"{path}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_plain(v, f"{path}[{i}]")
+    elif value is not None and not isinstance(value, (bool, int, float, str, bytes)):
+        raise ValueError(f"{path} holds a {type(value).__name__}, not a plain value")
+
+
+def _config(cls, types: Mapping[str, type | tuple]) -> Callable[[Any, str], Any]:
+    """A parser for a section that is exactly the fields of the config dataclass ``cls``."""
+    def parse(m: Any, path: str) -> Any:
+        _fields(m, path, types, types)
+        kw = {k: _typed(m[k], t, f"{path}.{k}") for k, t in types.items()}
+        try:
+            return cls(**kw)
+        except ValueError as exc:
+            raise FormatError(f"{path}{_culprit(cls, kw)}: {exc}") from None
+    return parse
+
+
+def _culprit(cls, kw: Mapping[str, Any]) -> str:
+    """``.field`` for the one field whose value the config refuses on its own ("" when it takes
+    the combination: a check across fields failed)."""
+    for k, v in kw.items():
+        try:
+            cls(**{k: v})
+        except (ValueError, TypeError):
+            return f".{k}"
+    return ""
+
+
+def _list_of(value: Any, typ: type, path: str) -> list:
+    return [_typed(x, typ, f"{path}[{i}]") for i, x in enumerate(_typed(value, list, path))]
+
+
+def _layout(m: Any, path: str) -> FragmentLayout:
+    _fields(m, path, ("tensors", "fragments", "strategy"), ("tensors", "fragments", "strategy"))
+    tensors = []
+    for i, t in enumerate(_typed(m["tensors"], list, f"{path}.tensors")):
+        try:
+            tensors.append(TensorSpec.from_dict(t))
+        except FormatError as exc:
+            raise FormatError(f"{path}.tensors[{i}]: {exc}") from None
+    fragments = [tuple(_list_of(f, str, f"{path}.fragments[{p}]"))
+                 for p, f in enumerate(_typed(m["fragments"], list, f"{path}.fragments"))]
+    try:
+        return FragmentLayout(tuple(tensors), tuple(fragments), _typed(m["strategy"], str, f"{path}.strategy"))
+    except ValueError as exc:
+        raise FormatError(f"{path}: {exc}") from None
+
+
+def _schedule(m: Any, path: str) -> ScheduleConfig:
+    _fields(m, path, ("sync_every", "offsets", "driver"), ("sync_every", "offsets", "driver"))
+    kw = {"sync_every": _typed(m["sync_every"], int, f"{path}.sync_every"),
+          "offsets": tuple(_list_of(m["offsets"], int, f"{path}.offsets")),
+          "driver": _typed(m["driver"], str, f"{path}.driver")}
+    try:
+        return ScheduleConfig(**kw)
+    except ValueError as exc:
+        field_ = "sync_every" if "sync_every" in str(exc) else "offsets" if "offsets" in str(exc) else "driver"
+        raise FormatError(f"{path}.{field_}: {exc}") from None
+
+
+def _merge(m: Any, path: str) -> MergeConfig:
+    _fields(m, path, ("method", "embedding_tensors"), ("method", "embedding_tensors"))
+    method = _typed(m["method"], str, f"{path}.method")
+    names = _list_of(m["embedding_tensors"], str, f"{path}.embedding_tensors")
+    try:
+        return MergeConfig(method, frozenset(names))
+    except ValueError as exc:
+        raise FormatError(f"{path}.{'method' if 'method' in str(exc) else 'embedding_tensors'}: {exc}") from None
+
+
+def _security(m: Any, path: str) -> RunSecurity:
+    return RunSecurity.from_dict(m, path)
+
+
+def _plain_map(m: Any, path: str) -> dict[str, Any]:
+    try:
+        _check_plain(_typed(m, dict, path), path.removeprefix("descriptor "))
+    except ValueError as exc:
+        raise FormatError(f"descriptor {exc}") from None
+    return dict(m)
+
+
+_PARSERS: dict[str, Callable[[Any, str], Any]] = {
+    "layout": _layout, "schedule": _schedule,
+    "policy": _config(PolicyConfig, {"quorum": int, "overlap": int, "gamma": float, "cap_s": float}),
+    "codec": _config(CodecConfig, {"scheme": str, "block_size": int, "zstd_level": int}),
+    "versions": _config(VersionsConfig, {"dtype": str, "retain": int}),
+    "merge": _merge,
+    "outer": _config(OuterConfig, {"lr": float, "momentum": float}),
+    "learner": _config(LearnerRules, {"mixing_alpha": float, "keep_progress": bool}),
+    "guard": _config(NormGuardConfig, {"factor": float, "window": int, "min_history": int,
+                                       "cap": (float, type(None)), "enabled": bool, "version": int}),
+    "security": _security, "job": _plain_map, "model": _plain_map, "extra": _plain_map,
+}
+_TOP = ("run_id", "seed", *_PARSERS)
+_OPTIONAL = ("guard", "security", "job")
+_SECTION_TYPES = {"layout": FragmentLayout, "schedule": ScheduleConfig, "policy": PolicyConfig, "codec": CodecConfig,
+                  "versions": VersionsConfig, "merge": MergeConfig, "outer": OuterConfig, "learner": LearnerRules,
+                  "guard": NormGuardConfig, "security": RunSecurity}
