@@ -22,6 +22,12 @@ class EventLog:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._fh = open(path, "a", buffering=1)
         self._echo = echo
+        self._listeners: list[Callable[[dict], None]] = []
+
+    def subscribe(self, listener: Callable[[dict], None]) -> None:
+        """Also hand every later event's record to ``listener`` (after it is written), on the emitting
+        thread: it must be quick and catch its own errors (workers/metrics.py)."""
+        self._listeners.append(listener)
 
     def emit(self, event: str, **fields: Any) -> None:
         rec = {"t": round(self.clock(), 4), "role": self.role, "id": self.ident, "event": event, **fields}
@@ -32,6 +38,8 @@ class EventLog:
             if self._echo is not None:
                 self._echo.write(line + "\n")
                 self._echo.flush()
+        for listener in self._listeners:
+            listener(rec)
 
     def close(self) -> None:
         with self._lock:
