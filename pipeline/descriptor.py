@@ -133,16 +133,16 @@ class RunDescriptor:
 
     def to_dict(self) -> dict[str, Any]:
         """The v2 map (every section present; fixed key order, so equal descriptors write equal bytes)."""
-        simple = {name: dataclasses.asdict(getattr(self, name)) for name in ("policy", "codec", "versions", "outer",
-                                                                             "learner")}
+        plain = dataclasses.asdict
         return {
             "run_id": self.run_id, "seed": self.seed,
             "layout": {"tensors": [t.to_dict() for t in self.layout.tensors],
                        "fragments": [list(f) for f in self.layout.fragments], "strategy": self.layout.strategy},
             "schedule": {"sync_every": self.schedule.sync_every, "offsets": list(self.schedule.offsets),
                          "driver": self.schedule.driver},
-            **simple,
+            "policy": plain(self.policy), "codec": plain(self.codec), "versions": plain(self.versions),
             "merge": {"method": self.merge.method, "embedding_tensors": sorted(self.merge.embedding_tensors)},
+            "outer": plain(self.outer), "learner": plain(self.learner),
             "guard": None if self.guard is None else dataclasses.asdict(self.guard),
             "security": None if self.security is None else self.security.to_dict(),
             "job": None if self.job is None else dict(self.job),
