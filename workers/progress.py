@@ -128,7 +128,8 @@ class Progress:
 
     def _table(self) -> Table:
         d = self.descriptor
-        t = Table(title=f"run {d.run_id}: P={d.num_fragments} H={d.schedule.sync_every} K={d.policy.quorum} {d.codec.scheme}"
+        t = Table(title=f"run {d.run_id}: P={d.num_fragments} H={d.schedule.sync_every} K={d.policy.quorum} "
+                        f"{d.codec.scheme}"
                         + (f"   global eval loss {self.eval_loss:.4f}" if self.eval_loss is not None else ""))
         for col in ("learner", "step", "loss", "tokens/s", "versions applied", "acked", "spilled", "status"):
             t.add_column(col, justify="right" if col not in ("learner", "status") else "left")

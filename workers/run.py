@@ -172,8 +172,8 @@ def run(args) -> int:
     desc = create_run(store, init, settings, embedding_tensors=EMBEDDING_TENSORS, syncer=idents.get(SYNCER),
                       learners=[idents[n].public for n in names] if idents else ())
     if args.create_only:
-        print(f"created run {desc.run_id} at {store_uri}: {desc.num_fragments} fragments, H={desc.schedule.sync_every}, "
-              f"K={desc.policy.quorum}, {desc.codec.scheme}; {steps} steps per learner; "
+        print(f"created run {desc.run_id} at {store_uri}: {desc.num_fragments} fragments, "
+              f"H={desc.schedule.sync_every}, K={desc.policy.quorum}, {desc.codec.scheme}; {steps} steps per learner; "
               + ("UNSIGNED (--insecure)" if args.insecure else f"signed, keys in {keydir} (roles: --keys {keydir})"))
         return 0
     corpus = Corpus(job.data_config(gcfg.block_size))
