@@ -16,6 +16,9 @@ Errors a user reads (issue 11 items 11, 15): a mistyped local ``--store`` is ref
 created; a store that does not answer, a missing run, bad keys are one ``error: ... — fix`` line
 (workers/cli.py ``explain``); a learner that could not make every delta durable says how many it
 lost and why, and exits 4.
+
+Metrics (issue 17): ``--metrics-port N`` (0: any free port) serves Prometheus metrics of either role
+at ``http://127.0.0.1:N/metrics`` (``--metrics-host`` to bind elsewhere); workers/metrics.py.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from storage.store import open_store
 from .bus import BusConfig
 from .events import EventLog
 from .keys import SYNCER, KeyRing, key_paths, load_identity, load_public
+from .metrics import add_metrics_args, start_metrics
 from .syncer import Syncer, SyncerConfig
 
 
@@ -56,6 +60,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--key", metavar="PATH", default=None, help="this role's secret key file (.key_secret)")
     parser.add_argument("--insecure", action="store_true",
                         help="join an unsigned run: no CURVE, no signatures (logged as such)")
+    add_metrics_args(parser)
 
 
 def _keyring(args, store, role: str, ident: str) -> KeyRing | None:
@@ -128,11 +133,18 @@ def configure_syncer(parser: argparse.ArgumentParser,
         keys = _keyring(args, store, "syncer", args.id)
         flag = _stop_flag()
         events = _events(args, "syncer", args.id)
+        store, metrics = start_metrics(args, events, "syncer", args.id, store)   # (store, None) without the flag
         syncer = Syncer(store, SyncerConfig(syncer_id=args.id, checkpoint_every=args.checkpoint_every,
                                             retention=retention),
                         bus=_bus(args), events=events, keys=keys,
                         before_commit=before_commit(args, events) if before_commit is not None else None)
-        return syncer.run(flag.is_set)
+        if metrics is not None:
+            metrics.watch_syncer(syncer)
+        try:
+            return syncer.run(flag.is_set)
+        finally:
+            if metrics is not None:
+                metrics.close()
     return handler
 
 
@@ -163,9 +175,14 @@ def configure_learner(parser: argparse.ArgumentParser):
         keys = _keyring(args, store, "learner", args.id)
         flag = _stop_flag()
         events = _events(args, "learner", args.id)
+        store, metrics = start_metrics(args, events, "learner", args.id, store)  # (store, None) without the flag
         cfg = LearnerConfig(sender=SenderConfig(ack_timeout_s=args.ack_timeout), poll_s=args.poll, keys=keys)
-        stats = learner_process(store, args.id, shard, _bus(args), events, steps=args.steps, slow=args.slow,
-                                config=cfg, stop=flag.is_set)
+        try:
+            stats = learner_process(store, args.id, shard, _bus(args), events, steps=args.steps, slow=args.slow,
+                                    config=cfg, stop=flag.is_set)
+        finally:
+            if metrics is not None:
+                metrics.close()
         events.emit("learner-done", **stats)
         if args.log:
             print(json.dumps(stats))
