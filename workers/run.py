@@ -70,7 +70,7 @@ def configure(parser):
     # 16: on 2 cores a version then lands <= 2 of the demo's steps after the answer (README "Rounds").
     a("--batch-size", type=int, default=DEMO_BATCH_SIZE)
     a("--max-bytes", type=int, default=2_000_000, help="corpus size in bytes (split into one shard per learner)")
-    a("--lr", type=float, default=3e-3, help="inner AdamW learning rate")
+    a("--lr", type=float, default=JobSettings.lr, help="inner AdamW learning rate (README \"Rounds\")")
     a("--lr-schedule", default="constant", choices=LR_SCHEDULES,
       help="inner lr schedule of every learner (cosine: --warmup-steps linear warmup, decay to 0.1 x lr)")
     a("--warmup-steps", type=int, default=20, help="linear warmup steps of the cosine schedule")
