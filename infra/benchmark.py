@@ -112,15 +112,16 @@ def _ddiloco(args: list[str], env: dict | None = None) -> subprocess.CompletedPr
     return subprocess.run([sys.executable, "-m", "workers.cli", *args], env=env, capture_output=True, text=True)
 
 
-def _control(out: Path, steps: int) -> subprocess.Popen:
+def _control(out: Path, run_dir: Path, steps: int) -> subprocess.Popen:
     from workers.run import LEARNER_NICE
     # Same priority as the run's learners: the ratio compares sync on vs off, not scheduling classes.
-    return subprocess.Popen([sys.executable, "-m", "infra.benchmark", "control", str(out), str(steps)],
+    return subprocess.Popen([sys.executable, "-m", "infra.benchmark", "control", str(out), str(run_dir), str(steps)],
                             env=dict(os.environ, OMP_NUM_THREADS="1"), preexec_fn=lambda: os.nice(LEARNER_NICE))
 
 
-def control_main(out: str, steps: int) -> None:
-    """The sync-off control: the default job's model, data and optimizer, no Learner at all."""
+def control_main(out: str, run_dir: str, steps: int) -> None:
+    """The sync-off control: the default job's model, data and optimizer, no Learner at all, trained
+    while the run in ``run_dir`` trains (same machine load); step times written to ``out``."""
     import torch
     from workers.data import Corpus
     from workers.job import JobSettings, make_optimizer
@@ -133,9 +134,13 @@ def control_main(out: str, steps: int) -> None:
     opt = make_optimizer(model, job)
     batches = corpus.batches(0, job.shards, 0)
     # Train while the run's learners train (they take seconds to start): wait for their first step.
-    first = Path(out).with_suffix("") / "logs" / "l0.jsonl"
+    # (It once derived the run's directory from ``out`` wrongly, waited out its deadline and trained
+    # alone after the run: the "sync on/off" ratio of ~2.5-3 compared a loaded learner to an idle core.)
+    first = Path(run_dir) / "logs" / "l0.jsonl"
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (first.exists() and '"event":"step"' in first.read_text()):
+    while not (first.exists() and '"event":"step"' in first.read_text()):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"control: no step of {first} within 120 s; the run did not start")
         time.sleep(0.2)
     times = []
     for _ in range(steps):
@@ -149,7 +154,7 @@ def control_main(out: str, steps: int) -> None:
 
 
 def _run(out: Path, learners: int, steps: int, extra: list[str], env=None, control: bool = False) -> dict:
-    ctl = _control(out.with_suffix(".control.json"), steps) if control else None
+    ctl = _control(out.with_suffix(".control.json"), out, steps) if control else None
     res = _ddiloco(["run", "--out", str(out), "--plain", "--learners", str(learners), "--steps", str(steps), *extra],
                    env=env)
     if res.returncode != 0:
@@ -256,7 +261,7 @@ def _handle(args) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "control":
-        control_main(sys.argv[2], int(sys.argv[3]))
+    if len(sys.argv) == 5 and sys.argv[1] == "control":
+        control_main(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     else:
-        raise SystemExit("usage: python -m infra.benchmark control OUT STEPS (internal)")
+        raise SystemExit("usage: python -m infra.benchmark control OUT RUN_DIR STEPS (internal)")
