@@ -99,7 +99,8 @@ def test_migration_is_one_function_of_the_v1_map():
     assert via_map == RunDescriptor.from_bytes(fixture("unsigned")[0])
     minimal = {k: body[k] for k in ("run_id", "tensors", "fragments", "offsets", "sync_every")}
     d = RunDescriptor.from_dict(migrate_v1(minimal))    # v1 fields added later take their v1 defaults
-    assert d.policy == PolicyConfig() and d.codec == CodecConfig() and d.guard is None and d.job is None
+    # v1 runs were created with gamma 0.5 (the default before it became 1): they keep it
+    assert d.policy == PolicyConfig(gamma=0.5) and d.codec == CodecConfig() and d.guard is None and d.job is None
     assert d.schedule.driver == "learner"
     with pytest.raises(FormatError, match=r"descriptor \(v1\): unknown fields \['surprise'\]"):
         migrate_v1({**body, "surprise": 1})

@@ -17,8 +17,8 @@ def test_grace_window_formula_and_clamps():
     t = Timing(step_time_s=1.0, sync_time_s=0.5)
     # 0.5 * (4*1 - 1 - 0.5) = 1.25, capped at one step time
     assert grace_window(cfg, t, 1.0) == 1.0
-    assert grace_window(PolicyConfig(overlap=4, cap_s=10.0), t, 1.0) == pytest.approx(1.25)
-    assert grace_window(PolicyConfig(overlap=4, cap_s=10.0), t, 5.0) == 0.0           # no slack left
+    assert grace_window(PolicyConfig(overlap=4, gamma=0.5, cap_s=10.0), t, 1.0) == pytest.approx(1.25)
+    assert grace_window(PolicyConfig(overlap=4, gamma=0.5, cap_s=10.0), t, 5.0) == 0.0           # no slack left
     assert grace_window(PolicyConfig(overlap=2, gamma=0.25, cap_s=9.0), Timing(2.0, 0.0), 0.0) == pytest.approx(1.0)
 
 

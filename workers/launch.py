@@ -54,7 +54,7 @@ class RunSettings:
     strategy: str = "balanced"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
-    grace_gamma: float = 0.5
+    grace_gamma: float = PolicyConfig.gamma
     grace_cap_s: float = 0.0
     retain_versions: int = 16
     mixing_alpha: float = 0.0

@@ -77,7 +77,8 @@ def configure(parser):
     a("--outer-lr", type=float, default=0.7)
     # DiLoCo's 0.7/0.9 are tuned for H in the hundreds; at this job's H=16, 0.5 measured better (README).
     a("--outer-momentum", type=float, default=0.5)
-    a("--grace-gamma", type=float, default=0.5, help="gamma of the adaptive grace window (SPEC §4)")
+    a("--grace-gamma", type=float, default=RunSettings.grace_gamma,
+      help="gamma of the adaptive grace window (SPEC §4; README \"Rounds\")")
     a("--keep-progress", action="store_true",
       help="learners keep their steps since answering a round when its version lands (instead of overwriting)")
     a("--no-bus", action="store_true", help="no ZeroMQ: deltas and versions go through storage only")
