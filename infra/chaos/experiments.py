@@ -31,6 +31,7 @@ from typing import Callable
 
 import numpy as np
 
+from pipeline.policy import PolicyConfig
 from workers.events import Tail
 from workers.utilisation import latency_steps, p50, useful_steps
 from .harness import ChaosRun, RunSpec
@@ -127,8 +128,9 @@ def _learner_rows(run: ChaosRun, records) -> dict[str, dict]:
 
 def hetero(out: Path, seed: int = 0, quick: bool = False) -> dict:
     steps, pace = (120, 0.05) if quick else (300, 0.05)
-    configs = {"K=M": (4, 0.5, False), "K=1": (1, 0.0, False), "K=1+grace": (1, 0.5, False),
-               "K=1+grace+keep": (1, 0.5, True)}
+    g = PolicyConfig.gamma     # the default grace window (README "Rounds")
+    configs = {"K=M": (4, g, False), "K=1": (1, 0.0, False), "K=1+grace": (1, g, False),
+               "K=1+grace+keep": (1, g, True)}
     slow = {"l2": 1.18, "l3": 1.18}
     result = {}
     for label, (k, gamma, keep) in configs.items():
