@@ -1,36 +1,28 @@
 """Helpers for end-to-end tests: a tiny default-job run driven as real processes.
 
+``TinyRun`` is a thin test front of ``workers.cluster.LocalCluster`` (the orchestrator behind
+``ddiloco run`` and ``ddiloco chaos``): the cluster spawns, signals and stops the processes and
+decides when the run is drained; this adds the tiny model and the names the tests use.
 Secure by default like ``ddiloco run``: ``create`` makes keys for the syncer and every learner in
 ``DIR/keys`` and a signed run; ``TinyRun(..., secure=False)`` makes an unsigned one (--insecure)."""
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from storage.store import open_store
+from workers.cluster import ClusterConfig, LocalCluster, create_job_run, free_port, global_eval_loss
 from workers.data import Corpus, evaluate
-from workers.events import EventLog, read_events
+from workers.events import EventLog
 from workers.job import JobSettings
-from workers.keys import SYNCER, ensure_identities, key_paths
-from workers.launch import RunSettings, create_run
-from workers.model import EMBEDDING_TENSORS, GPT, GPTConfig, build_model
-from workers.versions import VersionTracker
+from workers.launch import RunSettings
+from workers.model import GPTConfig
+
+__all__ = ["TINY", "TinyRun", "Recorder", "free_port"]
 
 TINY = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=32)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -40,26 +32,28 @@ class TinyRun:
     env: dict
     steps: int = 150
     learners: int = 2
-    procs: dict = field(default_factory=dict)
     ingest: str = ""
     announce: str = ""
     secure: bool = True
+    cluster: LocalCluster = field(init=False)
 
     def __post_init__(self) -> None:
-        self.ingest = f"tcp://127.0.0.1:{free_port()}"
-        self.announce = f"tcp://127.0.0.1:{free_port()}"
-        (self.dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.dir = Path(self.dir)
+        self.cluster = LocalCluster(ClusterConfig(self.uri, self.dir, keydir=self.keydir if self.secure else None,
+                                                  ingest=self.ingest, announce=self.announce, env=self.env))
+        self.ingest, self.announce = self.cluster.ingest, self.cluster.announce
 
     @property
     def keydir(self) -> Path:
         return self.dir / "keys"
 
+    @property
+    def procs(self) -> dict[str, subprocess.Popen]:
+        """The current process of every role started so far."""
+        return {name: lives[-1].popen for name, lives in self.cluster.lives.items()}
+
     def key_args(self, name: str) -> list[str]:
-        if not self.secure:
-            return ["--insecure"]
-        if name == SYNCER:
-            return ["--key", str(key_paths(self.keydir, SYNCER)[1])]
-        return ["--keys", str(self.keydir)]
+        return self.cluster.key_args(name)
 
     @property
     def store(self):
@@ -67,74 +61,50 @@ class TinyRun:
 
     def create(self, **settings) -> None:
         job = JobSettings(steps=self.steps, batch_size=4, lr=3e-3, max_bytes=300_000, shards=self.learners)
-        model = build_model(TINY, 0)
-        init = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
         kw = dict(fragments=3, sync_every=6, model=TINY.to_dict(), job=job.to_dict())
         kw.update(settings)
         names = [f"l{m}" for m in range(self.learners)]
-        self.idents = ensure_identities(self.keydir, [SYNCER, *names]) if self.secure else {}
-        self.descriptor = create_run(self.store, init, RunSettings(**kw), embedding_tensors=EMBEDDING_TENSORS,
-                                     syncer=self.idents.get(SYNCER),
-                                     learners=[self.idents[n].public for n in names] if self.secure else ())
+        self.descriptor, model = create_job_run(self.store, RunSettings(**kw), TINY, 0,
+                                                self.keydir if self.secure else None, names)
         self.corpus = Corpus(job.data_config(TINY.block_size))
         self.init_loss = evaluate(model, self.corpus)
 
     def _spawn(self, name: str, args: list[str], bus: bool = True, ingest: str | None = None) -> subprocess.Popen:
-        busargs = ["--ingest", ingest or self.ingest, "--announce", self.announce] if bus else ["--no-bus"]
-        cmd = [sys.executable, "-m", "workers.cli", *args, "--store", self.uri, *busargs,
-               "--log", str(self.dir / "logs" / f"{name}.jsonl")]
-        err = open(self.dir / "logs" / f"{name}.stderr", "a")
-        p = subprocess.Popen(cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
-        self.procs[name] = p
-        return p
+        """``ddiloco <args>`` as role ``args[0]`` with the run's store, bus and log (keys are the caller's)."""
+        argv = [*args, *self.cluster.bus_args(bus, ingest)]
+        return self.cluster.spawn(name, args[0], argv).popen
 
-    def syncer(self, name: str = "syncer", **kw) -> subprocess.Popen:
-        return self._spawn(name, ["syncer", "--id", name, *self.key_args(SYNCER)], **kw)
+    def syncer(self, name: str = "syncer", bus: bool = True, ingest: str | None = None) -> subprocess.Popen:
+        return self.cluster.start_syncer(name, bus=bus, endpoints=(ingest, None) if ingest else None).popen
 
-    def learner(self, lid: str, steps: int | None = None, extra: list[str] = (), **kw) -> subprocess.Popen:
-        args = ["learner", "--id", lid, *(["--steps", str(steps)] if steps else []), *self.key_args(lid), *extra]
-        return self._spawn(lid, args, **kw)
+    def learner(self, lid: str, steps: int | None = None, extra: list[str] = (), bus: bool = True,
+                ingest: str | None = None) -> subprocess.Popen:
+        more = [*(["--steps", str(steps)] if steps else []), *extra]
+        return self.cluster.start_learner(lid, more, bus=bus, endpoints=(ingest, None) if ingest else None).popen
 
     def wait(self, name: str, timeout: float = 120) -> int:
         return self.procs[name].wait(timeout=timeout)
 
     def events(self, name: str) -> list[dict]:
-        return read_events(self.dir / "logs" / f"{name}.jsonl")
+        return self.cluster.events(name)
 
     def wait_inbox_empty(self, timeout: float = 60) -> bool:
-        from storage.layout import SPILL_PREFIX
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if not self.store.list(SPILL_PREFIX):
-                return True
-            time.sleep(0.3)
-        return False
+        """Drained: every durable delta of the learners committed and logged (``LocalCluster.drain_status``)."""
+        self.drain_status = self.cluster.wait_drained(timeout)
+        return self.drain_status.ok
 
     def stop_all(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        self.cluster.stop()
 
     def kill_all(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+        for name in self.cluster.names():
+            self.cluster.signal(name, signal.SIGKILL)
 
     def global_loss(self) -> float:
-        values, _ = VersionTracker(self.store, self.descriptor).load_all()
-        model = GPT(TINY)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                p.copy_(torch.from_numpy(values[n].copy()))
-        return evaluate(model, self.corpus)
+        return global_eval_loss(self.store, self.descriptor, self.corpus)[0]
 
     def stderr(self, name: str) -> str:
-        return (self.dir / "logs" / f"{name}.stderr").read_text()[-3000:]
+        return self.cluster.stderr(name)
 
 
 class Recorder(EventLog):

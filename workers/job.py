@@ -98,10 +98,55 @@ def set_lr(opt: torch.optim.Optimizer, job: JobSettings, step: int) -> None:
         group["lr"] = lr
 
 
+@dataclass(frozen=True)
+class Pace:
+    """Pad every inner step to last ``step_s * slow * max(0.5, 1 + jitter * z)`` seconds, z a
+    standard normal drawn from (``seed``, the shard). Padding rather than stretching makes a
+    learner's speed a controlled quantity even on a busy machine (the chaos experiments'
+    heterogeneous speeds: infra/chaos/worker.py)."""
+
+    step_s: float
+    slow: float = 1.0
+    jitter: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.step_s > 0 or self.slow < 1.0 or not 0.0 <= self.jitter < 0.5:
+            raise ValueError(f"need pace > 0, slow >= 1 and 0 <= jitter < 0.5 (got {self.step_s}, {self.slow}, "
+                             f"{self.jitter})")
+
+
+def _step_padding(learner: Learner, shard: int, slow: float, pace: Pace | None) -> Callable[[float], None]:
+    """What to do after a step that took ``took`` seconds: nothing, stretch it ``slow`` x (a
+    straggler), or pad it to the ``pace``."""
+    if pace is not None:
+        rng = np.random.default_rng([pace.seed, shard])
+
+        def pad(took: float) -> None:
+            factor = pace.slow * max(0.5, 1.0 + pace.jitter * float(rng.standard_normal()))
+            time.sleep(max(0.0, pace.step_s * factor - took))
+        return pad
+    if slow > 1.0:
+        def stretch(took: float) -> None:
+            # Stretch by the typical step, not this one: a step that spanned a stall (SIGSTOP) must
+            # not have the stall added again.
+            typical = learner._step_time() or took
+            time.sleep(min(took, typical) * (slow - 1.0))
+        return stretch
+    return lambda took: None
+
+
 def learner_process(store: ObjectStore, learner_id: str, shard: int, bus: BusConfig | None, events: EventLog,
                     steps: int | None = None, slow: float = 1.0, config: LearnerConfig = LearnerConfig(),
-                    stop: Callable[[], bool] = lambda: False) -> dict:
-    """Train one learner of the default job for ``steps`` (default: the job's) and return its stats."""
+                    stop: Callable[[], bool] = lambda: False, pace: Pace | None = None,
+                    data_seed: int | None = None, join_when: Callable[[], bool] | None = None,
+                    poll_s: float = 0.05) -> dict:
+    """Train one learner of the default job for ``steps`` (default: the job's) and return its stats.
+
+    ``slow`` stretches every step by that factor; ``pace`` instead pads each step to a set time;
+    ``data_seed`` gives the learner its own batch order (default: the run's seed); ``join_when``:
+    everything is loaded, then the learner waits (polling every ``poll_s``) until it holds before
+    joining the run (a spare machine, booted in advance)."""
     from storage.layout import read_descriptor
     torch.set_num_threads(1)
     desc = read_descriptor(store)
@@ -109,8 +154,13 @@ def learner_process(store: ObjectStore, learner_id: str, shard: int, bus: BusCon
     corpus = Corpus(job.data_config(gcfg.block_size))
     model = GPT(gcfg)                    # weights are overwritten from storage by start(): never used as drawn
     learner = Learner(model, make_optimizer(model, job), store, learner_id, config, bus=bus, events=events)
+    batches = corpus.batches(shard % job.shards, job.shards, desc.seed if data_seed is None else data_seed)
+    while join_when is not None and not join_when():
+        if stop():
+            return {"steps": 0, "tokens": 0, "drained": True, "joined": False}
+        time.sleep(poll_s)
     learner.start()
-    batches = corpus.batches(shard % job.shards, job.shards, desc.seed)
+    after_step = _step_padding(learner, shard, slow, pace)
     n = steps if steps is not None else job.steps
     opt = learner.optimizer
     for i in range(n):
@@ -120,12 +170,7 @@ def learner_process(store: ObjectStore, learner_id: str, shard: int, bus: BusCon
         set_lr(opt, job, i)
         t0 = time.monotonic()
         learner.step(lambda: model(x, y)[1], tokens=x.numel())
-        if slow > 1.0:   # a straggler: stretch its step time by the factor (chaos, heterogeneous speeds)
-            # Stretch by the typical step, not this one: a step that spanned a stall (SIGSTOP) must not
-            # have the stall added again.
-            took = time.monotonic() - t0
-            typical = learner._step_time() or took
-            time.sleep(min(took, typical) * (slow - 1.0))
+        after_step(time.monotonic() - t0)
     drained = learner.close()
     return {"steps": learner.step_count, "tokens": learner.tokens, "drained": drained, **learner.stats()}
 

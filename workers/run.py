@@ -1,8 +1,9 @@
 """`ddiloco run`: the main job on an embedded default (SPEC §1-8 end to end).
 
 Creates a run (one initial model, descriptor, version 0), starts one syncer and M learner
-processes over ZeroMQ on loopback with storage in a local directory (or S3), shows live progress,
-evaluates the global model from storage while it trains (never pausing anyone), and at the end
+processes (a ``workers.cluster.LocalCluster``) over ZeroMQ on loopback with storage in a local
+directory (or S3), shows live progress, evaluates the global model from storage while it trains
+(never pausing anyone), and at the end
 writes a summary (``--summary PATH`` JSON) and a report with plots. ``--mode dp`` runs the
 lock-step data-parallel baseline with the same model, data order and token budget instead.
 
@@ -14,13 +15,8 @@ CURVE or signatures, and says so in the log and the summary.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -28,21 +24,20 @@ import torch
 
 from pipeline.codec import SCHEMES
 from pipeline.guard import NormGuardConfig
-from storage.layout import SPILL_PREFIX
 from storage.log import CommitLog
 from storage.store import ObjectStore, open_store
+from .cluster import ClusterConfig, LocalCluster, create_job_run, global_eval_loss
 from .data import Corpus, evaluate
 from .events import EventLog, Tail, read_events
 from .job import LR_SCHEDULES, JobSettings, dp_baseline
-from .keys import SYNCER, ensure_identities, key_paths
-from .launch import RunSettings, create_run
+from .keys import SYNCER
+from .launch import RunSettings
 from .logview import stored_base, token_figures
 from .lockstep import OuterSettings, diloco_baseline
-from .model import EMBEDDING_TENSORS, GPT, GPTConfig, build_model
+from .model import GPTConfig
 from .progress import Progress
 from .report import plot_run
 from .utilisation import latency_steps, p50, utilisation
-from .versions import VersionTracker
 
 
 def configure(parser):
@@ -98,39 +93,8 @@ def default_sync_every(fragments: int) -> int:
     return 4 * fragments
 
 
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen
-    log: Path
-    tail: Tail = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.tail = Tail(self.log)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-LEARNER_NICE = 5   # co-located demo only: see _spawn
+LEARNER_NICE = 5   # co-located demo only: see ClusterConfig.learner_nice (workers/cluster.py)
 DEMO_BATCH_SIZE = 16   # the demo's batch (README "Rounds"); the benchmark's sync-off control uses it too
-
-
-def _spawn(name: str, args: list[str], log: Path, out: Path, nice: int = 0) -> Proc:
-    """A role process. ``nice``: the demo puts every role on one machine, where learners saturate
-    the cores; a round's latency is then mostly the syncer waiting for a core. Learners run a few
-    nice levels down so the syncer (whose work is small and latency-bound) gets the CPU when it needs
-    it; the learners lose almost no throughput (they are the only other load). Multi-host
-    deployments start roles with ``ddiloco syncer``/``ddiloco learner`` and never pass here."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    stderr = open(out / "logs" / f"{name}.stderr", "w")
-    p = subprocess.Popen([sys.executable, "-m", "workers.cli", *args, "--log", str(log)], stdout=subprocess.DEVNULL,
-                         stderr=stderr, env=env, start_new_session=True,
-                         preexec_fn=(lambda: os.nice(nice)) if nice else None)
-    return Proc(name, p, log)
 
 
 def settings_from_args(args, gcfg: GPTConfig, job: JobSettings) -> RunSettings:
@@ -142,10 +106,6 @@ def settings_from_args(args, gcfg: GPTConfig, job: JobSettings) -> RunSettings:
                        keep_progress=args.keep_progress, grace_gamma=args.grace_gamma,
                        model=gcfg.to_dict(), job=job.to_dict(),
                        norm_guard=NormGuardConfig(factor=args.norm_guard) if args.norm_guard else None)
-
-
-def _store_args(args) -> list[str]:
-    return ["--s3-endpoint", args.s3_endpoint] if args.s3_endpoint else []
 
 
 def run(args) -> int:
@@ -164,14 +124,9 @@ def run(args) -> int:
         return _run_baseline(args, out, gcfg, job)
     store_uri = args.store or str(out / "store")
     store = open_store(store_uri, s3_endpoint=args.s3_endpoint)
-    model = build_model(gcfg, args.seed)
-    init = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
-    settings = settings_from_args(args, gcfg, job)
-    keydir = Path(args.keys or out / "keys")
+    keydir = None if args.insecure else Path(args.keys or out / "keys")
     names = [f"l{m}" for m in range(args.learners)]
-    idents = {} if args.insecure else ensure_identities(keydir, [SYNCER, *names])
-    desc = create_run(store, init, settings, embedding_tensors=EMBEDDING_TENSORS, syncer=idents.get(SYNCER),
-                      learners=[idents[n].public for n in names] if idents else ())
+    desc, model = create_job_run(store, settings_from_args(args, gcfg, job), gcfg, args.seed, keydir, names)
     if args.create_only:
         print(f"created run {desc.run_id} at {store_uri}: {desc.num_fragments} fragments, "
               f"H={desc.schedule.sync_every}, K={desc.policy.quorum}, {desc.codec.scheme}; {steps} steps per learner; "
@@ -184,60 +139,21 @@ def run(args) -> int:
     events.emit("run-created", run_id=desc.run_id, store=store_uri, learners=args.learners, steps=steps,
                 security="off" if args.insecure else "signed",
                 fragments=desc.num_fragments, sync_every=desc.schedule.sync_every, quorum=desc.policy.quorum,
-                compression=desc.codec.scheme, params=int(sum(a.size for a in init.values())))
-    bus = ["--no-bus"] if args.no_bus else ["--ingest", f"tcp://127.0.0.1:{_free_port()}",
-                                            "--announce", f"tcp://127.0.0.1:{_free_port()}"]
-    common = ["--store", store_uri, *_store_args(args), *bus]
-
-    def key_args(name: str) -> list[str]:   # paths only: a secret never appears on a command line
-        if args.insecure:
-            return ["--insecure"]
-        own = ["--key", str(key_paths(keydir, name)[1])]
-        return own if name == SYNCER else [*own, "--syncer-key", str(key_paths(keydir, SYNCER)[0])]
+                compression=desc.codec.scheme, params=int(sum(p.numel() for p in model.parameters())))
+    cluster = LocalCluster(ClusterConfig(store_uri, out, keydir=keydir, bus=not args.no_bus,
+                                         s3_endpoint=args.s3_endpoint, learner_nice=LEARNER_NICE))
     t_start = time.time()
-    syncer = _spawn("syncer", ["syncer", *common, *key_args(SYNCER)], out / "logs" / "syncer.jsonl", out)
-    learners = [_spawn(f"l{m}", ["learner", *common, "--id", f"l{m}", "--shard", str(m), *key_args(f"l{m}")],
-                       out / "logs" / f"l{m}.jsonl", out, nice=LEARNER_NICE) for m in range(args.learners)]
+    cluster.start_syncer(SYNCER)
+    for m, lid in enumerate(names):
+        cluster.start_learner(lid, ["--shard", str(m)])
     init_loss = evaluate(model, corpus)
     events.emit("eval", tokens=0, loss=init_loss, versions={})
     progress = Progress(args.learners, steps, desc, plain=args.plain or not sys.stdout.isatty())
-    procs = [syncer, *learners]
-    next_eval = time.time() + args.eval_every
-    try:
-        with progress:
-            while any(p.popen.poll() is None for p in learners):
-                for p in procs:
-                    progress.update(p.name, p.tail.read(), p.popen.poll())
-                if time.time() >= next_eval:
-                    ev = _eval_global(store, desc, gcfg, corpus)
-                    if ev is not None:
-                        events.emit("eval", tokens=progress.total_tokens(), loss=ev[0], versions=ev[1])
-                        progress.eval_loss = ev[0]
-                    next_eval = time.time() + args.eval_every
-                if syncer.popen.poll() is not None:
-                    progress.note(f"syncer exited with {syncer.popen.returncode}; see {out}/logs/syncer.stderr")
-                time.sleep(0.25)
-            progress.note("learners finished; waiting for the syncer to commit what is left")
-            drained = _wait_inbox_empty(store, timeout_s=60, syncer=syncer, progress=progress, procs=procs)
-    except KeyboardInterrupt:
-        progress.note("interrupted: stopping processes")
-        drained = False
-    finally:
-        for p in procs:
-            if p.popen.poll() is None:
-                p.popen.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.popen.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.popen.kill()
-        for p in procs:
-            progress.update(p.name, p.tail.read(), p.popen.poll())
+    drained = _watch(cluster, progress, events, desc, corpus, args)
     wall = time.time() - t_start
-    final = _eval_global(store, desc, gcfg, corpus)
-    total_tokens = progress.total_tokens()
+    final = _eval_global(store, desc, corpus)
     if final is not None:
-        events.emit("eval", tokens=total_tokens, loss=final[0], versions=final[1])
+        events.emit("eval", tokens=progress.total_tokens(), loss=final[0], versions=final[1])
     events.close()
     all_events = [e for f in sorted((out / "logs").glob("*.jsonl")) for e in read_events(f)]
     summary = _summary(store_uri, desc, all_events, init_loss, final, wall, drained, args)
@@ -247,35 +163,53 @@ def run(args) -> int:
     return 0 if summary["ok"] else 1
 
 
-def _eval_global(store: ObjectStore, desc, gcfg: GPTConfig, corpus: Corpus):
-    """Held-out loss of the global model as it stands in storage (latest version of every fragment)."""
+def _watch(cluster: LocalCluster, progress: Progress, events: EventLog, desc, corpus: Corpus, args) -> bool:
+    """Show progress and evaluate the global model every ``--eval-every`` s until the learners
+    finish, then wait (bounded) for the syncer to commit what is left; stop every role. True if
+    the run drained (``LocalCluster.drain_status``)."""
+    tails = {name: Tail(cluster.log_path(name)) for name in cluster.names()}
+
+    def show() -> None:
+        for name, tail in tails.items():
+            progress.update(name, tail.read(), cluster.life(name).popen.poll())
+    next_eval = time.time() + args.eval_every
+    drained = False
     try:
-        values, versions = VersionTracker(store, desc).load_all()
-    except Exception as exc:   # an evaluator never stops a run; it reports and tries again later
+        with progress:
+            while not cluster.learners_done():
+                show()
+                if time.time() >= next_eval:
+                    ev = _eval_global(cluster.store, desc, corpus)
+                    if ev is not None:
+                        events.emit("eval", tokens=progress.total_tokens(), loss=ev[0], versions=ev[1])
+                        progress.eval_loss = ev[0]
+                    next_eval = time.time() + args.eval_every
+                if not cluster.alive(SYNCER):
+                    progress.note(f"syncer exited with {cluster.life(SYNCER).popen.returncode}; "
+                                  f"see {cluster.logs}/syncer.stderr")
+                time.sleep(0.25)
+            progress.note("learners finished; waiting for the syncer to commit what is left")
+            status = cluster.wait_drained(60, tick=show)
+            drained = status.ok
+            if not drained:
+                progress.note(f"not drained after the learners finished: {status}")
+    except KeyboardInterrupt:
+        progress.note("interrupted: stopping processes")
+    finally:
+        cluster.stop()
+        show()
+    return drained
+
+
+def _eval_global(store: ObjectStore, desc, corpus: Corpus):
+    """(held-out loss, versions) of the global model as it stands in storage, or None when it
+    cannot be read right now (an evaluator never stops a run; it reports and tries again later)."""
+    try:
+        loss, versions = global_eval_loss(store, desc, corpus)
+    except Exception as exc:   # noqa: BLE001 - see the docstring
         print(f"evaluation skipped: {exc}", file=sys.stderr)
         return None
-    model = GPT(gcfg)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(torch.from_numpy(values[n]))
-    return evaluate(model, corpus), {str(k): v for k, v in versions.items()}
-
-
-def _wait_inbox_empty(store: ObjectStore, timeout_s: float, syncer: Proc, progress, procs) -> bool:
-    """Every learner drained its deltas into the syncer's inbox; the syncer empties the inbox as
-    it commits them. Empty inbox = everything produced was merged or recorded as dropped."""
-    deadline = time.time() + timeout_s
-    while time.time() < deadline and syncer.popen.poll() is None:
-        for p in procs:
-            progress.update(p.name, p.tail.read(), p.popen.poll())
-        try:
-            if not store.list(SPILL_PREFIX):
-                time.sleep(0.5)   # let the last commit's announce and log line land
-                return True
-        except Exception:
-            pass
-        time.sleep(0.25)
-    return False
+    return loss, {str(k): v for k, v in versions.items()}
 
 
 def _summary(store_uri, desc, events, init_loss, final, wall, drained, args) -> dict:

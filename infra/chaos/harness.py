@@ -14,10 +14,6 @@ same file; ``learner-start`` / ``syncer-recovered`` separate its lives).
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,14 +21,14 @@ from typing import Callable
 
 from pipeline.types import CommitRecord, RunDescriptor
 from storage.errors import StoreError
-from storage.layout import SPILL_PREFIX, parse_spill_key
 from storage.log import CommitLog
 from storage.store import ObjectStore, open_store
-from workers.events import read_events
+from workers.cluster import (LEARNER_ROLE, SYNCER_ROLE, ClusterConfig, DrainStatus, Life, LocalCluster,
+                             create_job_run, free_port)
 from workers.job import JobSettings
 from workers.keys import SYNCER, ensure_identities, key_paths
-from workers.launch import RunSettings, create_run
-from workers.model import EMBEDDING_TENSORS, GPTConfig, build_model
+from workers.launch import RunSettings
+from workers.model import GPTConfig
 from .faulty_syncer import crash_count
 from .proxy import Relay
 
@@ -41,12 +37,6 @@ MODELS = {
     "tiny": (GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=32), 4, 300_000),
     "small": (GPTConfig(n_layer=2, n_head=2, n_embd=48, block_size=32), 8, 1_000_000),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -92,19 +82,6 @@ class RunSpec:
 
 
 @dataclass
-class Life:
-    """One process: from spawn to exit. ``how``: 'exit N', 'killed', 'terminated', or '' (running)."""
-
-    name: str
-    role: str
-    popen: subprocess.Popen
-    started: float
-    ended: float | None = None
-    how: str = ""
-    killed: bool = False
-
-
-@dataclass
 class Mark:
     t: float
     who: str
@@ -116,14 +93,15 @@ class Mark:
 
 
 class ChaosRun:
+    """A chaos run: its run, S3 server and relays, and its processes (a ``workers.cluster.LocalCluster``
+    whose every lever is written to ``timeline``)."""
+
     def __init__(self, spec: RunSpec, out: str | Path, env: dict | None = None,
                  clock: Callable[[], float] = time.time):
         self.spec = spec
         self.out = Path(out).resolve()
         (self.out / "logs").mkdir(parents=True, exist_ok=True)
         self.clock = clock
-        self.env = dict(env if env is not None else os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        self.lives: dict[str, list[Life]] = {}
         self.timeline: list[Mark] = []
         self.s3 = None
         self.uri = ""
@@ -132,22 +110,34 @@ class ChaosRun:
         self.relays: tuple[Relay, Relay] | None = None
         self.keydir = self.out / "keys"
         self._saved_env: dict[str, str | None] = {}
+        self._env = env
+        self.cluster: LocalCluster | None = None
+        self.last_drain: DrainStatus | None = None
 
     # -- set-up ----------------------------------------------------------------------------------
     @property
     def store(self) -> ObjectStore:
         return open_store(self.uri)
 
+    @property
+    def lives(self) -> dict[str, list[Life]]:
+        return self.cluster.lives if self.cluster is not None else {}
+
+    @property
+    def env(self) -> dict:
+        return self.cluster.env
+
     def mark(self, who: str, what: str, detail: str = "") -> None:
         self.timeline.append(Mark(self.clock(), who, what, detail))
 
     def create(self) -> RunDescriptor:
-        """Storage (a directory, or a fresh S3 server), keys, the run, the relays."""
+        """Storage (a directory, or a fresh S3 server), keys, the run, the relays, the cluster."""
         spec = self.spec
+        env = dict(self._env if self._env is not None else os.environ)
         if spec.storage == "s3":
             from infra.s3server import S3Server
             self.s3 = S3Server(self.out / "s3").start()
-            self.env.update(self.s3.env())
+            env.update(self.s3.env())
             self._saved_env = {k: os.environ.get(k) for k in self.s3.env()}
             os.environ.update(self.s3.env())   # this process opens the same store (restored by close())
             self.uri = self.s3.uri(f"chaos-{time.time_ns()}")
@@ -156,32 +146,25 @@ class ChaosRun:
         gcfg, batch, max_bytes = MODELS[spec.model]
         job = JobSettings(steps=spec.steps, batch_size=batch, lr=spec.lr, max_bytes=max_bytes,
                           shards=spec.shards or spec.learners)
-        model = build_model(gcfg, spec.seed)
-        init = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
-        names = spec.learner_ids()
-        idents = ensure_identities(self.keydir, [SYNCER, *names, ROGUE])
         settings = RunSettings(fragments=spec.fragments, sync_every=spec.sync_every, quorum=spec.quorum,
                                retain_versions=spec.retain_versions, seed=spec.seed, model=gcfg.to_dict(),
                                grace_gamma=spec.grace_gamma, keep_progress=spec.keep_progress,
                                job=job.to_dict())
-        self.descriptor = create_run(self.store, init, settings, embedding_tensors=EMBEDDING_TENSORS,
-                                     syncer=idents[SYNCER], learners=[idents[n].public for n in (*names, ROGUE)])
+        self.descriptor, _ = create_job_run(self.store, settings, gcfg, spec.seed, self.keydir, spec.learner_ids(),
+                                            also_listed=[ROGUE])
         self.relays = (Relay(self.syncer_ports[0], name="ingest").start(),
                        Relay(self.syncer_ports[1], name="announce").start())
+        ing, ann = (f"tcp://127.0.0.1:{port}" for port in self.syncer_ports)
+        self.cluster = LocalCluster(ClusterConfig(self.uri, self.out, keydir=self.keydir, ingest=ing, announce=ann,
+                                                  env=env, stop_timeout_s=25.0),
+                                    clock=self.clock, observer=self.mark)
         self.mark("run", "created", f"{self.descriptor.run_id} at {self.uri}")
         return self.descriptor
 
-    def _spawn(self, name: str, role: str, args: list[str], env: dict | None = None,
-               module: str = "workers.cli") -> Life:
-        log = self.out / "logs" / f"{name}.jsonl"
-        err = open(self.out / "logs" / f"{name}.stderr", "a")
-        cmd = [sys.executable, "-m", module, *args, "--store", self.uri, "--log", str(log)]
-        p = subprocess.Popen(cmd, env=env or self.env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
-        err.close()
-        life = Life(name, role, p, self.clock())
-        self.lives.setdefault(name, []).append(life)
-        self.mark(name, "start", f"pid {p.pid}")
-        return life
+    def _started(self) -> LocalCluster:
+        if self.cluster is None:
+            raise RuntimeError("ChaosRun.create() first: there is no run to start processes for")
+        return self.cluster
 
     # -- processes -------------------------------------------------------------------------------
     def start_syncer(self, name: str = "syncer", fault: str | None = None,
@@ -189,35 +172,35 @@ class ChaosRun:
         """Start a syncer on ``ports`` (default the run's): ``ddiloco syncer``, or with ``fault``
         (``crash-before-commit[:N]``, this life only) the same syncer built by
         ``python -m infra.chaos.faulty_syncer --crash-before-commit N`` (docs/chaos.md)."""
-        ing, ann = ports or self.syncer_ports
-        args = ["--id", name, "--ingest", f"tcp://127.0.0.1:{ing}", "--announce", f"tcp://127.0.0.1:{ann}",
-                "--key", str(key_paths(self.keydir, SYNCER)[1]), "--checkpoint-every", str(self.spec.checkpoint_every)]
+        cluster = self._started()
+        endpoints = tuple(f"tcp://127.0.0.1:{port}" for port in ports) if ports else None
+        extra = ["--checkpoint-every", str(self.spec.checkpoint_every)]
         if fault:
-            args = ["--crash-before-commit", str(crash_count(fault)), *args]
-            return self._spawn(name, "syncer", args, module="infra.chaos.faulty_syncer")
-        return self._spawn(name, "syncer", ["syncer", *args])
+            return cluster.start_syncer(name, ["--crash-before-commit", str(crash_count(fault)), *extra],
+                                        module="infra.chaos.faulty_syncer", endpoints=endpoints)
+        return cluster.start_syncer(name, extra, endpoints=endpoints)
 
     def start_learner(self, lid: str, steps: int | None = None, slow: float | None = None, shard: int | None = None,
                       pace_s: float | None = None, jitter: float = 0.0, seed: int = 0,
                       wait_for: Path | None = None, data_seed: int | None = None) -> Life:
-        """A learner process. With ``pace_s`` it is ``infra.chaos.worker`` (each step lasts
-        ``pace_s * slow``, times a random factor of std ``jitter``; ``wait_for``: it imports, then
-        waits for that file before joining; ``data_seed``: its own batch order); otherwise
-        ``ddiloco learner``."""
-        relays = self.relays
-        bus = ["--ingest", relays[0].endpoint, "--announce", relays[1].endpoint]
-        common = ["--id", lid, "--keys", str(self.keydir), *bus, "--ack-timeout", str(self.spec.ack_timeout_s),
-                  "--poll", str(self.spec.poll_s), "--slow", str(slow if slow is not None else self.spec.slow_of(lid))]
+        """A learner process, connected through the relays. With ``pace_s`` it is
+        ``infra.chaos.worker`` (each step lasts ``pace_s * slow``, times a random factor of std
+        ``jitter``; ``wait_for``: it loads, then waits for that file before joining; ``data_seed``:
+        its own batch order); otherwise ``ddiloco learner``."""
+        cluster = self._started()
+        relays = (self.relays[0].endpoint, self.relays[1].endpoint)
+        extra = ["--ack-timeout", str(self.spec.ack_timeout_s), "--poll", str(self.spec.poll_s),
+                 "--slow", str(slow if slow is not None else self.spec.slow_of(lid))]
         if steps is not None:
-            common += ["--steps", str(steps)]
+            extra += ["--steps", str(steps)]
         if shard is not None:
-            common += ["--shard", str(shard)]
-        if pace_s is not None:
-            more = (["--wait-for", str(wait_for)] if wait_for else []) + \
-                (["--data-seed", str(data_seed)] if data_seed is not None else [])
-            return self._spawn(lid, "learner", [*common, "--pace", str(pace_s), "--jitter", str(jitter),
-                                                "--seed", str(seed), *more], module="infra.chaos.worker")
-        return self._spawn(lid, "learner", ["learner", *common])
+            extra += ["--shard", str(shard)]
+        if pace_s is None:
+            return cluster.start_learner(lid, extra, endpoints=relays)
+        extra += ["--pace", str(pace_s), "--jitter", str(jitter), "--seed", str(seed)]
+        extra += (["--wait-for", str(wait_for)] if wait_for else []) + \
+            (["--data-seed", str(data_seed)] if data_seed is not None else [])
+        return cluster.start_learner(lid, extra, module="infra.chaos.worker", endpoints=relays)
 
     def make_key(self, lid: str) -> None:
         """A key pair for a learner that will join later (``add_learner`` lists it)."""
@@ -233,70 +216,32 @@ class ChaosRun:
 
     def global_loss(self) -> float:
         """Held-out loss of the global model as it stands in storage (never pauses anyone)."""
-        import torch
-        from workers.data import Corpus, evaluate
-        from workers.job import job_from
-        from workers.model import GPT
-        from workers.versions import VersionTracker
-        gcfg, job = job_from(self.descriptor)
-        values, _ = VersionTracker(self.store, self.descriptor).load_all()
-        model = GPT(gcfg)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                p.copy_(torch.from_numpy(values[n].copy()))
-        return evaluate(model, Corpus(job.data_config(gcfg.block_size)))
+        return self._started().global_loss(self.descriptor)
 
     def life(self, name: str) -> Life:
-        return self.lives[name][-1]
+        return self._started().life(name)
 
     def alive(self, name: str) -> bool:
-        return name in self.lives and self.life(name).popen.poll() is None
-
-    def _signal(self, name: str, sig: int) -> bool:
-        life = self.life(name)
-        if life.popen.poll() is not None:
-            return False
-        try:
-            os.killpg(life.popen.pid, sig)
-        except ProcessLookupError:
-            return False
-        return True
+        return self.cluster is not None and self.cluster.alive(name)
 
     def kill(self, name: str) -> None:
         """SIGKILL (the process group): no clean-up, no drain."""
-        if self._signal(name, signal.SIGKILL):
-            life = self.life(name)
-            life.popen.wait()
-            life.killed = True
-            self._ended(life, "killed")
-            self.mark(name, "kill")
+        self._started().kill(name)
 
     def pause(self, name: str) -> None:
-        if self._signal(name, signal.SIGSTOP):
-            self.mark(name, "pause")
+        self._started().pause(name)
 
     def resume(self, name: str) -> None:
-        if self._signal(name, signal.SIGCONT):
-            self.mark(name, "resume")
+        self._started().resume(name)
 
     def terminate(self, name: str) -> None:
         """SIGTERM: a clean stop (a learner drains its deltas first)."""
-        if self._signal(name, signal.SIGCONT) and self._signal(name, signal.SIGTERM):
-            self.mark(name, "terminate")
-
-    def _ended(self, life: Life, how: str) -> None:
-        if life.ended is None:
-            life.ended = self.clock()
-            life.how = how
+        self._started().terminate(name)
 
     def poll(self) -> None:
         """Notice processes that exited on their own (their end time is the time of noticing)."""
-        for lives in self.lives.values():
-            for life in lives:
-                rc = life.popen.poll()
-                if rc is not None and life.ended is None:
-                    self._ended(life, f"exit {rc}")
-                    self.mark(life.name, "exit", str(rc))
+        if self.cluster is not None:
+            self.cluster.poll()
 
     # -- storage and network faults -------------------------------------------------------------
     def s3_down(self) -> None:
@@ -327,13 +272,13 @@ class ChaosRun:
 
     # -- observation -----------------------------------------------------------------------------
     def events(self, name: str) -> list[dict]:
-        return read_events(self.out / "logs" / f"{name}.jsonl")
+        return self._started().events(name)
 
     def learner_names(self) -> list[str]:
-        return sorted(n for n, lives in self.lives.items() if lives[0].role == "learner")
+        return self.cluster.names(LEARNER_ROLE) if self.cluster is not None else []
 
     def syncer_names(self) -> list[str]:
-        return sorted(n for n, lives in self.lives.items() if lives[0].role == "syncer")
+        return self.cluster.names(SYNCER_ROLE) if self.cluster is not None else []
 
     def commits(self) -> list[CommitRecord]:
         log = CommitLog(self.store)
@@ -353,56 +298,22 @@ class ChaosRun:
             return -1
 
     def wait_for(self, cond: Callable[[], bool], timeout_s: float, what: str, tick: Callable[[], None] = None) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if tick is not None:
-                tick()
-            if cond():
-                return
-            time.sleep(0.1)
-        raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        self._started().wait_for(cond, timeout_s, what, tick)
 
     def learners_done(self) -> bool:
-        self.poll()
-        return all(not self.alive(n) for n in self.learner_names())
-
-    def inbox_of_learners(self) -> list[str]:
-        """Inbox (spill) keys of the real learners (a rogue's refused objects stay as evidence)."""
-        real = set(self.learner_names())
-        out = []
-        for key in self.store.list(SPILL_PREFIX):
-            try:
-                if parse_spill_key(key)[0] in real:
-                    out.append(key)
-            except Exception:
-                continue
-        return out
+        return self.cluster is None or self.cluster.learners_done()
 
     def drain(self, timeout_s: float = 60.0) -> bool:
-        """After the learners exit: True once the syncer has committed every durable delta."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                if not self.inbox_of_learners():
-                    time.sleep(0.3)   # let the last commit land in the syncer's log
-                    return True
-            except StoreError:
-                pass
-            time.sleep(0.25)
-        return False
+        """After the learners exit: True once the syncer has committed (and logged) every durable
+        delta of the real learners (``LocalCluster.drain_status``; a rogue's refused objects stay)."""
+        status = self.last_drain = self._started().wait_drained(timeout_s)
+        if not status.ok:
+            self.mark("run", "not-drained", str(status))
+        return status.ok
 
     def stop_all(self) -> None:
-        for name in list(self.lives):
-            if self.alive(name):
-                self.terminate(name)
-        for lives in self.lives.values():
-            for life in lives:
-                try:
-                    life.popen.wait(timeout=25)
-                except subprocess.TimeoutExpired:
-                    os.killpg(life.popen.pid, signal.SIGKILL)
-                    life.popen.wait()
-        self.poll()
+        if self.cluster is not None:
+            self.cluster.stop()
 
     def close(self) -> None:
         """Stop every process, the relays and the S3 server (the run's files stay in OUT)."""

@@ -298,7 +298,7 @@ def _check_and_report(run: ChaosRun, sc: Scenario, spec, out: Path, seed: int, i
     final = {n: ls[-1]["how"] for n, ls in obs.lives.items() if ls[0]["role"] == "learner"}
     clean = all(h in ("exit 0", "killed") for h in final.values())
     checks = [
-        Check("drained", drained and clean, f"inbox of learners empty: {drained}; learners' last lives: {final}"),
+        Check("drained", drained and clean, f"{run.last_drain or 'not drained'}; learners' last lives: {final}"),
         inv.commit_sequence(obs.records, run.descriptor.num_fragments),
         inv.token_ledger(obs, run.store),
         inv.replay_bitexact(run.store, run.descriptor),
