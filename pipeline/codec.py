@@ -5,6 +5,13 @@ stochastic so replay is exact), int8, bf16 or fp32, then zstd; merged versions t
 bf16. The byte layout is in docs/formats.md ("Tensor blobs"); the blob is sealed with
 ``pipeline.envelope.seal(kind, 1, body)`` so it carries a version and a checksum.
 
+Speed (issue 15): vectorised kernels go through a tensor in steps of ``_STEP`` values whose
+temporaries stay in cache; steps form jobs of ``_JOB`` values that a caller may run on its threads
+(``map_fn``, e.g. ``ThreadPoolExecutor.map``: numpy releases the GIL). Payloads above
+``ZSTD_STREAM_MIN`` bytes go through zstd's streaming mode, fed tensor by tensor on the calling
+thread while the pool quantises later tensors; smaller ones through the one-shot call used before
+issue 15 (same bytes). Bytes never depend on ``map_fn`` (docs/formats.md).
+
 Decoding trusts nothing in the body: it checks every field, bounds the decoded size before it
 allocates, bounds zstd's output, checks the payload length against what the shapes imply, checks
 scales and codes, and raises ``FormatError`` naming the problem — never a numpy/msgpack/zstd
@@ -13,8 +20,11 @@ traceback and never a silently wrong tensor.
 from __future__ import annotations
 
 import math
+import sys
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from functools import partial
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import msgpack
 import numpy as np
@@ -30,10 +40,20 @@ _QMAX = {"int4": 7, "int8": 127}
 _IN_DTYPES = ("float16", "float32", "float64")   # what encode accepts; fp32 passthrough keeps it
 _BODY_KEYS = frozenset({"meta", "scheme", "block_size", "zstd", "tensors", "raw_len", "payload"})
 _F32_MAX = float(np.finfo(np.float32).max)
+_F32_MIN_NORMAL = float(np.finfo(np.float32).tiny)
 _MAX_TENSORS = 1 << 20
 _MAX_NDIM = 32
-# byte -> its two int4 values (low nibble first), offset binary: code c means c - 8
-_INT4_LUT = np.stack([np.arange(256) & 0x0F, np.arange(256) >> 4], axis=1).astype(np.float32) - 8
+_STEP = 1 << 17           # values per kernel step: its temporaries (512 KiB at most) stay in L2/L3
+_ROWS = (1 << 15) - 1     # values per torch reduction call: below torch's grain size, so it runs serially
+_JOB = 1 << 20            # values per job handed to map_fn: the unit of parallelism
+ZSTD_STREAM_MIN = 1 << 20  # raw payloads above this many bytes use zstd's (single-threaded) streaming mode
+# y + MAGIC, in float32, is MAGIC + rint(y) exactly (half to even) for |y| < 2**22: the spacing of
+# float32 at 1.5 * 2**23 is 1 and MAGIC is even. The low byte of its bits is then the code: q + 8
+# for int4 (offset binary) and q mod 256 (two's complement) for int8.
+_MAGIC = {"int4": np.float32(1.5 * 2**23 + 8), "int8": np.float32(1.5 * 2**23)}
+_NON_FINITE = "has non-finite values (NaN/Inf or beyond float32 range); refusing to encode it"
+
+MapFn = Callable[[Callable[[Any], Any], Iterable[Any]], Iterable[Any]]   # map, ThreadPoolExecutor.map ...
 
 
 @dataclass(frozen=True)
@@ -64,30 +84,79 @@ class Decoded:
     scheme: str
 
 
+@dataclass(frozen=True)
+class _Slot:
+    """A tensor's flat values (read by encode, written by decode) and its bytes in the raw payload."""
+
+    name: str
+    flat: np.ndarray
+    offset: int
+    length: int
+
+
+def _ranges(numel: int, step: int) -> list[tuple[int, int]]:
+    return [(lo, min(lo + step, numel)) for lo in range(0, numel, step)]
+
+
+def _whole_blocks(values: int, block_size: int) -> int:   # at least one block
+    return block_size * max(1, values // block_size)
+
+
+def _f32(x: np.ndarray) -> np.ndarray:   # float64 beyond float32's range becomes inf
+    with np.errstate(over="ignore"):
+        return x.astype(np.float32, copy=False)
+
+
+def _finite(x: np.ndarray) -> bool:   # two read-only reductions: max and min propagate NaN
+    return x.size == 0 or (math.isfinite(float(x.max())) and math.isfinite(float(x.min())))
+
+
 # ----------------------------------------------------------------------------------------- bf16
+
+def _bf16_step(u: np.ndarray, out: np.ndarray, t: np.ndarray, keep_low: bool = False) -> None:
+    """float32 bits -> bf16 bits (uint16), or with ``keep_low`` the rounded float32 bits (uint32).
+    Adding 0x7FFF plus the lowest kept bit rounds half to even; carries into the exponent are right."""
+    np.right_shift(u, 16, out=t)
+    np.bitwise_and(t, 1, out=t)
+    np.add(t, 0x7FFF, out=t)
+    np.add(t, u, out=t)
+    if keep_low:
+        np.bitwise_and(t, 0xFFFF0000, out=out)
+    else:
+        np.right_shift(t, 16, out=t)
+        np.copyto(out, t, casting="unsafe")
+
+
+def _bf16_round(x: np.ndarray, keep_low: bool) -> np.ndarray:
+    a = np.ascontiguousarray(x, dtype=np.float32).reshape(np.shape(x))   # (ascontiguousarray makes 0-d 1-d)
+    u = a.reshape(-1).view(np.uint32)
+    r = np.empty(u.size, np.uint32 if keep_low else np.uint16)
+    t = np.empty(min(_STEP, u.size), np.uint32)
+    for lo, hi in _ranges(u.size, _STEP):
+        _bf16_step(u[lo:hi], r[lo:hi], t[:hi - lo], keep_low)
+    if a.size and np.isnan(a.max()):   # NaN would carry into garbage: quiet NaN of the same sign
+        nan = np.isnan(a.reshape(-1))
+        sign_nan = ((u[nan] >> 16) & 0x8000 | 0x7FC0).astype(np.uint32)
+        r[nan] = sign_nan << 16 if keep_low else sign_nan
+    return r.reshape(a.shape)
+
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:
     """float32 -> bf16 bit patterns (uint16), round to nearest even; NaN -> 0x7FC0/0xFFC0 (stays NaN)."""
-    a = np.ascontiguousarray(x, dtype=np.float32)
-    u = a.view(np.uint32)
-    # Adding 0x7FFF plus the lowest kept bit rounds half to even; carries into the exponent are right
-    # (they round up to the next binade or to inf). NaN would carry into garbage, so it is set apart.
-    r = ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
-    nan = np.isnan(a)
-    if nan.any():
-        r[nan] = ((u[nan] >> 16) & 0x8000 | 0x7FC0).astype(np.uint16)
-    return r
+    return _bf16_round(x, keep_low=False)
 
 
 def from_bf16_bits(b: np.ndarray) -> np.ndarray:
     """bf16 bit patterns (uint16) -> float32 (exact)."""
-    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+    b = np.asarray(b, dtype=np.uint16)
+    out = np.empty(b.shape, np.float32)
+    np.left_shift(b, 16, out=out.view(np.uint32), dtype=np.uint32)
+    return out
 
 
 def round_to_bf16(x: np.ndarray) -> np.ndarray:
     """What a bf16 round trip gives, as float32 (used for bf16-published versions)."""
-    a = np.asarray(x, dtype=np.float32)
-    return from_bf16_bits(bf16_bits(a)).reshape(a.shape)
+    return _bf16_round(x, keep_low=True).view(np.float32)
 
 
 # -------------------------------------------------------------------------------- int4 / int8
@@ -97,7 +166,7 @@ def _nblocks(numel: int, block_size: int) -> int:
 
 
 def _encoded_len(scheme: str, numel: int, block_size: int, itemsize: int) -> int:
-    """Bytes one tensor takes in the payload; the decoder checks the payload against the sum."""
+    """Bytes one tensor takes in the payload (decode checks the payload against the sum)."""
     if scheme == "fp32":
         return numel * itemsize
     if scheme == "bf16":
@@ -107,112 +176,241 @@ def _encoded_len(scheme: str, numel: int, block_size: int, itemsize: int) -> int
     return nb * 4 + codes
 
 
-def quantize(x: np.ndarray, scheme: str, block_size: int) -> bytes:
-    """Encode one flat float tensor (finite values; not checked here) as bytes of ``scheme``.
+def _int_views(buf: np.ndarray, slot: _Slot, scheme: str, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    nb = _nblocks(slot.flat.size, block_size)   # a tensor's scales and codes in the raw payload
+    return buf[slot.offset:slot.offset + 4 * nb].view("<f4"), buf[slot.offset + 4 * nb:slot.offset + slot.length]
 
-    int4/int8: ``nblocks`` little-endian float32 scales (absmax/qmax, 0 for an all-zero block), then
-    the codes q = clip(rint(x/scale), -qmax, qmax) of the zero-padded blocks. int8 stores q as int8;
-    int4 stores q+8 (offset binary, 1..15; nibble 0 never occurs) two per byte, element 2i in the
-    low nibble and 2i+1 in the high one. bf16: uint16 LE bits; fp32: the values as float32 LE.
-    """
-    if scheme == "fp32":
-        return np.ascontiguousarray(x, dtype="<f4").tobytes()
-    if scheme == "bf16":
-        return bf16_bits(np.ravel(x)).astype("<u2", copy=False).tobytes()
-    if scheme not in _QMAX:
-        raise ValueError(f"codec scheme {scheme!r} not one of {SCHEMES}")
-    flat = np.ravel(np.asarray(x, dtype=np.float32))
-    n, nb = flat.size, _nblocks(flat.size, block_size)
-    if n == nb * block_size:
-        blocks = flat.reshape(nb, block_size)
-    else:  # zero-pad the last block
-        blocks = np.zeros((nb, block_size), dtype=np.float32)
-        blocks.reshape(-1)[:n] = flat
+
+def _block_absmax(t: np.ndarray, out: np.ndarray) -> None:
+    """``out[i] = max(t[i])``: exact, so torch (if this process imported it, as learners do: its row
+    reduction is several times faster) and numpy give the same values."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        np.maximum.reduceat(t.reshape(-1), np.arange(0, t.size, t.shape[1]), out=out)
+        return
+    rows = max(1, _ROWS // t.shape[1])
+    tt, ot = torch.from_numpy(t), torch.from_numpy(out)
+    for r in range(0, t.shape[0], rows):
+        torch.amax(tt[r:r + rows], dim=1, out=ot[r:r + rows])
+
+
+def _quantize_step(x: np.ndarray, scheme: str, bs: int, sc: np.ndarray, codes: np.ndarray, tmp: np.ndarray,
+                   amax: np.ndarray, u8: np.ndarray, u16: np.ndarray) -> bool:
+    """The values ``x`` of ``sc.size`` blocks (the last one zero-padded) into scales ``sc`` and
+    ``codes``; False if one is not finite as float32. With a normal scale |x / scale| <= qmax (1 + 2**-23)
+    rounds to at most qmax: only subnormal scales need the clip (before rounding: same integers)."""
+    k, n = sc.size, sc.size * bs
+    if x.dtype != np.float32 or x.size != n:
+        pad = np.zeros(n, np.float32)
+        with np.errstate(over="ignore"):
+            pad[:x.size] = x
+        x = pad
+    xb, t, m = x.reshape(k, bs), tmp[:n].reshape(k, bs), amax[:k]
     qmax = _QMAX[scheme]
-    scale = (np.abs(blocks).max(axis=1) / np.float32(qmax)).astype(np.float32) if nb else \
-        np.zeros(0, np.float32)
-    safe = np.where(scale > 0, scale, np.float32(1))  # an all-zero block keeps scale 0 and codes 0
-    q = blocks / safe[:, None]
-    np.rint(q, out=q)  # half to even: deterministic, never stochastic (SPEC §6)
-    np.clip(q, -qmax, qmax, out=q)
+    np.abs(xb, out=t)
+    _block_absmax(t, m)
+    np.divide(m, np.float32(qmax), out=sc)
+    if not m.max() <= _F32_MAX:                       # NaN/Inf in a block (max propagates NaN)
+        return False
+    safe = np.where(sc > 0, sc, np.float32(1))        # an all-zero block keeps scale 0 and codes 0
+    np.divide(xb, safe[:, None], out=t)
+    if safe.min() < _F32_MIN_NORMAL:
+        np.clip(t, -qmax, qmax, out=t)
+    np.add(t, _MAGIC[scheme], out=t)                  # round half to even: never stochastic (SPEC §6)
+    bits = t.reshape(-1).view(np.uint32)
     if scheme == "int8":
-        codes = q.astype(np.int8).tobytes()
-    else:
-        q += 8
-        u = q.astype(np.uint8).reshape(-1, 2)
-        codes = (u[:, 0] | (u[:, 1] << 4)).tobytes()
-    return scale.astype("<f4", copy=False).tobytes() + codes
+        np.copyto(codes, bits, casting="unsafe")      # the low byte: q as two's complement
+        return True
+    low = u8[:n]
+    np.copyto(low, bits, casting="unsafe")            # q + 8, one value per byte
+    pairs, packed = low.view("<u2"), u16[:n // 2]     # pair i = value 2i + 256 * value 2i+1
+    np.right_shift(pairs, 4, out=packed)
+    np.bitwise_or(packed, pairs, out=packed)          # low byte: value 2i | value 2i+1 << 4
+    np.copyto(codes, packed, casting="unsafe")
+    return True
+
+
+def _quantize_range(x: np.ndarray, lo: int, hi: int, scheme: str, bs: int, scales: np.ndarray,
+                    codes: np.ndarray) -> bool:
+    """Values ``lo:hi`` (``lo`` on a block boundary) of ``x`` into ``scales``, ``codes``; False if not finite."""
+    step = _whole_blocks(min(_STEP, hi - lo), bs)
+    tmp, amax = np.empty(step, np.float32), np.empty(step // bs, np.float32)
+    u8, u16 = np.empty(step, np.uint8), np.empty(step // 2, np.uint16)
+    per_byte = 2 if scheme == "int4" else 1
+    for s, e in _ranges(hi - lo, step):
+        b0, b1 = (lo + s) // bs, _nblocks(lo + e, bs)
+        c = codes[b0 * bs // per_byte:b1 * bs // per_byte]
+        if not _quantize_step(x[lo + s:lo + e], scheme, bs, scales[b0:b1], c, tmp, amax, u8, u16):
+            return False
+    return True
+
+
+def _dequantize_range(scales: np.ndarray, codes: np.ndarray, out: np.ndarray, lo: int, hi: int, scheme: str,
+                      bs: int) -> str:
+    """Values ``lo:hi`` into ``out[lo:hi]`` (scales checked before); an error for bad codes, or ""."""
+    step = _whole_blocks(min(_STEP, hi - lo), bs)
+    per_byte = 2 if scheme == "int4" else 1
+    w, t = np.empty(step // 2, np.uint16), np.empty(step // 2, np.uint16)
+    for s, e in _ranges(hi - lo, step):
+        b0, b1 = (lo + s) // bs, _nblocks(lo + e, bs)
+        k, n = b1 - b0, (b1 - b0) * bs
+        c = codes[b0 * bs // per_byte:b1 * bs // per_byte]
+        if scheme == "int8":
+            if c.view(np.int8).min() < -_QMAX["int8"]:
+                return "int8 data has code -128, which the encoder never writes"
+            q = c.view(np.int8)
+        else:   # byte c -> uint16 (c & 15) | (c >> 4) << 8: the two values' codes, low one first
+            np.copyto(w[:n // 2], c)
+            np.left_shift(w[:n // 2], 4, out=t[:n // 2])
+            np.bitwise_or(w[:n // 2], t[:n // 2], out=w[:n // 2])
+            np.bitwise_and(w[:n // 2], 0x0F0F, out=w[:n // 2])
+            q = w[:n // 2].view(np.uint8)
+            if q.min() == 0:
+                return "int4 data has nibble 0, which the encoder never writes"
+            np.subtract(q, 8, out=q)                   # offset binary -> two's complement
+            q = q.view(np.int8)
+        dst = out[lo + s:lo + e]
+        if dst.size == n:
+            np.multiply(q.reshape(k, bs), scales[b0:b1, None], out=dst.reshape(k, bs), dtype=np.float32)
+        else:   # the zero-padded last block
+            dst[:] = np.multiply(q.reshape(k, bs), scales[b0:b1, None], dtype=np.float32).reshape(-1)[:dst.size]
+    return ""
+
+
+def _scale_error(scales: np.ndarray, scheme: str) -> str:
+    """An error for scales encode never writes (non-finite, negative, qmax * scale overflows), or ""."""
+    if scales.size and not (scales.min() >= 0 and scales.max() <= _F32_MAX / _QMAX[scheme]):
+        return f"{scheme} data has a non-finite, negative or out-of-range block scale"
+    return ""
+
+
+def quantize(x: np.ndarray, scheme: str, block_size: int) -> bytes:
+    """One flat float tensor as bytes of ``scheme`` (docs/formats.md "Tensor blobs"): int4/int8
+    block scales then codes, bf16 bits, or float32 values. ValueError for non-finite input."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"codec scheme {scheme!r} not one of {SCHEMES}")
+    flat = np.ravel(np.asarray(x, dtype=np.float32 if scheme == "fp32" else None))
+    slot = _Slot("", flat, 0, _encoded_len(scheme, flat.size, block_size, 4))
+    buf = np.empty(slot.length, np.uint8)
+    if not all([_encode_job(j, buf, [slot], scheme, block_size) for j in _jobs([slot], block_size)]):
+        raise ValueError(f"quantize: {_NON_FINITE}")
+    return buf.tobytes()
 
 
 def dequantize(buf: bytes, scheme: str, block_size: int, numel: int) -> np.ndarray:
     """Inverse of ``quantize``: a flat float32 array of ``numel`` values. Raises FormatError on
-    a wrong length, non-finite/negative/too large scales, or codes that quantize never writes."""
+    a wrong length, non-finite/negative/too large scales, or codes or values encode never writes."""
     expected = _encoded_len(scheme, numel, block_size, 4)
     if len(buf) != expected:
         raise FormatError(f"{scheme} data has {len(buf)} bytes, expected {expected} for {numel} values")
-    if scheme == "fp32":
-        return np.frombuffer(buf, dtype="<f4").astype(np.float32)
-    if scheme == "bf16":
-        return from_bf16_bits(np.frombuffer(buf, dtype="<u2"))
-    if scheme not in _QMAX:
+    if scheme not in SCHEMES:
         raise FormatError(f"unknown codec scheme {scheme!r}")
-    qmax = _QMAX[scheme]
-    nb = _nblocks(numel, block_size)
-    scale = np.frombuffer(buf, dtype="<f4", count=nb).astype(np.float32)
-    if not (np.isfinite(scale).all() and (scale >= 0).all() and (scale <= _F32_MAX / qmax).all()):
-        raise FormatError(f"{scheme} data has a non-finite, negative or out-of-range block scale")
-    raw = np.frombuffer(buf, dtype=np.uint8, offset=nb * 4)
-    if scheme == "int8":
-        q = raw.view(np.int8)
-        if nb and q.min() < -qmax:
-            raise FormatError("int8 data has code -128, which the encoder never writes")
-        qf = q.astype(np.float32)
-    else:
-        # a low nibble of 0 means (raw & 15) == 0; a high one means raw < 16
-        if nb and (raw.min() < 16 or np.bitwise_and(raw, 0x0F).min() == 0):
-            raise FormatError("int4 data has nibble 0, which the encoder never writes")
-        qf = np.take(_INT4_LUT, raw, axis=0)  # one gather: byte -> (low - 8, high - 8)
-    qf = qf.reshape(nb, block_size)
-    qf *= scale[:, None]
-    return qf.reshape(-1)[:numel]
+    slots, raw = [_Slot("", np.empty(numel, np.float32), 0, expected)], np.frombuffer(buf, np.uint8)
+    errors = [_scale_error(_int_views(raw, slots[0], scheme, block_size)[0], scheme) if scheme in _QMAX else ""]
+    if not errors[0]:
+        errors += [_decode_job(j, raw, slots, scheme, block_size) for j in _jobs(slots, block_size)]
+    err = next((e for e in errors if e), "")
+    if err:
+        raise FormatError("non-finite values" if err == "non-finite" else err)
+    return slots[0].flat
 
 
 # ------------------------------------------------------------------------------------- encode
 
-def encode(kind: str, meta: dict, tensors: Mapping[str, np.ndarray], cfg: CodecConfig) -> bytes:
-    """One sealed blob of ``kind`` holding ``meta`` and ``tensors`` (in the given order).
+def _plan(tensors: Mapping[str, np.ndarray], scheme: str, block_size: int
+          ) -> tuple[list[_Slot], list[dict], ValueError | None]:
+    """Slots and specs up to the first tensor refused by name or dtype (returned, to be raised if no
+    earlier tensor has non-finite values)."""
+    slots: list[_Slot] = []
+    specs: list[dict] = []
+    pos = 0
+    for name, value in tensors.items():
+        if not isinstance(name, str) or not name:
+            return slots, specs, ValueError(f"tensor names must be non-empty strings, got {name!r}")
+        a = np.asarray(value)
+        if a.dtype.name not in _IN_DTYPES:
+            return slots, specs, ValueError(f"tensor {name}: dtype {a.dtype.name} not one of {_IN_DTYPES}")
+        length = _encoded_len(scheme, a.size, block_size, a.dtype.itemsize if scheme == "fp32" else 4)
+        slots.append(_Slot(name, np.ravel(a), pos, length))
+        specs.append({"name": name, "shape": list(a.shape), "dtype": a.dtype.name})
+        pos += length
+    return slots, specs, None
 
-    Raises ValueError naming the tensor for non-float dtypes or non-finite values (NaN/Inf must never
-    be quantised silently; float64 beyond float32's range counts as non-finite for lossy schemes).
-    """
+
+def _jobs(slots: list[_Slot], block_size: int, skip: Iterable[int] = ()) -> list[tuple[int, int, int]]:
+    """(tensor index, lo, hi) of every job, in payload order; jobs start on block boundaries."""
+    return [(i, lo, hi) for i, s in enumerate(slots) if i not in skip
+            for lo, hi in _ranges(s.flat.size, _whole_blocks(_JOB, block_size))]
+
+
+def _encode_job(job: tuple[int, int, int], raw: np.ndarray, slots: list[_Slot], scheme: str, bs: int) -> bool:
+    """Values ``lo:hi`` of tensor ``i`` into its bytes of ``raw``; False if one is not finite."""
+    i, lo, hi = job
+    slot, x = slots[i], slots[i].flat
+    if scheme == "fp32":   # passthrough in the original dtype, little-endian
+        size = x.dtype.itemsize
+        np.copyto(raw[slot.offset + lo * size:slot.offset + hi * size].view(x.dtype.newbyteorder("<")), x[lo:hi])
+        return _finite(x[lo:hi])
+    if scheme == "bf16":
+        out = raw[slot.offset + 2 * lo:slot.offset + 2 * hi].view("<u2")
+        t = np.empty(min(_STEP, hi - lo), np.uint32)
+        for s, e in _ranges(hi - lo, _STEP):
+            xs = _f32(x[lo + s:lo + e])
+            if not _finite(xs):
+                return False
+            _bf16_step(xs.view(np.uint32), out[s:e], t[:e - s])
+        return True
+    return _quantize_range(x, lo, hi, scheme, bs, *_int_views(raw, slot, scheme, bs))
+
+
+def _encode_payload(raw: np.ndarray, slots: list[_Slot], cfg: CodecConfig, level: int, map_fn: MapFn
+                    ) -> tuple[bytes | memoryview, int | None]:
+    """Fill ``raw`` by jobs run through ``map_fn`` and compress it (``level`` 0: not at all).
+    Returns the payload, or the index of the first tensor with a non-finite value."""
+    jobs = _jobs(slots, cfg.block_size)
+    left = Counter(i for i, _, _ in jobs)
+    stream = zstandard.ZstdCompressor(level=level, write_content_size=True).compressobj(size=raw.size) \
+        if level and raw.size > ZSTD_STREAM_MIN else None   # its bytes do not depend on how it is fed
+    parts, fed, bad = [], 0, None
+    work = partial(_encode_job, raw=raw, slots=slots, scheme=cfg.scheme, bs=cfg.block_size)
+    for (i, _, _), ok in zip(jobs, map_fn(work, jobs)):
+        left[i] -= 1
+        if not ok and bad is None:
+            bad = i
+        if stream is not None and bad is None and left[i] == 0:   # tensor i is complete: zstd starts on it
+            end = slots[i].offset + slots[i].length
+            parts.append(stream.compress(raw[fed:end]))
+            fed = end
+    if bad is not None:
+        return b"", bad
+    if stream is not None:
+        return b"".join(parts + [stream.compress(raw[fed:]), stream.flush()]), None
+    if level:
+        return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(raw), None
+    return memoryview(raw), None
+
+
+def encode(kind: str, meta: dict, tensors: Mapping[str, np.ndarray], cfg: CodecConfig, *,
+           map_fn: MapFn | None = None) -> bytes:
+    """One sealed blob of ``kind`` holding ``meta`` and ``tensors`` (in the given order). ``map_fn``
+    runs the quantisation jobs (default ``map``: this thread; zstd runs on this thread) and never
+    changes the bytes. ValueError naming the tensor for non-float dtypes or non-finite values (never
+    quantised silently; float64 beyond float32's range counts as non-finite for lossy schemes)."""
     if not isinstance(cfg, CodecConfig):
         raise ValueError(f"cfg must be a CodecConfig, got {type(cfg).__name__}")
     if not isinstance(meta, dict):
         raise ValueError(f"meta must be a plain dict, got {type(meta).__name__}")
-    specs, parts = [], []
-    for name, value in tensors.items():
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"tensor names must be non-empty strings, got {name!r}")
-        a = np.asarray(value)
-        if a.dtype.name not in _IN_DTYPES:
-            raise ValueError(f"tensor {name}: dtype {a.dtype.name} not one of {_IN_DTYPES}")
-        with np.errstate(over="ignore"):  # float64 beyond float32's range becomes inf, caught below
-            x = a if cfg.scheme == "fp32" else a.astype(np.float32, copy=False)
-        if not np.isfinite(x).all():
-            raise ValueError(f"tensor {name}: has non-finite values (NaN/Inf or beyond float32 range); "
-                             f"refusing to encode it")
-        specs.append({"name": name, "shape": list(a.shape), "dtype": a.dtype.name})
-        if cfg.scheme == "fp32":
-            parts.append(np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).tobytes())
-        else:
-            parts.append(quantize(x, cfg.scheme, cfg.block_size))
-    raw = b"".join(parts)
-    use_zstd = cfg.zstd_level > 0
-    payload = zstandard.ZstdCompressor(level=cfg.zstd_level, write_content_size=True).compress(raw) \
-        if use_zstd else raw
+    slots, specs, refused = _plan(tensors, cfg.scheme, cfg.block_size)
+    raw = np.empty(sum(s.length for s in slots), np.uint8)
+    level = cfg.zstd_level if refused is None else 0
+    payload, bad = _encode_payload(raw, slots, cfg, level, map_fn or map)
+    if bad is not None:
+        raise ValueError(f"tensor {slots[bad].name}: {_NON_FINITE}")
+    if refused is not None:
+        raise refused
     try:
         body = msgpack.packb({"meta": meta, "scheme": cfg.scheme, "block_size": cfg.block_size,
-                              "zstd": use_zstd, "tensors": specs, "raw_len": len(raw), "payload": payload},
+                              "zstd": level > 0, "tensors": specs, "raw_len": raw.size, "payload": payload},
                              use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
         raise ValueError(f"meta is not plain msgpack-able data: {exc}") from None
@@ -287,30 +485,58 @@ def peek_meta(blob: bytes, kind: str, *, max_bytes: int = 1 << 30, what: str | N
     return _field(_open_body(blob, kind, max_bytes, what), "meta", dict, what or kind)
 
 
-def decode(blob: bytes, kind: str, *, max_bytes: int = 1 << 30, expect: Sequence[TensorSpec] | None = None,
-           what: str | None = None) -> Decoded:
-    """Open a blob written by ``encode``; ``max_bytes`` bounds the decoded tensors' total size.
+def _decode_job(job: tuple[int, int, int], buf: np.ndarray, slots: list[_Slot], scheme: str, bs: int) -> str:
+    """Values ``lo:hi`` of tensor ``i`` into its output; an error for data encode never writes, or ""."""
+    i, lo, hi = job
+    slot, out = slots[i], slots[i].flat
+    if scheme == "fp32":
+        size = out.dtype.itemsize
+        np.copyto(out[lo:hi], buf[slot.offset + lo * size:slot.offset + hi * size].view(out.dtype.newbyteorder("<")))
+        return "" if _finite(out[lo:hi]) else "non-finite"
+    if scheme == "bf16":
+        bits = buf[slot.offset + 2 * lo:slot.offset + 2 * hi].view("<u2")
+        t = np.empty(min(_STEP, hi - lo), np.uint16)
+        for s, e in _ranges(hi - lo, _STEP):
+            if np.bitwise_and(bits[s:e], 0x7F80, out=t[:e - s]).max() == 0x7F80:   # exponent all ones
+                return "non-finite"
+            np.left_shift(bits[s:e], 16, out=out[lo + s:lo + e].view(np.uint32), dtype=np.uint32)
+        return ""
+    scales, codes = _int_views(buf, slot, scheme, bs)
+    return _dequantize_range(scales, codes, out, lo, hi, scheme, bs)
 
-    ``expect`` (if given) must match the blob's tensor names and shapes exactly. ``what`` names the
-    object (a key) in error messages. Raises FormatError on anything wrong.
-    """
-    name = what or kind
-    body = _open_body(blob, kind, max_bytes, what)
-    meta = _field(body, "meta", dict, name)
-    scheme = _field(body, "scheme", str, name)
-    if scheme not in SCHEMES:
-        raise FormatError(f"{name}: unknown codec scheme {scheme!r}")
-    block_size = _field(body, "block_size", int, name)
-    if block_size < 2 or block_size % 2 or block_size > (1 << 24):
-        raise FormatError(f"{name}: bad block_size {block_size}")
-    use_zstd = _field(body, "zstd", bool, name)
-    raw_len = _field(body, "raw_len", int, name)
-    payload = _field(body, "payload", bytes, name)
-    entries = _tensor_entries(_field(body, "tensors", list, name), name)
-    if expect is not None:
-        _check_expect(entries, expect, name)
 
-    # Sizes from the shapes alone, checked before anything is allocated.
+def _decode_tensors(raw: bytes, entries: list[tuple[str, tuple[int, ...], str]], lengths: list[int],
+                    scheme: str, bs: int, name: str, map_fn: MapFn) -> dict[str, np.ndarray]:
+    """The tensors of a checked payload; FormatError for the first one with bad scales, codes or values."""
+    buf = np.frombuffer(raw, np.uint8)
+    slots: list[_Slot] = []
+    errors: dict[int, str] = {}
+    pos = 0
+    for i, ((_, shape, dtype), length) in enumerate(zip(entries, lengths)):
+        slots.append(_Slot(entries[i][0], np.empty(math.prod(shape), dtype if scheme == "fp32" else np.float32),
+                           pos, length))
+        pos += length
+        if scheme in _QMAX:
+            err = _scale_error(_int_views(buf, slots[-1], scheme, bs)[0], scheme)
+            if err:
+                errors[i] = err
+    jobs = _jobs(slots, bs, skip=set(errors))
+    work = partial(_decode_job, buf=buf, slots=slots, scheme=scheme, bs=bs)
+    for (i, _, _), err in zip(jobs, map_fn(work, jobs)):
+        if err and i not in errors:   # jobs come in order: the first error of a tensor wins
+            errors[i] = err
+    if errors:
+        i = min(errors)
+        if errors[i] == "non-finite":
+            raise FormatError(f"{name}: tensor {slots[i].name} decodes to non-finite values "
+                              f"(the encoder refuses those)")
+        raise FormatError(f"{name}: tensor {slots[i].name}: {errors[i]}")
+    return {s.name: s.flat.reshape(shape) for s, (_, shape, _) in zip(slots, entries)}
+
+
+def _payload_sizes(entries: list[tuple[str, tuple[int, ...], str]], scheme: str, block_size: int,
+                   max_bytes: int, raw_len: int, name: str) -> list[int]:
+    """Each tensor's bytes in the raw payload from the shapes alone, checked before allocating."""
     out_bytes, expected_raw, lengths = 0, 0, []
     for tname, shape, dtype in entries:
         numel = math.prod(shape)
@@ -319,13 +545,18 @@ def decode(blob: bytes, kind: str, *, max_bytes: int = 1 << 30, expect: Sequence
         if out_bytes > max_bytes:
             raise FormatError(f"{name}: decoded tensors exceed the limit of {max_bytes} bytes "
                               f"(at tensor {tname})")
-        lengths.append((numel, _encoded_len(scheme, numel, block_size, itemsize)))
-        expected_raw += lengths[-1][1]
+        lengths.append(_encoded_len(scheme, numel, block_size, itemsize))
+        expected_raw += lengths[-1]
         if expected_raw > 2 * max_bytes + (16 << 20):  # padding of huge blocks on tiny tensors
             raise FormatError(f"{name}: encoded size exceeds the limit (block_size {block_size} too large)")
     if raw_len != expected_raw:
         raise FormatError(f"{name}: payload length {raw_len} does not match the {expected_raw} bytes "
                           f"the shapes and scheme {scheme} imply")
+    return lengths
+
+
+def _decompress(payload: bytes, use_zstd: bool, raw_len: int, name: str) -> bytes:
+    raw = payload
     if use_zstd:
         try:
             declared = zstandard.frame_content_size(payload)
@@ -337,24 +568,32 @@ def decode(blob: bytes, kind: str, *, max_bytes: int = 1 << 30, expect: Sequence
             raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=raw_len)
         except zstandard.ZstdError as exc:
             raise FormatError(f"{name}: zstd payload does not decompress ({exc})") from None
-    else:
-        raw = payload
     if len(raw) != raw_len:
         raise FormatError(f"{name}: payload has {len(raw)} bytes, expected {raw_len}")
+    return raw
 
-    tensors: dict[str, np.ndarray] = {}
-    view, pos = memoryview(raw), 0
-    for (tname, shape, dtype), (numel, length) in zip(entries, lengths):
-        chunk = view[pos:pos + length]
-        pos += length
-        try:
-            if scheme == "fp32":
-                arr = np.frombuffer(chunk, dtype=np.dtype(dtype).newbyteorder("<")).astype(dtype)
-            else:
-                arr = dequantize(chunk, scheme, block_size, numel)
-        except FormatError as exc:
-            raise FormatError(f"{name}: tensor {tname}: {exc}") from None
-        if scheme in ("fp32", "bf16") and not np.isfinite(arr).all():
-            raise FormatError(f"{name}: tensor {tname} decodes to non-finite values (the encoder refuses those)")
-        tensors[tname] = arr.reshape(shape)
+
+def decode(blob: bytes, kind: str, *, max_bytes: int = 1 << 30, expect: Sequence[TensorSpec] | None = None,
+           what: str | None = None, map_fn: MapFn | None = None) -> Decoded:
+    """Open a blob written by ``encode``; ``max_bytes`` bounds the decoded tensors' total size.
+    ``expect`` (if given) must match the blob's tensor names and shapes exactly; ``what`` names the
+    object (a key) in error messages; ``map_fn`` runs the decoding jobs (default ``map``: this
+    thread) and never changes the result. Raises FormatError on anything wrong."""
+    name = what or kind
+    body = _open_body(blob, kind, max_bytes, what)
+    meta = _field(body, "meta", dict, name)
+    scheme = _field(body, "scheme", str, name)
+    if scheme not in SCHEMES:
+        raise FormatError(f"{name}: unknown codec scheme {scheme!r}")
+    block_size = _field(body, "block_size", int, name)
+    if block_size < 2 or block_size % 2 or block_size > (1 << 24):
+        raise FormatError(f"{name}: bad block_size {block_size}")
+    use_zstd, raw_len, payload = (_field(body, k, t, name) for k, t in (("zstd", bool), ("raw_len", int),
+                                                                         ("payload", bytes)))
+    entries = _tensor_entries(_field(body, "tensors", list, name), name)
+    if expect is not None:
+        _check_expect(entries, expect, name)
+    lengths = _payload_sizes(entries, scheme, block_size, max_bytes, raw_len, name)
+    raw = _decompress(payload, use_zstd, raw_len, name)
+    tensors = _decode_tensors(raw, entries, lengths, scheme, block_size, name, map_fn or map)
     return Decoded(meta=meta, tensors=tensors, scheme=scheme)

@@ -30,7 +30,7 @@ import numpy as np
 from .checksum import tensor_digest
 from .envelope import DEFAULT_MAX_BYTES, seal, unseal
 from .errors import FormatError
-from .merge import merge_fragment, token_weights
+from .merge import MapFn, merge_fragment, token_weights
 from .outer import nesterov_step
 from .types import CommitRecord, DeltaHeader, DroppedRecord, InputRecord, RunDescriptor
 
@@ -47,6 +47,40 @@ def _frozen(a: np.ndarray) -> np.ndarray:
     a = np.array(a, dtype=np.float32, copy=True)
     a.flags.writeable = False
     return a
+
+
+def _sealed(a: np.ndarray) -> np.ndarray:
+    """A float32 array this module just made (nobody else holds it), made read-only without a copy."""
+    a.flags.writeable = False
+    return a
+
+
+def _finite(a: np.ndarray) -> bool:
+    """Whether every value is finite: two read-only reductions (max and min propagate NaN)."""
+    a = np.asarray(a)
+    return a.size == 0 or (math.isfinite(float(a.max())) and math.isfinite(float(a.min())))
+
+
+_STEP = 1 << 14
+
+
+def _outer_gradient(current: np.ndarray, base: np.ndarray, delta: np.ndarray) -> np.ndarray:
+    """``v = Theta^(current) - (Theta^(base) - Delta)`` as ``(current - base) + Delta`` in float64,
+    rounded to float32, in steps whose float64 temporaries stay in cache. Against the current
+    version (``base is current``) that is Delta itself, up to the sign of zeros, which neither RDA
+    nor the weighted mean can see (they square and add to +0.0), so Delta is used as it is."""
+    d = np.asarray(delta, dtype=np.float32)
+    if base is current:
+        return d
+    out, t = np.empty(d.shape, np.float32), np.empty(min(_STEP, d.size), np.float64)
+    c, b, dd, o = current.reshape(-1), base.reshape(-1), d.reshape(-1), out.reshape(-1)
+    for lo in range(0, d.size, _STEP):
+        hi = min(lo + _STEP, d.size)
+        u = t[:hi - lo]
+        np.subtract(c[lo:hi], b[lo:hi], out=u, dtype=np.float64)
+        np.add(u, dd[lo:hi], out=u, dtype=np.float64)
+        np.copyto(o[lo:hi], u, casting="same_kind")
+    return out
 
 
 @dataclass
@@ -177,8 +211,8 @@ def published(values: Mapping[str, np.ndarray], version_dtype: str) -> dict[str,
     if version_dtype == "fp32":
         return {n: _frozen(a) for n, a in values.items()}
     if version_dtype == "bf16":
-        from .codec import round_to_bf16   # lazy: only bf16 runs need the codec
-        return {n: _frozen(round_to_bf16(np.asarray(a, dtype=np.float32))) for n, a in values.items()}
+        from .codec import round_to_bf16   # lazy: only bf16 runs need the codec; it returns new arrays
+        return {n: _sealed(round_to_bf16(np.asarray(a, dtype=np.float32))) for n, a in values.items()}
     raise ValueError(f"version_dtype {version_dtype!r} not one of fp32, bf16")
 
 
@@ -289,7 +323,7 @@ def _why_dropped(inp: RoundInput, fragment: int, fs: FragmentState, hw: Mapping[
         if n not in specs or n not in inp.tensors or np.shape(inp.tensors[n]) != specs[n]:
             return str(DropReason("shape-mismatch", n))
     for n in sorted(specs):
-        if not np.all(np.isfinite(inp.tensors[n])):
+        if not _finite(inp.tensors[n]):
             return "non-finite"
     return ""
 
@@ -336,8 +370,10 @@ def _select(inputs: Sequence[RoundInput], fragment: int, fs: FragmentState, hw: 
 
 def fold(state: SyncerState, descriptor: RunDescriptor, fragment: int, inputs: Sequence[RoundInput], *,
          seq: int, epoch: int, output_key: str, quorum: int = 0, grace_wait_s: float = 0.0,
-         info: dict | None = None, round_id: int = -1) -> FoldResult:
-    """Fold one round of ``fragment`` into the next state and its commit record (see module doc)."""
+         info: dict | None = None, round_id: int = -1, map_fn: MapFn | None = None) -> FoldResult:
+    """Fold one round of ``fragment`` into the next state and its commit record (see module doc).
+    ``map_fn`` runs the merge's and the outer step's jobs (e.g. ``ThreadPoolExecutor.map``); the
+    result is the same bit for bit whatever runs them."""
     _check_seq(state, seq)
     if not 0 <= fragment < descriptor.num_fragments or len(state.fragments) != descriptor.num_fragments:
         raise ValueError(f"fragment {fragment} out of range for {descriptor.num_fragments} fragments "
@@ -359,28 +395,22 @@ def fold(state: SyncerState, descriptor: RunDescriptor, fragment: int, inputs: S
         return drop_commit(dropped)
 
     current = fs.history[fs.version]
-    grads = []
-    for inp in survivors:
-        base = fs.history[inp.header.base_version]
-        v = {}
-        for n in specs:
-            d = np.asarray(inp.tensors[n], dtype=np.float32).astype(np.float64)
-            # v = Theta^(current) - (Theta^(base) - Delta), exactly Delta when base is current.
-            v[n] = ((current[n].astype(np.float64) - base[n].astype(np.float64)) + d).astype(np.float32)
-        grads.append(v)
+    grads = [{n: _outer_gradient(current[n], fs.history[i.header.base_version][n], i.tensors[n]) for n in specs}
+             for i in survivors]
     weights = token_weights([i.header.c_tokens for i in survivors], [i.header.c_steps for i in survivors])
-    cfg = descriptor.merge
-    g = merge_fragment(grads, weights, cfg)
-    params, momentum = nesterov_step(fs.params, fs.momentum, g, descriptor.outer.lr, descriptor.outer.momentum)
-    if not all(np.all(np.isfinite(a)) for d in (params, momentum) for a in d.values()):
+    g = merge_fragment(grads, weights, descriptor.merge, map_fn=map_fn)
+    params, momentum = nesterov_step(fs.params, fs.momentum, g, descriptor.outer.lr, descriptor.outer.momentum,
+                                     map_fn=map_fn)
+    if not all(_finite(a) for d in (params, momentum) for a in d.values()):
         # Finite inputs whose merge overflows float32 (only without the norm guard, which caps
         # them): recorded, never published, never raised (issue 11 item 1).
         every = dropped + [_dropped(i, NON_FINITE_RESULT) for i in survivors]
         return drop_commit(sorted(every, key=lambda d: (d.learner, d.delta_id, d.key)))
-    params = {n: _frozen(a) for n, a in params.items()}
-    momentum = {n: _frozen(a) for n, a in momentum.items()}
+    params = {n: _sealed(a) for n, a in params.items()}       # fresh from nesterov_step: no copies
+    momentum = {n: _sealed(a) for n, a in momentum.items()}
     version = fs.version + 1
-    pub = published(params, descriptor.versions.dtype)
+    # fp32 versions publish the (read-only) parameters themselves; bf16 ones their rounded values
+    pub = dict(params) if descriptor.versions.dtype == "fp32" else published(params, descriptor.versions.dtype)
     keep = range(version - descriptor.versions.retain + 1, version)
     history = {v: fs.history[v] for v in sorted(fs.history) if v in keep}
     history[version] = pub
@@ -461,7 +491,8 @@ def compare_records(rec: CommitRecord, got: CommitRecord, recorded_output: Mappi
 
 
 def check_commit(state: SyncerState, descriptor: RunDescriptor, record: CommitRecord, inputs: Sequence[RoundInput],
-                 *, recorded_output: Mapping[str, np.ndarray] | None = None) -> FoldResult:
+                 *, recorded_output: Mapping[str, np.ndarray] | None = None, map_fn: MapFn | None = None
+                 ) -> FoldResult:
     """Recompute a recorded commit from its inputs (replay and recovery) and check it bit for bit.
 
     Compares kind, version, merged inputs (weights exactly), dropped deltas, high-water marks and the
@@ -476,7 +507,7 @@ def check_commit(state: SyncerState, descriptor: RunDescriptor, record: CommitRe
     # The recorded info is reused as it is, but for the guard's norms: fold records none (they are
     # pipeline/commit.py's, which compares them), and a recomputed commit of another kind has none.
     info = {k: v for k, v in record.info.items() if k != "norms"}
-    res = fold(state, descriptor, record.fragment, inputs, seq=record.seq, epoch=record.epoch,
+    res = fold(state, descriptor, record.fragment, inputs, seq=record.seq, epoch=record.epoch, map_fn=map_fn,
                output_key=record.output_key, quorum=record.quorum, grace_wait_s=record.grace_wait_s, info=info,
                round_id=record.round)
     compare_records(record, res.record, recorded_output, res.published)

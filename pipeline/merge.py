@@ -15,9 +15,10 @@ pairwise sum and never a BLAS call whose blocking could depend on thread count);
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Iterable, Mapping, Sequence
+from functools import partial
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -119,19 +120,176 @@ def _total(w: np.ndarray) -> float:
     return math.fsum(float(x) for x in w)
 
 
-def _norm(x64: np.ndarray) -> float:
-    # np.sum of squares: a fixed pairwise order (np.linalg.norm / np.dot may go through BLAS).
-    return math.sqrt(float(np.sum(x64 * x64)))
+# ----------------------------------------------------------------------------- the kernels
+#
+# Bit for bit the straightforward float64 computation (tests/test_merge.py keeps it as the reference):
+# per tensor, the norm of each input is sqrt(np.sum(v64 * v64)) over the whole float64 vector, the
+# direction and the mean accumulate w * v64 in float64 in the given order, and the result is rounded
+# to float32 once. The kernels go in leaves of at most _LEAF values, whose float64 temporaries stay in
+# cache, and never make a float64 copy of an input (ufuncs cast float32 to float64 in their buffers).
+# A whole-vector np.sum is rebuilt from the np.sum of each leaf, the leaves being nodes of numpy's own
+# pairwise summation tree (a node of n > 128 values is the sum of its halves, split at
+# n // 2 - (n // 2) % 8): the same additions in the same order. Jobs of about _JOB values go through
+# the caller's ``map_fn`` (e.g. ``ThreadPoolExecutor.map``; numpy releases the GIL); results are
+# gathered in job order, so they never depend on how many threads ran them.
+
+_LEAF = 1 << 16
+_JOB = 1 << 20
+# How jobs run: ``map_fn(fn, jobs)`` yields ``fn(job)`` in order (``map``, ``ThreadPoolExecutor.map``).
+MapFn = Callable[[Callable[[Any], Any], Iterable[Any]], Iterable[Any]]
+
+
+def _split(n: int) -> int:
+    half = n // 2
+    return half - half % 8
+
+
+def _leaves(n: int) -> list[tuple[int, int]]:
+    """The nodes of numpy's pairwise summation tree over n values that hold at most _LEAF values."""
+    out: list[tuple[int, int]] = []
+    todo = [(0, n)]
+    while todo:
+        lo, m = todo.pop()
+        if m <= _LEAF:
+            out.append((lo, lo + m))
+        else:   # the right half is pushed first, so the left one comes out first
+            h = _split(m)
+            todo += [(lo + h, m - h), (lo, h)]
+    return out
+
+
+def _tree_sum(n: int, leaf_sums: Sequence) -> Any:
+    """np.sum over n values from the sums of its ``_leaves(n)``, added as numpy adds them."""
+    it = iter(leaf_sums)
+
+    def node(m: int) -> Any:
+        if m <= _LEAF:
+            return next(it)
+        h = _split(m)
+        left = node(h)   # the left half first: leaves come in order
+        return left + node(m - h)
+    return node(n)
+
+
+@dataclass
+class _Plan:
+    """One tensor's merge: its flat inputs of non-zero weight with their weights, the total weight,
+    RDA or the weighted mean, the flat float32 result, the leaves; for RDA the per-input
+    coefficients w / |v| (None for a zero vector), the mean norm, the direction and its scale."""
+
+    vs: list[np.ndarray]
+    ws: list[float]
+    total: float
+    rda: bool
+    out: np.ndarray
+    leaves: list[tuple[int, int]]
+    coefs: list[float | None] = field(default_factory=list)
+    mean_norm: float = 0.0
+    direction: np.ndarray | None = None
+    scale: float = 0.0
+
+
+def _plan(vs: list[np.ndarray], w: np.ndarray, rda: bool) -> _Plan:
+    kept = [(np.ravel(v), wi) for v, wi in zip(vs, w) if wi]
+    n = vs[0].size
+    return _Plan([v for v, _ in kept], [wi for _, wi in kept], _total(w), rda, np.empty(n, np.float32),
+                  _leaves(n), direction=np.empty(n, np.float64) if rda else None)
+
+
+def _jobs(plans: list[_Plan], which: Iterable[int]) -> list[tuple[int, int, int]]:
+    """(plan, first leaf, end leaf) for the chosen plans, about _JOB values a job, in order."""
+    per = max(1, _JOB // _LEAF)
+    return [(p, a, min(a + per, len(plans[p].leaves)))
+            for p in which for a in range(0, len(plans[p].leaves), per)]
+
+
+def _norms_job(job: tuple[int, int, int], plans: list[_Plan]) -> np.ndarray:
+    """Per leaf and input: np.sum of the input's float64 squares over the leaf."""
+    p, a, b = job
+    plan = plans[p]
+    tmp, sums = np.empty(_LEAF, np.float64), np.empty((b - a, len(plan.vs)), np.float64)
+    for j, (lo, hi) in enumerate(plan.leaves[a:b]):
+        sq = tmp[:hi - lo]
+        for m, v in enumerate(plan.vs):
+            np.square(v[lo:hi], out=sq, dtype=np.float64)
+            sums[j, m] = np.sum(sq)
+    return sums
+
+
+def _sum_job(job: tuple[int, int, int], plans: list[_Plan]) -> np.ndarray | None:
+    """RDA: the direction sum(coef * v) over the job's leaves and, per leaf, np.sum of its squares.
+    Weighted mean: the result, sum(w * v) / total."""
+    p, a, b = job
+    plan = plans[p]
+    tmp, acc = np.empty(_LEAF, np.float64), np.empty(_LEAF, np.float64)
+    sums = np.empty(b - a, np.float64)
+    terms = zip(plan.vs, plan.coefs) if plan.rda else zip(plan.vs, plan.ws)
+    terms = [(v, c) for v, c in terms if c is not None]   # unit(0) = 0
+    for j, (lo, hi) in enumerate(plan.leaves[a:b]):
+        s = plan.direction[lo:hi] if plan.rda else acc[:hi - lo]
+        t = tmp[:hi - lo]
+        s.fill(0.0)
+        for v, c in terms:
+            np.multiply(v[lo:hi], c, out=t, dtype=np.float64)
+            np.add(s, t, out=s)
+        if plan.rda:
+            np.multiply(s, s, out=t)
+            sums[j] = np.sum(t)
+        else:
+            np.divide(s, plan.total, out=plan.out[lo:hi], casting="same_kind")
+    return sums if plan.rda else None
+
+
+def _scale_job(job: tuple[int, int, int], plans: list[_Plan]) -> None:
+    """RDA's result: the direction times its scale, rounded to float32 once."""
+    p, a, b = job
+    plan = plans[p]
+    lo, hi = plan.leaves[a][0], plan.leaves[b - 1][1]
+    np.multiply(plan.direction[lo:hi], plan.scale, out=plan.out[lo:hi], casting="same_kind")
+
+
+def _gather(jobs: list[tuple[int, int, int]], results: Iterable) -> dict[int, list]:
+    per: dict[int, list] = {}
+    for (p, _, _), r in zip(jobs, results):
+        per.setdefault(p, []).append(r)
+    return per
+
+
+def _merge(plans: list[_Plan], map_fn: MapFn | None) -> None:
+    """Fill every plan's ``out``: norms (RDA), then directions and means, then RDA's scaling (or the
+    weighted mean where the direction is numerically zero). Three rounds of jobs."""
+    run = map_fn or map
+    rda = [i for i, p in enumerate(plans) if p.rda]
+    jobs = _jobs(plans, rda)
+    for p, parts in _gather(jobs, run(partial(_norms_job, plans=plans), jobs)).items():
+        plan = plans[p]
+        squares = _tree_sum(plan.out.size, [row for part in parts for row in part])
+        norm_acc = 0.0
+        for w, sq in zip(plan.ws, squares):
+            n = math.sqrt(float(sq))
+            norm_acc += w * n
+            plan.coefs.append(w / n if n > 0 else None)
+        plan.mean_norm = norm_acc / plan.total
+    jobs = _jobs(plans, range(len(plans)))
+    dnorms = {p: math.sqrt(float(_tree_sum(plans[p].out.size, np.concatenate(parts))))
+              for p, parts in _gather(jobs, run(partial(_sum_job, plans=plans), jobs)).items() if plans[p].rda}
+    fallback = []
+    for p, dnorm in dnorms.items():
+        plan = plans[p]
+        if dnorm <= DIRECTION_EPS * plan.total or plan.mean_norm == 0.0:
+            plan.rda, fallback = False, fallback + [p]
+        else:
+            plan.scale = plan.mean_norm / dnorm
+    jobs = _jobs(plans, fallback) + _jobs(plans, [p for p in dnorms if plans[p].rda])
+    list(run(lambda job: _sum_job(job, plans) if job[0] in fallback else _scale_job(job, plans), jobs))
 
 
 def weighted_mean(vectors: Sequence[np.ndarray], weights) -> np.ndarray:
     """``sum w v / sum w`` in float64, accumulated in the given order; float32 result."""
     vs, w = _check_inputs(vectors, weights)
-    acc = np.zeros(vs[0].shape, dtype=np.float64)
-    for v, wi in zip(vs, w):
-        if wi:
-            acc += wi * v.astype(np.float64)
-    return (acc / _total(w)).astype(np.float32)
+    plan = _plan(vs, w, rda=False)
+    _merge([plan], None)
+    return plan.out.reshape(vs[0].shape)
 
 
 def rda(vectors: Sequence[np.ndarray], weights) -> np.ndarray:
@@ -141,29 +299,17 @@ def rda(vectors: Sequence[np.ndarray], weights) -> np.ndarray:
     its length is at most ``DIRECTION_EPS * sum(w)``. Computed in float64, returned float32.
     """
     vs, w = _check_inputs(vectors, weights)
-    total = _total(w)
-    norm_acc = 0.0
-    direction = np.zeros(vs[0].shape, dtype=np.float64)
-    for v, wi in zip(vs, w):
-        if not wi:
-            continue
-        v64 = v.astype(np.float64)
-        n = _norm(v64)
-        norm_acc += wi * n
-        if n > 0:                                      # unit(0) = 0
-            direction += (wi / n) * v64
-    mean_norm = norm_acc / total
-    dnorm = _norm(direction)
-    if dnorm <= DIRECTION_EPS * total or mean_norm == 0.0:
-        return weighted_mean(vs, w)
-    return (direction * (mean_norm / dnorm)).astype(np.float32)
+    plan = _plan(vs, w, rda=True)
+    _merge([plan], None)
+    return plan.out.reshape(vs[0].shape)
 
 
 def merge_fragment(grads: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float],
-                   cfg: MergeConfig) -> dict[str, np.ndarray]:
+                   cfg: MergeConfig, *, map_fn: MapFn | None = None) -> dict[str, np.ndarray]:
     """Merge one fragment's outer gradients tensor by tensor; float32 results keyed like the inputs.
 
     Every map must name the same tensors with the same shapes (ValueError naming the tensor).
+    ``map_fn`` runs the jobs (default: ``map``, on this thread); it never changes the results.
     """
     if not grads:
         raise ValueError("merge_fragment needs at least one gradient map")
@@ -172,16 +318,15 @@ def merge_fragment(grads: Sequence[Mapping[str, np.ndarray]], weights: Sequence[
         if set(g) != set(names):
             diff = sorted(set(g) ^ set(names))
             raise ValueError(f"merge_fragment: gradient {i} names different tensors than gradient 0: {diff}")
-    out: dict[str, np.ndarray] = {}
+    plans, shapes = [], []
     for name in names:
         shape = np.shape(grads[0][name])
         for i, g in enumerate(grads):
             if np.shape(g[name]) != shape:
                 raise ValueError(f"merge_fragment: tensor {name}: gradient {i} has shape {np.shape(g[name])}, "
                                  f"gradient 0 has {shape}")
-        vs = [g[name] for g in grads]
-        if cfg.method == "mean" or name in cfg.embedding_tensors:
-            out[name] = weighted_mean(vs, weights)
-        else:
-            out[name] = rda(vs, weights)
-    return out
+        vs, w = _check_inputs([g[name] for g in grads], weights)
+        plans.append(_plan(vs, w, rda=cfg.method == "rda" and name not in cfg.embedding_tensors))
+        shapes.append(shape)
+    _merge(plans, map_fn)
+    return {name: plan.out.reshape(shape) for name, plan, shape in zip(names, plans, shapes)}

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping
+from functools import partial
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
@@ -104,13 +105,70 @@ class OuterConfig:
             raise ValueError(f"outer momentum must lie in [0, 1), got {self.momentum}")
 
 
+# Steps of _STEP values keep the float64 temporaries (128 KiB) in cache; jobs of _JOB values go
+# through the caller's ``map_fn`` (e.g. ``ThreadPoolExecutor.map``); every value is computed alone,
+# so neither changes a bit.
+_STEP = 1 << 14
+_JOB = 1 << 20
+_NORMAL_LO = np.uint32(0x00800001)   # |r| bits - this, as uint32, exceeds _NORMAL_SPAN exactly when
+_NORMAL_SPAN = np.uint32(0x7F7FFFFE - 0x00800001)   # |r| <= min normal, |r| >= max, or r is NaN
+# How jobs run: ``map_fn(fn, jobs)`` yields ``fn(job)`` in order (``map``, ``ThreadPoolExecutor.map``).
+MapFn = Callable[[Callable[[Any], Any], Iterable[Any]], Iterable[Any]]
+
+
+class _Scratch:
+    """One job's temporaries for ``_fma32_step``, sized for a step."""
+
+    def __init__(self) -> None:
+        self.s, self.bits = np.empty(_STEP, np.float64), np.empty(_STEP, np.uint64)
+        self.rbits, self.g2 = np.empty(_STEP, np.uint32), np.empty(_STEP, np.float32)
+        self.mid, self.edge = np.empty(_STEP, np.bool_), np.empty(_STEP, np.bool_)
+
+
+def _fma32_step(a: np.ndarray, b: np.ndarray, c64: float, out: np.ndarray, t: _Scratch) -> None:
+    """``out = a + b * c`` rounded once, for float32 steps ``a``, ``b`` and ``c64`` a float32 value
+    as float64: :func:`fma32`'s fast path and exact correction, with the suspects found on ``r``
+    (|r| <= min normal or >= max covers every |s| outside float32's normal range) - the same values."""
+    n = a.size
+    s, bits, rbits, mid, edge = t.s[:n], t.bits[:n], t.rbits[:n], t.mid[:n], t.edge[:n]
+    np.multiply(b, c64, out=s, dtype=np.float64)      # exact: 24 x 24 bits
+    np.add(s, a, out=s, dtype=np.float64)             # rounds once, to 53 bits
+    np.copyto(out, s, casting="same_kind")            # and to 24: wrong only on a float32 midpoint
+    np.bitwise_and(s.view(np.uint64), _LOW29, out=bits)
+    np.equal(bits, _MID29, out=mid)
+    np.bitwise_and(out.view(np.uint32), np.uint32(0x7FFFFFFF), out=rbits)
+    np.subtract(rbits, _NORMAL_LO, out=rbits)
+    np.greater(rbits, _NORMAL_SPAN, out=edge)
+    np.logical_or(mid, edge, out=mid)
+    if mid.any():
+        idx = np.flatnonzero(mid)
+        p = b[idx].astype(np.float64) * c64
+        out[idx] = _fma32_exact(a[idx].astype(np.float64), p, s[idx], out[idx])
+
+
+def _nesterov_job(job: tuple[int, int, int], tensors: list[tuple[np.ndarray, ...]], mu: float, lr: float) -> None:
+    """Values ``lo:hi`` of tensor ``i``: b' = mu b + g (two float32 roundings), g2 = fma(g, b', mu),
+    p' = fma(p, g2, -lr), written into the tensor's new arrays."""
+    i, lo, hi = job
+    p, b, g, new_p, new_b = tensors[i]
+    mu32, c_mu, c_lr, t = np.float32(mu), float(np.float32(mu)), float(np.float32(-lr)), _Scratch()
+    for s in range(lo, hi, _STEP):
+        e = min(s + _STEP, hi)
+        buf, g2 = new_b[s:e], t.g2[:e - s]
+        np.multiply(b[s:e], mu32, out=buf)           # float32 mul then float32 add, as buf.mul_(mu).add_(g)
+        np.add(buf, g[s:e], out=buf)
+        _fma32_step(g[s:e], buf, c_mu, g2, t)         # g + mu * buf
+        _fma32_step(p[s:e], g2, c_lr, new_p[s:e], t)  # p - lr * g2
+
+
 def nesterov_step(params: Mapping[str, np.ndarray], momentum: Mapping[str, np.ndarray],
-                  grad: Mapping[str, np.ndarray], lr: float, mu: float
+                  grad: Mapping[str, np.ndarray], lr: float, mu: float, *, map_fn: MapFn | None = None
                   ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """One outer Nesterov step per tensor; returns new ``(params, momentum)`` dicts of float32 arrays.
 
     ``momentum`` starts as zeros (torch's first step clones g into the buffer, which is the same
     value as ``0 * mu + g``). All three maps must name the same tensors with the same shapes.
+    ``map_fn`` runs the jobs (default: ``map``, on this thread); it never changes a bit.
     """
     lr = _check_scalar("outer lr", lr)
     mu = _check_scalar("outer momentum", mu)
@@ -121,17 +179,16 @@ def nesterov_step(params: Mapping[str, np.ndarray], momentum: Mapping[str, np.nd
     if set(params) != set(grad) or set(params) != set(momentum):
         raise ValueError(f"params, momentum and grad name different tensors: "
                          f"{sorted(set(params) ^ set(grad) | set(params) ^ set(momentum))}")
-    mu32 = np.float32(mu)
-    new_p: dict[str, np.ndarray] = {}
-    new_b: dict[str, np.ndarray] = {}
-    for name in sorted(params):
+    names, tensors = sorted(params), []
+    for name in names:
         p = np.asarray(params[name], dtype=np.float32)
         b = np.asarray(momentum[name], dtype=np.float32)
         g = np.asarray(grad[name], dtype=np.float32)
         if not p.shape == b.shape == g.shape:
             raise ValueError(f"tensor {name}: shapes differ (params {p.shape}, momentum {b.shape}, grad {g.shape})")
-        buf = (b * mu32).astype(np.float32) + g         # float32 mul then float32 add, as buf.mul_(mu).add_(g)
-        g2 = fma32(g, buf, mu)                          # g + mu * buf
-        new_b[name] = buf.astype(np.float32, copy=False)
-        new_p[name] = fma32(p, g2, -lr)                 # p - lr * g2
-    return new_p, new_b
+        tensors.append((np.ravel(p), np.ravel(b), np.ravel(g), np.empty(p.shape, np.float32),
+                        np.empty(p.shape, np.float32)))
+    jobs = [(i, lo, min(lo + _JOB, t[0].size)) for i, t in enumerate(tensors) for lo in range(0, t[0].size, _JOB)]
+    flat = [(p, b, g, np_.reshape(-1), nb.reshape(-1)) for p, b, g, np_, nb in tensors]
+    list((map_fn or map)(partial(_nesterov_job, tensors=flat, mu=mu, lr=lr), jobs))
+    return ({n: t[3] for n, t in zip(names, tensors)}, {n: t[4] for n, t in zip(names, tensors)})

@@ -1,6 +1,12 @@
 """Tensor blob codec (SPEC §6): quantisation accuracy, bf16 rounding, exact decoding, damage detection."""
 from __future__ import annotations
 
+import hashlib
+import json
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
 import msgpack
 import numpy as np
 import pytest
@@ -9,6 +15,8 @@ import zstandard
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
+from pipeline import codec
+from pipeline.checksum import tensor_digest
 from pipeline.codec import (
     SCHEMES, CodecConfig, Decoded, bf16_bits, decode, dequantize, encode, from_bf16_bits, peek_meta,
     quantize, round_to_bf16,
@@ -285,3 +293,138 @@ def test_peek_meta_reads_the_header_without_decoding_tensors(blob):
         peek_meta(_reseal(blob, lambda d: d.update(meta=[1])), "delta")
     with pytest.raises(FormatError, match="checksum mismatch"):
         peek_meta(blob[:-40] + bytes([blob[-40] ^ 1]) + blob[-39:], "delta")  # last payload byte
+
+
+# ------------------------------------------------------ issue 15: the vectorised, threaded codec
+
+GOLDEN = Path(__file__).parent / "fixtures" / "codec_golden"   # written by tests/fixtures/codec_make_golden.py
+GOLDEN_META = {"learner": "L0", "seq": 5, "note": "golden"}
+
+
+def _reference_quantize(x: np.ndarray, scheme: str, bs: int) -> bytes:
+    """The int4/int8 encoder as it was before issue 15 (straight numpy, whole tensor at once)."""
+    flat = np.ravel(np.asarray(x, dtype=np.float32))
+    n, nb = flat.size, -(-flat.size // bs)
+    blocks = np.zeros((nb, bs), np.float32)
+    blocks.reshape(-1)[:n] = flat
+    qmax = QMAX[scheme]
+    scale = (np.abs(blocks).max(axis=1) / np.float32(qmax)).astype(np.float32) if nb else np.zeros(0, np.float32)
+    q = blocks / np.where(scale > 0, scale, np.float32(1))[:, None]
+    q = np.clip(np.rint(q), -qmax, qmax)
+    if scheme == "int8":
+        return scale.astype("<f4").tobytes() + q.astype(np.int8).tobytes()
+    u = (q + 8).astype(np.uint8).reshape(-1, 2)
+    return scale.astype("<f4").tobytes() + (u[:, 0] | (u[:, 1] << 4)).tobytes()
+
+
+def _golden_cases():
+    manifest = json.loads((GOLDEN / "manifest.json").read_text())
+    inputs = np.load(GOLDEN / "inputs.npz")
+    for case, m in sorted(manifest.items()):
+        tensors = {n: inputs[f"{m['set']}/{n}"] for n in m["names"]}
+        yield pytest.param(case, m, tensors, id=case)
+
+
+@pytest.mark.parametrize("case, m, tensors", list(_golden_cases()))
+def test_golden_blobs_read_the_same_and_are_written_the_same(case, m, tensors):
+    old = (GOLDEN / f"{case}.blob").read_bytes()
+    assert hashlib.sha256(old).hexdigest() == m["blob_sha256"]
+    # today's reader reads the old encoder's blob to the same values the old reader gave
+    assert tensor_digest(decode(old, "delta").tensors) == m["values_digest"]
+    # today's encoder writes the same bytes for these (small: one-shot zstd) payloads
+    new = encode("delta", GOLDEN_META, tensors, CodecConfig(m["scheme"], m["block_size"], m["zstd_level"]))
+    assert new == old
+    with ThreadPoolExecutor(3) as pool:
+        assert encode("delta", GOLDEN_META, tensors, CodecConfig(m["scheme"], m["block_size"], m["zstd_level"]),
+                      map_fn=pool.map) == old
+        assert tensor_digest(decode(new, "delta", map_fn=pool.map).tensors) == m["values_digest"]
+
+
+@settings(max_examples=80, deadline=None)
+@given(hnp.arrays(st.sampled_from([np.float32, np.float16, np.float64]), st.integers(0, 700),
+                  elements=st.floats(-1e4, 1e4, width=16)),
+       st.sampled_from(["int4", "int8"]), st.sampled_from([2, 4, 6, 64, 128]), st.integers(-140, 30))
+def test_quantize_matches_the_reference_encoder_byte_for_byte(x, scheme, bs, exp):
+    if x.dtype != np.float16:   # float16 is converted as it is; the others scaled down to subnormal sizes
+        x = x * x.dtype.type(2.0 ** exp)
+    assert quantize(x, scheme, bs) == _reference_quantize(x, scheme, bs)   # incl. subnormal (clipped) scales
+
+
+def _large(seed=5):
+    rng = np.random.default_rng(seed)
+    return {"a": (rng.standard_t(3, 1_300_000) * 1e-3).astype(np.float32),          # > one job, odd size
+            "tiny": np.array([1.5, -2.0], np.float32),
+            "b": rng.standard_normal((1000, 1003)).astype(np.float32),
+            "empty": np.zeros(0, np.float32),
+            "c": (rng.standard_normal(640_001) * 1e-40).astype(np.float32)}           # subnormal scales
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8", "bf16"])
+def test_large_blobs_are_the_same_bytes_at_any_thread_count(scheme):
+    tensors = _large()
+    cfg = CodecConfig(scheme, 64, 3)
+    one = encode("delta", META, tensors, cfg)
+    _, body = unseal(one, "delta", 1)
+    assert msgpack.unpackb(body, raw=False)["raw_len"] > codec.ZSTD_STREAM_MIN    # zstd's streaming mode
+    for threads in (1, 2, 3):
+        with ThreadPoolExecutor(threads) as pool:
+            assert encode("delta", META, tensors, cfg, map_fn=pool.map) == one
+    with ThreadPoolExecutor(2) as pool:
+        got = decode(one, "delta", map_fn=pool.map).tensors
+    alone = decode(one, "delta").tensors
+    for name, x in tensors.items():
+        assert got[name].tobytes() == alone[name].tobytes() and got[name].shape == x.shape
+    # what the payload holds is what the reference encoder writes, tensor after tensor
+    raw = _raw(msgpack.unpackb(body, raw=False))
+    if scheme == "bf16":
+        want = b"".join(_torch_bf16_bits(np.ravel(x)).tobytes() for x in tensors.values())
+    else:
+        want = b"".join(_reference_quantize(x, scheme, 64) for x in tensors.values())
+    assert raw == want
+
+
+def test_a_non_finite_value_in_a_late_job_is_refused_naming_its_tensor():
+    tensors = _large()
+    tensors["b"] = tensors["b"].copy()
+    tensors["b"][999, 1000] = np.inf
+    with ThreadPoolExecutor(2) as pool:
+        with pytest.raises(ValueError, match=r"tensor b: has non-finite"):
+            encode("delta", {}, tensors, CodecConfig("int4"), map_fn=pool.map)
+    # the first refused tensor in order decides, values before a bad dtype
+    with pytest.raises(ValueError, match=r"tensor b: has non-finite"):
+        encode("delta", {}, {**tensors, "i": np.ones(3, np.int32)}, CodecConfig("bf16"))
+    with pytest.raises(ValueError, match=r"tensor i: dtype int32"):
+        encode("delta", {}, {"i": np.ones(3, np.int32), **tensors}, CodecConfig("int8"))
+
+
+def test_damage_in_a_late_tensor_is_named_and_the_first_damaged_tensor_wins():
+    x = {"first": np.ones(100, np.float32), "second": np.ones(3_000_000, np.float32)}
+    blob = encode("delta", {}, x, CodecConfig("int4", 64, 0))
+    bad = _reseal(blob, lambda d: d.update(payload=d["payload"][:-1] + b"\x80"))
+    with ThreadPoolExecutor(2) as pool:
+        with pytest.raises(FormatError, match=r"tensor second: int4 data has nibble 0"):
+            decode(bad, "delta", map_fn=pool.map)
+    both = _reseal(bad, lambda d: d.update(payload=np.float32(-1).tobytes() + d["payload"][4:]))
+    with pytest.raises(FormatError, match=r"tensor first: int4 data has a non-finite, negative"):
+        decode(both, "delta")
+
+
+def test_streamed_zstd_frames_are_what_the_one_shot_reader_reads():
+    # above ZSTD_STREAM_MIN the frame comes from zstd's streaming mode: still one frame that declares
+    # its size (what decoders before issue 15 check), and the same bytes however it was fed
+    tensors = _large(7)
+    blob = encode("delta", META, tensors, CodecConfig("int8", 32, 1))
+    d = msgpack.unpackb(unseal(blob, "delta", 1)[1], raw=False)
+    assert zstandard.frame_content_size(d["payload"]) == d["raw_len"]
+    raw = zstandard.ZstdDecompressor().decompress(d["payload"], max_output_size=d["raw_len"])
+    fed = zstandard.ZstdCompressor(level=1, write_content_size=True).compressobj(size=len(raw))
+    assert b"".join([fed.compress(raw[i:i + 99_991]) for i in range(0, len(raw), 99_991)] + [fed.flush()]) \
+        == d["payload"]
+
+
+def test_the_numpy_path_writes_what_the_torch_path_writes(monkeypatch):
+    # codec uses torch's row maximum when torch is imported (as here), numpy's otherwise: same bytes
+    tensors = {"a": _large()["a"][:300_001], "c": _large()["c"][:70_000]}
+    with_torch = [encode("d", {}, tensors, CodecConfig(s, 64, 0)) for s in ("int4", "int8")]
+    monkeypatch.delitem(sys.modules, "torch")
+    assert [encode("d", {}, tensors, CodecConfig(s, 64, 0)) for s in ("int4", "int8")] == with_torch

@@ -1,13 +1,17 @@
 """Token weights, RDA and the per-fragment merge (SPEC §4)."""
 from __future__ import annotations
 
+import math
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.merge import (MergeConfig, default_embedding_tensors, merge_fragment, rda, token_weights,
-                            weighted_mean)
+from pipeline import merge as merge_mod
+from pipeline.merge import (DIRECTION_EPS, MergeConfig, default_embedding_tensors, merge_fragment, rda,
+                            token_weights, weighted_mean)
 
 
 def _norm(x):
@@ -189,3 +193,109 @@ def test_default_embedding_tensors():
              "layers.1.attention.wq.weight", "ln_f.weight"]
     got = default_embedding_tensors(names)
     assert got == frozenset(names[:9])
+
+
+# ------------------------------------------------------------------ issue 15: the fast kernels
+
+def _ref_weighted_mean(vs, w):
+    """The merge as it was before issue 15: whole float64 vectors, straight numpy."""
+    w = np.asarray(w, np.float64)
+    acc = np.zeros(np.shape(vs[0]), np.float64)
+    for v, wi in zip(vs, w):
+        if wi:
+            acc += wi * np.asarray(v).astype(np.float64)
+    return (acc / math.fsum(float(x) for x in w)).astype(np.float32)
+
+
+def _ref_rda(vs, w):
+    w = np.asarray(w, np.float64)
+    total = math.fsum(float(x) for x in w)
+    norm_acc, direction = 0.0, np.zeros(np.shape(vs[0]), np.float64)
+    for v, wi in zip(vs, w):
+        if not wi:
+            continue
+        v64 = np.asarray(v).astype(np.float64)
+        n = math.sqrt(float(np.sum(v64 * v64)))
+        norm_acc += wi * n
+        if n > 0:
+            direction += (wi / n) * v64
+    mean_norm = norm_acc / total
+    dnorm = math.sqrt(float(np.sum(direction * direction)))
+    if dnorm <= DIRECTION_EPS * total or mean_norm == 0.0:
+        return _ref_weighted_mean(vs, w)
+    return (direction * (mean_norm / dnorm)).astype(np.float32)
+
+
+SIZES = [0, 1, 7, 8, 9, 127, 128, 129, 1000, 8193, 65_535, 65_536, 65_537, 2 * 65_536 + 7, 300_017]
+
+
+@pytest.mark.parametrize("n", SIZES + [1_234_567, 2_500_001])
+def test_leaf_sums_rebuild_numpys_own_sum_exactly(n):
+    # the kernels' one assumption about numpy: np.sum of a vector is the pairwise tree over it
+    a = np.random.default_rng(n).standard_normal(n) ** 2 * 10.0 ** np.random.default_rng(n + 1).uniform(-30, 30, n)
+    leaves = merge_mod._leaves(n)
+    assert leaves[0][0] == 0 and leaves[-1][1] == n and all(x[1] == y[0] for x, y in zip(leaves, leaves[1:]))
+    got = merge_mod._tree_sum(n, [np.sum(a[lo:hi]) for lo, hi in leaves])
+    assert float(got) == float(np.sum(a))
+    assert float(got) == float(np.sum(a.reshape(-1, 1) if n else a))          # any contiguous shape
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_rda_and_mean_equal_the_reference_bit_for_bit(n):
+    rng = np.random.default_rng(n)
+    for M in (1, 2, 5):
+        vs = [(rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 3)).astype(np.float32) for _ in range(M)]
+        if n:
+            vs[0][rng.integers(0, n, max(1, n // 3))] = -0.0
+        w = list(rng.uniform(0, 2, M))
+        if M > 2:
+            w[1] = 0.0                                                 # a learner of no weight
+            vs[2][:] = 0.0                                             # a zero vector: no direction
+        assert rda(vs, w).tobytes() == _ref_rda(vs, w).tobytes()
+        assert weighted_mean(vs, w).tobytes() == _ref_weighted_mean(vs, w).tobytes()
+
+
+def test_special_cases_equal_the_reference():
+    rng = np.random.default_rng(3)
+    v = rng.standard_normal(20_000).astype(np.float32)
+    w64 = rng.standard_normal((37, 300))                               # float64 inputs, 2-D
+    cases = [([v, -v], [0.5, 0.5]), ([v, -v], [0.75, 0.25]), ([np.zeros(9, np.float32)] * 2, [1, 1]),
+             ([w64, w64[::-1].copy()], [1.0, 2.0]), ([v[::2], v[1::2]], [1.0, 1.0])]   # strided views
+    for vs, w in cases:
+        assert rda(vs, w).tobytes() == _ref_rda(vs, w).tobytes()
+        assert weighted_mean(vs, w).tobytes() == _ref_weighted_mean(vs, w).tobytes()
+
+
+def test_the_sign_of_zero_inputs_changes_no_merge():
+    # pipeline/fold.py passes a delta against the current version as it is, where the straight
+    # formula (0 + delta) would turn -0.0 into +0.0: no merge may see the difference.
+    rng = np.random.default_rng(4)
+    vs = [rng.standard_normal(5000).astype(np.float32) for _ in range(3)]
+    for v in vs:
+        v[rng.integers(0, 5000, 2000)] = -0.0
+    plus = [(v.astype(np.float64) + 0.0).astype(np.float32) for v in vs]
+    assert not any(np.signbit(p[p == 0]).any() for p in plus) and any(np.signbit(v[v == 0]).any() for v in vs)
+    for method in ("rda", "mean"):
+        a = merge_fragment([{"t": v} for v in vs], [1, 2, 3], MergeConfig(method))["t"]
+        b = merge_fragment([{"t": p} for p in plus], [1, 2, 3], MergeConfig(method))["t"]
+        assert a.tobytes() == b.tobytes()
+
+
+def _fragment(rng, M):
+    shapes = {"big": (1_300_001,), "mat": (700, 1500), "wte.weight": (5000, 64), "b": (3,), "z": (0,)}
+    return [{k: (rng.standard_normal(s) * 1e-2).astype(np.float32) for k, s in shapes.items()} for _ in range(M)]
+
+
+def test_merge_fragment_is_bit_identical_at_any_thread_count_and_equals_the_reference():
+    rng = np.random.default_rng(9)
+    grads = _fragment(rng, 4)
+    w = token_weights([100, 80, 120, 90], [10, 9, 11, 10])
+    cfg = MergeConfig("rda", frozenset({"wte.weight"}))
+    alone = merge_fragment(grads, w, cfg)
+    for threads in (2, 3):
+        with ThreadPoolExecutor(threads) as pool:
+            got = merge_fragment(grads, w, cfg, map_fn=pool.map)
+        assert all(got[k].tobytes() == alone[k].tobytes() and got[k].shape == alone[k].shape for k in alone)
+    for k in ("mat", "b", "z", "big"):
+        assert alone[k].tobytes() == _ref_rda([g[k] for g in grads], w).tobytes()
+    assert alone["wte.weight"].tobytes() == _ref_weighted_mean([g["wte.weight"] for g in grads], w).tobytes()

@@ -1,6 +1,7 @@
 """The outer Nesterov step against torch.optim.SGD(nesterov=True), and the exact FMA it relies on."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 
 import numpy as np
@@ -91,3 +92,47 @@ def test_fma32_double_rounding_midpoint():
     assert naive[0] == np.float32(1.0)
     got = fma32(a, np.array([b, -b], np.float32), c)
     assert got[0] == np.float32(1 + 2**-23) and got[1] == np.float32(-(1 + 2**-23))
+
+
+# ------------------------------------------------------------------ issue 15: the fast outer step
+
+def _ref_nesterov(p, b, g, lr, mu):
+    """The outer step as it was before issue 15 (whole tensors, the generic fma32)."""
+    new_p, new_b = {}, {}
+    for k in sorted(p):
+        buf = (b[k] * np.float32(mu)).astype(np.float32) + g[k]
+        new_b[k] = buf
+        new_p[k] = fma32(p[k], fma32(g[k], buf, mu), -lr)
+    return new_p, new_b
+
+
+def _hard_values(rng, n):
+    """Gaussian values over many magnitudes, with subnormals, zeros, huge ones and exact midpoints."""
+    x = (rng.standard_normal(n) * 10.0 ** rng.uniform(-40, 37, n)).astype(np.float32)
+    x[rng.integers(0, n, n // 50)] = 0.0
+    x[rng.integers(0, n, n // 50)] = np.float32(1e-42)
+    return x
+
+
+def test_nesterov_equals_the_reference_on_hard_values_and_any_thread_count():
+    rng = np.random.default_rng(11)
+    shapes = {"big": (1_100_003,), "w": (300, 301), "s": (), "e": (0,)}
+    p = {k: _hard_values(rng, int(np.prod(s))).reshape(s) for k, s in shapes.items()}
+    b = {k: _hard_values(rng, int(np.prod(s))).reshape(s) for k, s in shapes.items()}
+    g = {k: _hard_values(rng, int(np.prod(s))).reshape(s) for k, s in shapes.items()}
+    # the double-rounding example of test_fma32_double_rounding_midpoint inside a big tensor: with
+    # mu = 0, g2 = g and p' = 1 - lr * g = 1 + m1 * m2 * 2**-70, which float64 rounds onto a midpoint
+    m1, m2 = 2**23 + 2896, 2**23 - 2895
+    p["big"][5], g["big"][5], b["big"][5] = 1.0, np.float32(-m1 * 2.0**-47), 0.0
+    with np.errstate(over="ignore", invalid="ignore"):
+        for lr, mu in [(0.7, 0.9), (float(np.float32(m2 * 2.0**-23)), 0.0), (1e30, 0.5)]:
+            want_p, want_b = _ref_nesterov(p, b, g, lr, mu)
+            got_p, got_b = nesterov_step(p, b, g, lr, mu)
+            with ThreadPoolExecutor(3) as pool:
+                par_p, par_b = nesterov_step(p, b, g, lr, mu, map_fn=pool.map)
+            for k in shapes:
+                assert got_p[k].shape == shapes[k] and got_p[k].dtype == np.float32
+                for got in (got_p[k], par_p[k]):
+                    assert got.tobytes() == want_p[k].tobytes(), k
+                for got in (got_b[k], par_b[k]):
+                    assert got.tobytes() == want_b[k].tobytes(), k

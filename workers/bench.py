@@ -1,18 +1,32 @@
-"""`ddiloco bench`: throughput of the codec (SPEC §6) and of the fragment merge (SPEC §4) on this machine.
+"""`ddiloco bench`: throughput of the codec (SPEC §6) and of the syncer's merge (SPEC §4) on this machine.
 
 Every figure is printed beside this machine's memcpy bandwidth, measured in the same run on the same
-size (``np.copyto``; for the merge, on the bytes of all its input deltas), so numbers from different machines compare as ratios. Sizes are MB of fp32
-input (1 MB = 10^6 bytes). Timings take the best of ``--repeat`` runs (the least disturbed by other
-processes). The merge bench imports ``pipeline.merge`` lazily so the codec bench works without it.
+size (``np.copyto``; for the merge, on the bytes of all its input deltas), so numbers from different
+machines compare as ratios. Sizes are MB of fp32 input (1 MB = 10^6 bytes); the codec's default,
+64 MB, is a 16M-value tensor. Timings take the best of ``--repeat`` runs (the least disturbed by
+other processes).
+
+Each figure is measured once per ``--threads`` count T: the process is pinned to T cores (where
+the OS allows it: ``os.sched_setaffinity``), memcpy is measured there, and the codec and the merge
+run their jobs on a pool of T threads (T = 1: on the calling thread; zstd runs on the calling thread).
+The codec rows also say whether the blob's bytes were the same at every thread count (they must be).
+The merge rows give nanoseconds per parameter per delta: the time to merge M deltas of n values over
+n * M. The fold rows time the whole ``pipeline.fold.fold`` of a round (drop checks, RDA merge,
+outer Nesterov step, the published version's digest) at M = 8.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import hashlib
 import json
+import os
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -26,12 +40,14 @@ class BenchConfig:
     """What to run and how big; validated before anything is measured."""
 
     what: str = "all"
-    size_mb: float = 16.0
+    size_mb: float = 64.0
     merge_mb: float = 4.0
     repeat: int = 5
     block_size: int = 64
     zstd_level: int = 3
     seed: int = 0
+    threads: tuple[int, ...] = (1, 2)
+    schemes: tuple[str, ...] = SCHEMES
 
     def __post_init__(self) -> None:
         if self.what not in ("codec", "merge", "all"):
@@ -42,6 +58,11 @@ class BenchConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must lie in (0, 4096] MB, got {v}")
         if self.repeat < 1:
             raise ValueError(f"--repeat must be >= 1, got {self.repeat}")
+        if not self.threads or any(not isinstance(t, int) or t < 1 for t in self.threads):
+            raise ValueError(f"--threads must list ints >= 1, got {self.threads}")
+        bad = [s for s in self.schemes if s not in SCHEMES]
+        if bad or not self.schemes:
+            raise ValueError(f"--schemes must name some of {SCHEMES}, got {self.schemes}")
         CodecConfig("int4", self.block_size, self.zstd_level)  # validates both
 
 
@@ -62,62 +83,133 @@ def memcpy_mbps(nbytes: int, repeat: int, clock: Callable[[], float] = time.perf
     return src.nbytes / MB / _best_seconds(lambda: np.copyto(dst, src), repeat, clock)
 
 
+@contextlib.contextmanager
+def cores(n: int) -> Iterator[int]:
+    """Pin this process to ``n`` of its cores while inside (threads started inside inherit it);
+    yields how many it got (all of them where pinning is not available)."""
+    if not hasattr(os, "sched_setaffinity"):
+        yield os.cpu_count() or 1
+        return
+    before = os.sched_getaffinity(0)
+    use = set(sorted(before)[:n])
+    os.sched_setaffinity(0, use)
+    try:
+        yield len(use)
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+@contextlib.contextmanager
+def job_runner(n: int) -> Iterator[Callable | None]:
+    """The ``map_fn`` the codec and the merge take: None (their own thread) for 1, else a pool's map."""
+    if n == 1:
+        yield None
+        return
+    with ThreadPoolExecutor(n, thread_name_prefix="bench") as pool:
+        yield pool.map
+
+
 def bench_codec(cfg: BenchConfig, clock: Callable[[], float] = time.perf_counter) -> dict:
-    """Encode/decode MB/s and compression ratio for every scheme, with and without zstd."""
+    """Encode/decode MB/s and compression ratio per scheme, with and without zstd, per thread count.
+    torch is imported first where installed, as in a learner (the codec then uses its row maximum)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
     n = int(cfg.size_mb * MB) // 4
     x = np.random.default_rng(cfg.seed).standard_normal(n, dtype=np.float32)
     tensors, mb = {"w": x}, x.nbytes / MB
-    memcpy = memcpy_mbps(x.nbytes, cfg.repeat, clock)
-    rows = []
-    for scheme in SCHEMES:
-        for level in (cfg.zstd_level, 0) if cfg.zstd_level else (0,):
-            codec = CodecConfig(scheme, cfg.block_size, level)
-            blob = encode("bench", {}, tensors, codec)
-            enc = mb / _best_seconds(lambda: encode("bench", {}, tensors, codec), cfg.repeat, clock)
-            dec = mb / _best_seconds(lambda: decode(blob, "bench", max_bytes=x.nbytes), cfg.repeat, clock)
-            rows.append({"scheme": scheme, "zstd_level": level, "encode_mbps": enc, "decode_mbps": dec,
-                         "ratio": x.nbytes / len(blob), "blob_bytes": len(blob),
-                         "encode_vs_memcpy": enc / memcpy, "decode_vs_memcpy": dec / memcpy})
-    return {"input_mb": mb, "memcpy_mbps": memcpy, "block_size": cfg.block_size, "rows": rows}
+    rows, digests = [], {}
+    for threads in cfg.threads:
+        with cores(threads) as got, job_runner(threads) as map_fn:
+            memcpy = memcpy_mbps(x.nbytes, cfg.repeat, clock)
+            for scheme in cfg.schemes:
+                for level in (cfg.zstd_level, 0) if cfg.zstd_level else (0,):
+                    codec = CodecConfig(scheme, cfg.block_size, level)
+                    blob = encode("bench", {}, tensors, codec, map_fn=map_fn)
+                    digest = digests.setdefault((scheme, level), hashlib.sha256(blob).hexdigest())
+                    enc = mb / _best_seconds(lambda: encode("bench", {}, tensors, codec, map_fn=map_fn),
+                                             cfg.repeat, clock)
+                    dec = mb / _best_seconds(lambda: decode(blob, "bench", max_bytes=x.nbytes, map_fn=map_fn),
+                                             cfg.repeat, clock)
+                    rows.append({"threads": threads, "cores": got, "memcpy_mbps": memcpy, "scheme": scheme,
+                                 "zstd_level": level, "encode_mbps": enc, "decode_mbps": dec,
+                                 "ratio": x.nbytes / len(blob), "blob_bytes": len(blob),
+                                 "encode_vs_memcpy": enc / memcpy, "decode_vs_memcpy": dec / memcpy,
+                                 "same_bytes": hashlib.sha256(blob).hexdigest() == digest})
+    return {"input_mb": mb, "values": n, "block_size": cfg.block_size, "rows": rows,
+            "row_max": "torch" if "torch" in sys.modules else "numpy"}
+
+
+def _fragment(cfg: BenchConfig) -> dict[str, int]:
+    """A fragment of a few tensors of unequal size, like one of a transformer's."""
+    n = int(cfg.merge_mb * MB) // 4
+    return {"attn.w": n // 2, "mlp.w": n // 4, "mlp.b": n // 8, "ln.w": n - n // 2 - n // 4 - n // 8}
+
+
+def _fold_case(sizes: dict[str, int], grads: list[dict[str, np.ndarray]], rng: np.random.Generator) -> tuple:
+    """A one-fragment run at version 0 and a round of deltas against it, for ``fold``."""
+    from pipeline.descriptor import RunDescriptor
+    from pipeline.fold import RoundInput, initial_state
+    from pipeline.fragment import FragmentLayout
+    from pipeline.schedule import ScheduleConfig
+    from pipeline.types import DeltaHeader, TensorSpec
+
+    layout = FragmentLayout(tuple(TensorSpec(k, (s,)) for k, s in sizes.items()), (tuple(sizes),))
+    desc = RunDescriptor(run_id="bench", layout=layout, schedule=ScheduleConfig(1, (0,)))
+    state = initial_state(desc, {k: rng.standard_normal(s, dtype=np.float32) for k, s in sizes.items()})
+    inputs = [RoundInput(DeltaHeader(f"l{m}", 0, 0, 0, 0, 10, 1000 + 10 * m, 10), f"d/l{m}", f"c{m}", g)
+              for m, g in enumerate(grads)]
+    return desc, state, inputs
 
 
 def bench_merge(cfg: BenchConfig, clock: Callable[[], float] = time.perf_counter) -> dict:
-    """MB of delta input merged per second for M = 2, 4, 8 (RDA and plain mean)."""
+    """merge_fragment (RDA and plain mean, M = 2, 4, 8) and the whole fold (RDA, M = 8), per thread
+    count: MB of delta input merged per second and nanoseconds per parameter per delta."""
     try:
+        from pipeline.fold import fold
         from pipeline.merge import MergeConfig, merge_fragment
     except ImportError as exc:
         return {"skipped": f"pipeline.merge unavailable ({exc})"}
     rng = np.random.default_rng(cfg.seed)
-    # A fragment of a few tensors of unequal size, like one of a transformer's.
-    n = int(cfg.merge_mb * MB) // 4
-    sizes = {"attn.w": n // 2, "mlp.w": n // 4, "mlp.b": n // 8, "ln.w": n - n // 2 - n // 4 - n // 8}
+    sizes = _fragment(cfg)
+    n = sum(sizes.values())
+    grads = {M: [{k: rng.standard_normal(s, dtype=np.float32) for k, s in sizes.items()} for _ in range(M)]
+             for M in (2, 4, 8)}
+    weights = {M: [float(w) for w in rng.uniform(0.5, 1.5, M)] for M in grads}
+    desc, state, inputs = _fold_case(sizes, grads[8], rng)
     rows = []
-    for M in (2, 4, 8):
-        memcpy = memcpy_mbps(M * n * 4, cfg.repeat, clock)  # same bytes as the merge reads
-        grads = [{k: rng.standard_normal(s, dtype=np.float32) for k, s in sizes.items()} for _ in range(M)]
-        weights = [float(w) for w in rng.uniform(0.5, 1.5, M)]
-        for method in ("rda", "mean"):
-            mcfg = MergeConfig(method=method)
-            merge_fragment(grads, weights, mcfg)  # warm up
-            secs = _best_seconds(lambda: merge_fragment(grads, weights, mcfg), cfg.repeat, clock)
-            mbps = M * n * 4 / MB / secs
-            rows.append({"M": M, "method": method, "input_mb": M * n * 4 / MB, "seconds": secs,
-                         "mbps": mbps, "memcpy_mbps": memcpy, "vs_memcpy": mbps / memcpy})
-    return {"delta_mb": n * 4 / MB, "rows": rows}
+    for threads in cfg.threads:
+        with cores(threads) as got, job_runner(threads) as map_fn:
+            cases = [(M, method, lambda M=M, c=MergeConfig(method=method): merge_fragment(
+                grads[M], weights[M], c, map_fn=map_fn)) for M in grads for method in ("rda", "mean")]
+            cases.append((8, "fold", lambda: fold(state, desc, 0, inputs, seq=0, epoch=1, output_key="v",
+                                                  map_fn=map_fn)))
+            for M, method, fn in cases:
+                memcpy = memcpy_mbps(M * n * 4, cfg.repeat, clock)  # same bytes as the merge reads
+                fn()  # warm up
+                secs = _best_seconds(fn, cfg.repeat, clock)
+                mbps = M * n * 4 / MB / secs
+                rows.append({"threads": threads, "cores": got, "M": M, "method": method, "input_mb": M * n * 4 / MB,
+                             "seconds": secs, "mbps": mbps, "memcpy_mbps": memcpy, "vs_memcpy": mbps / memcpy,
+                             "ns_per_param_delta": secs / (n * M) * 1e9})
+    return {"delta_mb": n * 4 / MB, "params": n, "rows": rows}
 
 
 def _print_codec(res: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"codec on {res['input_mb']:.1f} MB fp32 (block {res['block_size']}); "
-                    f"memcpy {res['memcpy_mbps']:.0f} MB/s")
-    for col in ("scheme", "zstd", "encode MB/s", "× memcpy", "decode MB/s", "× memcpy", "ratio"):
+    t = Table(title=f"codec on {res['input_mb']:.1f} MB fp32 ({res['values']:,} values, block {res['block_size']}, "
+                    f"row maximum by {res['row_max']})")
+    for col in ("threads", "scheme", "zstd", "encode MB/s", "× memcpy", "decode MB/s", "× memcpy", "ratio",
+                "memcpy MB/s", "same bytes"):
         t.add_column(col, justify="right")
     for r in res["rows"]:
-        t.add_row(r["scheme"], str(r["zstd_level"] or "off"), f"{r['encode_mbps']:.0f}",
-                  f"{r['encode_vs_memcpy']:.3f}", f"{r['decode_mbps']:.0f}", f"{r['decode_vs_memcpy']:.3f}",
-                  f"{r['ratio']:.2f}")
+        t.add_row(f"{r['threads']} ({r['cores']} cores)", r["scheme"], str(r["zstd_level"] or "off"),
+                  f"{r['encode_mbps']:.0f}", f"{r['encode_vs_memcpy']:.3f}", f"{r['decode_mbps']:.0f}",
+                  f"{r['decode_vs_memcpy']:.3f}", f"{r['ratio']:.2f}", f"{r['memcpy_mbps']:.0f}",
+                  "yes" if r["same_bytes"] else "NO")
     Console().print(t)
 
 
@@ -128,30 +220,44 @@ def _print_merge(res: dict) -> None:
     if "skipped" in res:
         Console().print(f"merge: skipped: {res['skipped']}")
         return
-    t = Table(title=f"merge_fragment, {res['delta_mb']:.1f} MB per delta")
-    for col in ("M", "method", "input MB", "seconds", "MB/s", "memcpy MB/s", "× memcpy"):
+    t = Table(title=f"merge_fragment and fold, {res['delta_mb']:.1f} MB ({res['params']:,} values) per delta")
+    for col in ("threads", "M", "method", "input MB", "seconds", "MB/s", "memcpy MB/s", "× memcpy",
+                "ns/param/delta"):
         t.add_column(col, justify="right")
     for r in res["rows"]:
-        t.add_row(str(r["M"]), r["method"], f"{r['input_mb']:.1f}", f"{r['seconds']:.4f}", f"{r['mbps']:.0f}",
-                  f"{r['memcpy_mbps']:.0f}", f"{r['vs_memcpy']:.3f}")
+        t.add_row(f"{r['threads']} ({r['cores']} cores)", str(r["M"]), r["method"], f"{r['input_mb']:.1f}",
+                  f"{r['seconds']:.4f}", f"{r['mbps']:.0f}", f"{r['memcpy_mbps']:.0f}", f"{r['vs_memcpy']:.3f}",
+                  f"{r['ns_per_param_delta']:.2f}")
     Console().print(t)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
 
 
 def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
     """Measure codec and merge throughput on this machine, beside its memcpy bandwidth."""
     parser.add_argument("what", nargs="?", default="all", choices=("codec", "merge", "all"))
-    parser.add_argument("--size-mb", type=float, default=16.0, help="fp32 MB for the codec bench (default 16)")
+    parser.add_argument("--size-mb", type=float, default=64.0,
+                        help="fp32 MB for the codec bench (default 64: 16M values)")
     parser.add_argument("--merge-mb", type=float, default=4.0, help="fp32 MB per delta for the merge bench")
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per figure; the best counts")
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--zstd-level", type=int, default=3, help="level for the zstd rows (0: none)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=_int_list, default=(1, 2),
+                        help="thread counts to measure, comma-separated (default 1,2), each pinned to as many cores")
+    parser.add_argument("--schemes", type=lambda s: tuple(s.split(",")), default=SCHEMES,
+                        help=f"codec schemes, comma-separated (default {','.join(SCHEMES)})")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
 
     def handler(args: argparse.Namespace) -> int:
         try:
             cfg = BenchConfig(args.what, args.size_mb, args.merge_mb, args.repeat, args.block_size,
-                              args.zstd_level, args.seed)
+                              args.zstd_level, args.seed, args.threads, args.schemes)
         except ValueError as exc:
             parser.error(str(exc))
         results: dict[str, Any] = {"config": dataclasses.asdict(cfg)}
