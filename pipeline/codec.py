@@ -24,7 +24,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import msgpack
 import numpy as np
@@ -111,15 +111,11 @@ def _finite(x: np.ndarray) -> bool:   # two read-only reductions: max and min pr
     return x.size == 0 or (math.isfinite(float(x.max())) and math.isfinite(float(x.min())))
 
 
-# ----------------------------------------------------------------------------------------- bf16
-
 def _bf16_step(u: np.ndarray, out: np.ndarray, t: np.ndarray, keep_low: bool = False) -> None:
     """float32 bits -> bf16 bits (uint16), or with ``keep_low`` the rounded float32 bits (uint32).
     Adding 0x7FFF plus the lowest kept bit rounds half to even; carries into the exponent are right."""
-    np.right_shift(u, 16, out=t)
-    np.bitwise_and(t, 1, out=t)
-    np.add(t, 0x7FFF, out=t)
-    np.add(t, u, out=t)
+    np.bitwise_and(np.right_shift(u, 16, out=t), 1, out=t)
+    np.add(np.add(t, 0x7FFF, out=t), u, out=t)
     if keep_low:
         np.bitwise_and(t, 0xFFFF0000, out=out)
     else:
@@ -149,17 +145,13 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
 def from_bf16_bits(b: np.ndarray) -> np.ndarray:
     """bf16 bit patterns (uint16) -> float32 (exact)."""
     b = np.asarray(b, dtype=np.uint16)
-    out = np.empty(b.shape, np.float32)
-    np.left_shift(b, 16, out=out.view(np.uint32), dtype=np.uint32)
-    return out
+    return np.left_shift(b, 16, out=np.empty(b.shape, np.float32).view(np.uint32), dtype=np.uint32).view(np.float32)
 
 
 def round_to_bf16(x: np.ndarray) -> np.ndarray:
     """What a bf16 round trip gives, as float32 (used for bf16-published versions)."""
     return _bf16_round(x, keep_low=True).view(np.float32)
 
-
-# -------------------------------------------------------------------------------- int4 / int8
 
 def _nblocks(numel: int, block_size: int) -> int:
     return -(-numel // block_size)
@@ -260,11 +252,10 @@ def _dequantize_range(scales: np.ndarray, codes: np.ndarray, out: np.ndarray, lo
                 return "int8 data has code -128, which the encoder never writes"
             q = c.view(np.int8)
         else:   # byte c -> uint16 (c & 15) | (c >> 4) << 8: the two values' codes, low one first
-            np.copyto(w[:n // 2], c)
-            np.left_shift(w[:n // 2], 4, out=t[:n // 2])
-            np.bitwise_or(w[:n // 2], t[:n // 2], out=w[:n // 2])
-            np.bitwise_and(w[:n // 2], 0x0F0F, out=w[:n // 2])
-            q = w[:n // 2].view(np.uint8)
+            v = w[:n // 2]
+            np.copyto(v, c)
+            np.bitwise_and(np.bitwise_or(v, np.left_shift(v, 4, out=t[:n // 2]), out=v), 0x0F0F, out=v)
+            q = v.view(np.uint8)
             if q.min() == 0:
                 return "int4 data has nibble 0, which the encoder never writes"
             np.subtract(q, 8, out=q)                   # offset binary -> two's complement
@@ -306,16 +297,11 @@ def dequantize(buf: bytes, scheme: str, block_size: int, numel: int) -> np.ndarr
     if scheme not in SCHEMES:
         raise FormatError(f"unknown codec scheme {scheme!r}")
     slots, raw = [_Slot("", np.empty(numel, np.float32), 0, expected)], np.frombuffer(buf, np.uint8)
-    errors = [_scale_error(_int_views(raw, slots[0], scheme, block_size)[0], scheme) if scheme in _QMAX else ""]
-    if not errors[0]:
-        errors += [_decode_job(j, raw, slots, scheme, block_size) for j in _jobs(slots, block_size)]
-    err = next((e for e in errors if e), "")
+    err = next(filter(None, (_decode_job(j, raw, slots, scheme, block_size) for j in _jobs(slots, block_size))), "")
     if err:
         raise FormatError("non-finite values" if err == "non-finite" else err)
     return slots[0].flat
 
-
-# ------------------------------------------------------------------------------------- encode
 
 def _plan(tensors: Mapping[str, np.ndarray], scheme: str, block_size: int
           ) -> tuple[list[_Slot], list[dict], ValueError | None]:
@@ -323,7 +309,6 @@ def _plan(tensors: Mapping[str, np.ndarray], scheme: str, block_size: int
     earlier tensor has non-finite values)."""
     slots: list[_Slot] = []
     specs: list[dict] = []
-    pos = 0
     for name, value in tensors.items():
         if not isinstance(name, str) or not name:
             return slots, specs, ValueError(f"tensor names must be non-empty strings, got {name!r}")
@@ -331,16 +316,15 @@ def _plan(tensors: Mapping[str, np.ndarray], scheme: str, block_size: int
         if a.dtype.name not in _IN_DTYPES:
             return slots, specs, ValueError(f"tensor {name}: dtype {a.dtype.name} not one of {_IN_DTYPES}")
         length = _encoded_len(scheme, a.size, block_size, a.dtype.itemsize if scheme == "fp32" else 4)
-        slots.append(_Slot(name, np.ravel(a), pos, length))
+        slots.append(_Slot(name, np.ravel(a), slots[-1].offset + slots[-1].length if slots else 0, length))
         specs.append({"name": name, "shape": list(a.shape), "dtype": a.dtype.name})
-        pos += length
     return slots, specs, None
 
 
-def _jobs(slots: list[_Slot], block_size: int, skip: Iterable[int] = ()) -> list[tuple[int, int, int]]:
+def _jobs(slots: list[_Slot], block_size: int) -> list[tuple[int, int, int]]:
     """(tensor index, lo, hi) of every job, in payload order; jobs start on block boundaries."""
-    return [(i, lo, hi) for i, s in enumerate(slots) if i not in skip
-            for lo, hi in _ranges(s.flat.size, _whole_blocks(_JOB, block_size))]
+    step = _whole_blocks(_JOB, block_size)
+    return [(i, lo, hi) for i, s in enumerate(slots) for lo, hi in _ranges(s.flat.size, step)]
 
 
 def _encode_job(job: tuple[int, int, int], raw: np.ndarray, slots: list[_Slot], scheme: str, bs: int) -> bool:
@@ -355,8 +339,7 @@ def _encode_job(job: tuple[int, int, int], raw: np.ndarray, slots: list[_Slot], 
         out = raw[slot.offset + 2 * lo:slot.offset + 2 * hi].view("<u2")
         t = np.empty(min(_STEP, hi - lo), np.uint32)
         for s, e in _ranges(hi - lo, _STEP):
-            xs = _f32(x[lo + s:lo + e])
-            if not _finite(xs):
+            if not _finite(xs := _f32(x[lo + s:lo + e])):
                 return False
             _bf16_step(xs.view(np.uint32), out[s:e], t[:e - s])
         return True
@@ -375,12 +358,10 @@ def _encode_payload(raw: np.ndarray, slots: list[_Slot], cfg: CodecConfig, level
     work = partial(_encode_job, raw=raw, slots=slots, scheme=cfg.scheme, bs=cfg.block_size)
     for (i, _, _), ok in zip(jobs, map_fn(work, jobs)):
         left[i] -= 1
-        if not ok and bad is None:
-            bad = i
+        bad = i if not ok and bad is None else bad
         if stream is not None and bad is None and left[i] == 0:   # tensor i is complete: zstd starts on it
-            end = slots[i].offset + slots[i].length
-            parts.append(stream.compress(raw[fed:end]))
-            fed = end
+            parts.append(stream.compress(raw[fed:slots[i].offset + slots[i].length]))
+            fed = slots[i].offset + slots[i].length
     if bad is not None:
         return b"", bad
     if stream is not None:
@@ -501,28 +482,36 @@ def _decode_job(job: tuple[int, int, int], buf: np.ndarray, slots: list[_Slot], 
                 return "non-finite"
             np.left_shift(bits[s:e], 16, out=out[lo + s:lo + e].view(np.uint32), dtype=np.uint32)
         return ""
-    scales, codes = _int_views(buf, slot, scheme, bs)
-    return _dequantize_range(scales, codes, out, lo, hi, scheme, bs)
+    scales, codes = _int_views(buf, slot, scheme, bs)   # a tensor's first job checks all its scales
+    b0, b1 = (0, scales.size) if lo == 0 else (lo // bs, _nblocks(hi, bs))
+    return _scale_error(scales[b0:b1], scheme) or _dequantize_range(scales, codes, out, lo, hi, scheme, bs)
 
 
-def _decode_tensors(raw: bytes, entries: list[tuple[str, tuple[int, ...], str]], lengths: list[int],
-                    scheme: str, bs: int, name: str, map_fn: MapFn) -> dict[str, np.ndarray]:
+def _when_ready(jobs: list[tuple[int, int, int]], slots: list[_Slot], ready: Iterator[int], scheme: str,
+                bs: int) -> Iterator[tuple[int, int, int]]:
+    """The jobs, each once the raw bytes it reads are decompressed (``ready``: how many are, growing)."""
+    have = 0
+    for i, lo, hi in jobs:
+        slot = slots[i]
+        end = slot.offset + hi * (slot.length // slot.flat.size)   # bf16, fp32: fixed bytes per value
+        if scheme in _QMAX:   # the scales, then the codes of the job's blocks
+            end = slot.offset + 4 * _nblocks(slot.flat.size, bs) + _nblocks(hi, bs) * bs // (1 + (scheme == "int4"))
+        while have < end:
+            have = next(ready)
+        yield i, lo, hi
+
+
+def _decode_tensors(buf: np.ndarray, ready: Iterator[int], entries: list[tuple[str, tuple[int, ...], str]],
+                    lengths: list[int], scheme: str, bs: int, name: str, map_fn: MapFn) -> dict[str, np.ndarray]:
     """The tensors of a checked payload; FormatError for the first one with bad scales, codes or values."""
-    buf = np.frombuffer(raw, np.uint8)
     slots: list[_Slot] = []
     errors: dict[int, str] = {}
-    pos = 0
-    for i, ((_, shape, dtype), length) in enumerate(zip(entries, lengths)):
-        slots.append(_Slot(entries[i][0], np.empty(math.prod(shape), dtype if scheme == "fp32" else np.float32),
-                           pos, length))
-        pos += length
-        if scheme in _QMAX:
-            err = _scale_error(_int_views(buf, slots[-1], scheme, bs)[0], scheme)
-            if err:
-                errors[i] = err
-    jobs = _jobs(slots, bs, skip=set(errors))
+    for (tname, shape, dtype), length in zip(entries, lengths):
+        out = np.empty(math.prod(shape), dtype if scheme == "fp32" else np.float32)
+        slots.append(_Slot(tname, out, slots[-1].offset + slots[-1].length if slots else 0, length))
+    jobs = _jobs(slots, bs)
     work = partial(_decode_job, buf=buf, slots=slots, scheme=scheme, bs=bs)
-    for (i, _, _), err in zip(jobs, map_fn(work, jobs)):
+    for (i, _, _), err in zip(jobs, map_fn(work, _when_ready(jobs, slots, ready, scheme, bs))):
         if err and i not in errors:   # jobs come in order: the first error of a tensor wins
             errors[i] = err
     if errors:
@@ -555,22 +544,32 @@ def _payload_sizes(entries: list[tuple[str, tuple[int, ...], str]], scheme: str,
     return lengths
 
 
-def _decompress(payload: bytes, use_zstd: bool, raw_len: int, name: str) -> bytes:
-    raw = payload
-    if use_zstd:
-        try:
-            declared = zstandard.frame_content_size(payload)
-        except zstandard.ZstdError:
-            raise FormatError(f"{name}: payload is not a zstd frame") from None
-        if declared != raw_len:  # zstd would allocate the declared size, so check it first
-            raise FormatError(f"{name}: zstd frame declares {declared} bytes, expected {raw_len}")
-        try:
-            raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=raw_len)
-        except zstandard.ZstdError as exc:
-            raise FormatError(f"{name}: zstd payload does not decompress ({exc})") from None
-    if len(raw) != raw_len:
-        raise FormatError(f"{name}: payload has {len(raw)} bytes, expected {raw_len}")
-    return raw
+def _raw_payload(payload: bytes, use_zstd: bool, raw_len: int, name: str) -> tuple[np.ndarray, Iterator[int]]:
+    """The raw payload's buffer, and how many of its bytes are ready: zstd fills it piece by piece
+    while the first decoding jobs run."""
+    if not use_zstd:
+        if len(payload) != raw_len:
+            raise FormatError(f"{name}: payload has {len(payload)} bytes, expected {raw_len}")
+        return np.frombuffer(payload, np.uint8), iter([raw_len])
+    try:
+        declared = zstandard.frame_content_size(payload)
+    except zstandard.ZstdError:
+        raise FormatError(f"{name}: payload is not a zstd frame") from None
+    if declared != raw_len:  # zstd would allocate the declared size, so check it first
+        raise FormatError(f"{name}: zstd frame declares {declared} bytes, expected {raw_len}")
+    buf = np.empty(raw_len, np.uint8)
+
+    def inflate(reader: Any, view: memoryview, pos: int = 0) -> Iterator[int]:
+        while pos < raw_len:
+            try:
+                n = reader.readinto(view[pos:pos + ZSTD_STREAM_MIN])
+            except zstandard.ZstdError as exc:
+                raise FormatError(f"{name}: zstd payload does not decompress ({exc})") from None
+            if not n:
+                raise FormatError(f"{name}: zstd payload does not decompress (it ends after {pos} bytes)")
+            pos += n
+            yield pos
+    return buf, inflate(zstandard.ZstdDecompressor().stream_reader(payload), memoryview(buf))
 
 
 def decode(blob: bytes, kind: str, *, max_bytes: int = 1 << 30, expect: Sequence[TensorSpec] | None = None,
@@ -594,6 +593,6 @@ def decode(blob: bytes, kind: str, *, max_bytes: int = 1 << 30, expect: Sequence
     if expect is not None:
         _check_expect(entries, expect, name)
     lengths = _payload_sizes(entries, scheme, block_size, max_bytes, raw_len, name)
-    raw = _decompress(payload, use_zstd, raw_len, name)
-    tensors = _decode_tensors(raw, entries, lengths, scheme, block_size, name, map_fn or map)
+    buf, ready = _raw_payload(payload, use_zstd, raw_len, name)
+    tensors = _decode_tensors(buf, ready, entries, lengths, scheme, block_size, name, map_fn or map)
     return Decoded(meta=meta, tensors=tensors, scheme=scheme)

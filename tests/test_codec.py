@@ -428,3 +428,13 @@ def test_the_numpy_path_writes_what_the_torch_path_writes(monkeypatch):
     with_torch = [encode("d", {}, tensors, CodecConfig(s, 64, 0)) for s in ("int4", "int8")]
     monkeypatch.delitem(sys.modules, "torch")
     assert [encode("d", {}, tensors, CodecConfig(s, 64, 0)) for s in ("int4", "int8")] == with_torch
+
+
+def test_a_damaged_large_zstd_payload_is_refused_while_streaming():
+    x = np.random.default_rng(2).standard_normal(3_000_000).astype(np.float32)
+    blob = encode("delta", {}, {"w": x, "v": np.ones(10, np.float32)}, CodecConfig("int4", 64, 3))
+    for cut in (4, 1000, 1_000_000):   # the frame ends early: jobs may have started on the first tensor
+        with ThreadPoolExecutor(2) as pool, pytest.raises(FormatError, match="does not decompress"):
+            decode(_reseal(blob, lambda d: d.update(payload=d["payload"][:-cut])), "delta", map_fn=pool.map)
+        with pytest.raises(FormatError, match="does not decompress"):
+            decode(_reseal(blob, lambda d: d.update(payload=d["payload"][:-cut])), "delta")
