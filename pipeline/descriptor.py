@@ -4,6 +4,7 @@ Format v2 (docs/formats.md "Run descriptor"): a map of typed sections, each one 
 the component that uses it - ``layout`` (pipeline/fragment.py), ``schedule`` (pipeline/schedule.py),
 ``policy`` (pipeline/policy.py), ``codec`` (pipeline/codec.py), ``merge`` (pipeline/merge.py),
 ``outer`` (pipeline/outer.py), ``guard`` (pipeline/guard.py), ``security`` (pipeline/security.py),
+``regions`` (pipeline/regions.py; format v3 only, below),
 and ``versions`` and ``learner`` (defined here: their users live in workers/, which pipeline/ cannot
 import). ``job`` is the default job's settings as a plain map (workers/job.py types it), ``model``
 the model config, ``extra`` free-form notes no component reads. Carries no secrets.
@@ -12,6 +13,10 @@ Validated once, in ``from_dict``: every error is a FormatError naming the field'
 policy.quorum: ...``); unknown sections and fields are refused (a setting a reader does not know
 could change the math, so it is never ignored). Version 1 documents (flat fields, sections inside
 ``extra``) are migrated in memory by ``migrate_v1``; their bytes stay as they are on storage.
+
+Format v3 (issue 14) is v2 plus the ``regions`` section (the run topology). It is written only by
+runs that have one: a single-region run still writes v2, byte for byte as before, and a reader of
+v2 only refuses a v3 document (unknown version) instead of silently training in the wrong region.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from .guard import NormGuardConfig
 from .merge import MergeConfig
 from .outer import OuterConfig
 from .policy import PolicyConfig
+from .regions import RegionsConfig, parse_regions
 from .schedule import ScheduleConfig
 from .security import RunSecurity
 from .types import TensorSpec
@@ -90,10 +96,12 @@ class RunDescriptor:
     seed: int = 0
     model: dict[str, Any] = field(default_factory=dict)   # model config for jobs that build one
     extra: dict[str, Any] = field(default_factory=dict)   # free-form notes; no component reads them
+    regions: RegionsConfig | None = None   # None: one region, the store the descriptor is in
 
     KIND = "run-descriptor"
-    VERSION = 2
-    READS = (1, 2)
+    VERSION = 2            # written without regions (unchanged bytes); REGIONS_VERSION with them
+    REGIONS_VERSION = 3
+    READS = (1, 2, 3)
 
     def __post_init__(self) -> None:
         if not isinstance(self.run_id, str) or not self.run_id:
@@ -106,6 +114,8 @@ class RunDescriptor:
             raise ValueError(f"{self.layout.num_fragments} fragments but {len(self.schedule.offsets)} offsets")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.regions is not None and not isinstance(self.regions, RegionsConfig):
+            raise ValueError(f"regions must be a RegionsConfig or None, got {type(self.regions).__name__}")
         for name in ("job", "model", "extra"):
             value = getattr(self, name)
             if value is None and name == "job":
@@ -132,7 +142,14 @@ class RunDescriptor:
     # -- the document ------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        """The v2 map (every section present; fixed key order, so equal descriptors write equal bytes)."""
+        """The v2 map (every section present; fixed key order, so equal descriptors write equal
+        bytes), plus ``regions`` last when the run has regions (v3)."""
+        d = self._v2_dict()
+        if self.regions is not None:
+            d["regions"] = self.regions.to_dict()
+        return d
+
+    def _v2_dict(self) -> dict[str, Any]:
         plain = dataclasses.asdict
         return {
             "run_id": self.run_id, "seed": self.seed,
@@ -151,8 +168,9 @@ class RunDescriptor:
 
     @classmethod
     def from_dict(cls, d: Any) -> "RunDescriptor":
-        """Validate a v2 map (FormatError naming the field's path); see ``migrate_v1`` for v1 maps."""
-        _fields(d, "descriptor", _TOP, _TOP)
+        """Validate a v2 map, or a v3 one (``regions`` present); FormatError naming the field's
+        path. See ``migrate_v1`` for v1 maps."""
+        _fields(d, "descriptor", (*_TOP, "regions"), _TOP)
         kw: dict[str, Any] = {"run_id": _typed(d["run_id"], str, "descriptor run_id"),
                               "seed": _typed(d["seed"], int, "descriptor seed")}
         for name, parse in _PARSERS.items():
@@ -161,19 +179,27 @@ class RunDescriptor:
                 kw[name] = None
             else:
                 kw[name] = parse(value, f"descriptor {name}")
+        if "regions" in d:
+            kw["regions"] = parse_regions(d["regions"], "descriptor regions")
         try:
             return cls(**kw)
         except ValueError as exc:
             raise FormatError(f"descriptor: {exc}") from None
 
     def to_bytes(self) -> bytes:
-        return pack_record(self.KIND, self.VERSION, self.to_dict())
+        version = self.VERSION if self.regions is None else self.REGIONS_VERSION
+        return pack_record(self.KIND, version, self.to_dict())
 
     @classmethod
     def from_bytes(cls, blob: bytes, what: str | None = None) -> "RunDescriptor":
-        """Read a stored descriptor of either version (v1 is migrated in memory)."""
+        """Read a stored descriptor of any version (v1 is migrated in memory). ``regions`` is
+        exactly the difference between v2 and v3: a v2 document with it, or a v3 one without it,
+        is refused."""
         version, d = unpack_record(blob, cls.KIND, cls.READS, what=what)
         try:
+            if version in (2, 3) and isinstance(d, dict) and ("regions" in d) != (version == 3):
+                raise FormatError(f"descriptor: a version {version} document must "
+                                  f"{'not ' if version == 2 else ''}have a regions section")
             return cls.from_dict(migrate_v1(d) if version == 1 else d)
         except FormatError as exc:
             raise FormatError(f"{what}: {exc}" if what else str(exc)) from None

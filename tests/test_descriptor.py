@@ -171,7 +171,7 @@ BAD = [
     (_set("model", {1: 2}), r"descriptor model has a non-string key"),
     (_set("run_id", ""), r"run_id must be a non-empty string"),
     (_set("policy.surprise", 1), r"descriptor policy: unknown fields \['surprise'\]"),
-    (_set("regions", {}), r"descriptor: unknown fields \['regions'\]"),
+    (_set("topology", {}), r"descriptor: unknown fields \['topology'\]"),
     (lambda m: m["outer"].pop("lr"), r"descriptor outer: missing fields \['lr'\]"),
     (lambda m: m.pop("guard"), r"descriptor: missing fields \['guard'\]"),
 ]
@@ -185,13 +185,16 @@ def test_each_validation_error_names_its_field(edit, message):
         RunDescriptor.from_dict(m)
 
 
-def test_stored_errors_name_the_object_and_a_v3_is_refused():
+def test_stored_errors_name_the_object_and_a_v3_without_regions_or_a_v4_is_refused():
     m = v2_map()
     m["policy"]["quorum"] = 0
     with pytest.raises(FormatError, match=r"store/run.descriptor: descriptor policy\.quorum"):
         RunDescriptor.from_bytes(pack_record("run-descriptor", 2, m), what="store/run.descriptor")
-    with pytest.raises(FormatError, match="version"):
+    # v3 is v2 plus regions (issue 14, tests/test_regions.py): without them it is no v3 document
+    with pytest.raises(FormatError, match="a version 3 document must have a regions section"):
         RunDescriptor.from_bytes(pack_record("run-descriptor", 3, v2_map()))
+    with pytest.raises(FormatError, match="version"):
+        RunDescriptor.from_bytes(pack_record("run-descriptor", 4, v2_map()))
 
 
 def test_optional_sections_are_null_and_absent_guard_means_no_guard():
