@@ -45,11 +45,14 @@ _loader_lock = threading.Lock()
 _loader = None
 
 
-def _new_session() -> boto3.session.Session:
-    """A fresh session (credentials and region resolved now) sharing one data loader: loading
-    botocore's service models is ~90% of the cost of a new client."""
+def _new_session(profile: str | None = None) -> boto3.session.Session:
+    """A fresh session (credentials and region resolved now, from the shared-config ``profile``
+    when one is named: each region of a run may use its own, docs/regions.md) sharing one data
+    loader: loading botocore's service models is ~90% of the cost of a new client."""
     global _loader
     core = botocore.session.get_session()
+    if profile is not None:
+        core.set_config_variable("profile", profile)
     with _loader_lock:
         if _loader is None:
             _loader = core.get_component("data_loader")
@@ -83,7 +86,7 @@ class S3Store:
     def __init__(self, uri: str, *, endpoint: str | None = None, path_style: bool | None = None,
                  connect_timeout: float = 1.0, read_timeout: float = 5.0, attempts: int = 2,
                  multipart_threshold: int = 16 << 20, multipart_chunksize: int = 16 << 20,
-                 max_concurrency: int = 4, page_size: int = 1000) -> None:
+                 max_concurrency: int = 4, page_size: int = 1000, profile: str | None = None) -> None:
         self.bucket, self.prefix = parse_s3_uri(uri)
         self.uri = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
         self._base = f"{self.prefix}/" if self.prefix else ""
@@ -104,7 +107,7 @@ class S3Store:
                 raise BadLocation(f"bad S3 endpoint {self.endpoint!r}: expected http(s)://host[:port]", uri=self.uri)
         if path_style is None:
             path_style = self.endpoint is not None  # MinIO/SeaweedFS rarely have wildcard DNS
-        session = _new_session()
+        session = _new_session(profile)
         region = session.region_name or "us-east-1"
         config = Config(
             connect_timeout=connect_timeout, read_timeout=read_timeout,

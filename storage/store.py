@@ -107,7 +107,7 @@ def check_limit(limit: int | None, uri: str = "") -> int | None:
 
 def open_store(uri: str, *, s3_endpoint: str | None = None, path_style: bool | None = None,
                connect_timeout: float = 1.0, read_timeout: float = 5.0, attempts: int = 2,
-               create: bool = True) -> ObjectStore:
+               create: bool = True, profile: str | None = None) -> ObjectStore:
     """Open the run location ``uri``.
 
     - a plain path or ``file:///abs/path``: a ``LocalStore`` (the directory is created, unless
@@ -118,6 +118,7 @@ def open_store(uri: str, *, s3_endpoint: str | None = None, path_style: bool | N
       and region come from the standard AWS chain. ``path_style`` defaults to True when a custom
       endpoint is set (MinIO, SeaweedFS). ``connect_timeout``/``read_timeout`` (seconds) and
       ``attempts`` (total tries per call) bound how long a dead store takes to raise ``Unavailable``.
+      ``profile``: the AWS shared-config profile for its credentials (s3:// only; a region's, issue 14).
     """
     if not isinstance(uri, str) or not uri.strip():
         raise BadLocation(f"store URI must be a non-empty string, got {uri!r}")
@@ -126,6 +127,8 @@ def open_store(uri: str, *, s3_endpoint: str | None = None, path_style: bool | N
     for name, value in (("connect_timeout", connect_timeout), ("read_timeout", read_timeout)):
         if not (isinstance(value, (int, float)) and value > 0):
             raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    if profile is not None and not uri.lower().startswith("s3://"):
+        raise ValueError(f"a credentials profile ({profile!r}) applies to s3:// stores only, not {uri!r}")
     if "://" not in uri:
         if re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:", uri):
             raise BadLocation(f"store URI {uri!r} looks like a URI without '//': use file:///abs/path, "
@@ -147,5 +150,5 @@ def open_store(uri: str, *, s3_endpoint: str | None = None, path_style: bool | N
     if scheme == "s3":
         from .s3 import S3Store
         return S3Store(uri, endpoint=s3_endpoint, path_style=path_style, connect_timeout=connect_timeout,
-                       read_timeout=read_timeout, attempts=attempts)
+                       read_timeout=read_timeout, attempts=attempts, profile=profile)
     raise BadLocation(f"unsupported store URI {uri!r}: use a directory path, file:///abs/path or s3://bucket/prefix")

@@ -33,6 +33,7 @@ from typing import Callable
 
 from pipeline.types import CommitRecord
 from storage.layout import read_descriptor
+from storage.regions import learner_region_store
 from storage.store import open_store
 from .bus import BusConfig
 from .events import EventLog
@@ -159,6 +160,9 @@ def configure_learner(parser: argparse.ArgumentParser):
     parser.add_argument("--poll", type=float, default=0.5, help="seconds between storage polls for versions")
     parser.add_argument("--syncer-key", metavar="PATH", default=None,
                         help="the syncer's public key file (syncer.key) to pin (default: DIR/syncer.key with --keys)")
+    parser.add_argument("--region", metavar="NAME", default=None,
+                        help="the run region this learner is in: it reads versions and spills only in that "
+                             "region's store, as the descriptor names it (docs/regions.md)")
 
     def handler(args) -> int:
         # torch is imported only by the learner role, so a syncer (re)starts in a fraction of the time.
@@ -172,6 +176,8 @@ def configure_learner(parser: argparse.ArgumentParser):
             digits = "".join(c for c in args.id if c.isdigit())
             shard = int(digits) if digits else 0
         store = open_store(args.store, s3_endpoint=args.s3_endpoint, create=False)
+        if args.region is not None:   # --store may be any copy of the run; from here on only the region's
+            store = learner_region_store(store, args.region)
         keys = _keyring(args, store, "learner", args.id)
         flag = _stop_flag()
         events = _events(args, "learner", args.id)

@@ -26,6 +26,7 @@ from pipeline.guard import NormGuardConfig
 from pipeline.merge import MergeConfig, default_embedding_tensors
 from pipeline.outer import OuterConfig
 from pipeline.policy import PolicyConfig
+from pipeline.regions import RegionsConfig
 from pipeline.schedule import ScheduleConfig
 from pipeline.security import RunSecurity
 from pipeline.types import CommitRecord
@@ -65,6 +66,7 @@ class RunSettings:
     model: dict[str, Any] = field(default_factory=dict)
     job: dict[str, Any] | None = None  # the default job's settings (workers/job.py JobSettings.to_dict())
     extra: dict[str, Any] = field(default_factory=dict)   # free-form notes, never read
+    regions: RegionsConfig | None = None   # the run topology (issue 14); None: one region, this store
 
     def __post_init__(self) -> None:
         if {"security", "norm_guard", "job"} & set(self.extra):
@@ -83,7 +85,7 @@ class RunSettings:
         layout = make_layout(specs, self.fragments, self.strategy)
         return RunDescriptor(
             run_id=run_id, seed=self.seed, model=dict(self.model), job=None if self.job is None else dict(self.job),
-            extra=dict(self.extra), security=security,
+            extra=dict(self.extra), security=security, regions=self.regions,
             layout=FragmentLayout(tuple(specs), tuple(tuple(f) for f in layout), self.strategy),
             schedule=ScheduleConfig(self.sync_every, tuple(fragment_offsets(self.fragments, self.sync_every))),
             policy=PolicyConfig(self.quorum, self.overlap, self.grace_gamma, self.grace_cap_s),

@@ -36,6 +36,7 @@ from pipeline.fragment import extract
 from pipeline.types import DeltaHeader, RunDescriptor, check_learner_id
 from storage.layout import read_descriptor
 from storage.log import claim_incarnation
+from storage.regions import learner_region_store
 from storage.store import ObjectStore, open_store
 from .bus import BusConfig
 from .events import EventLog
@@ -70,8 +71,9 @@ class Learner:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, store: str | ObjectStore,
                  learner_id: str, config: LearnerConfig = LearnerConfig(), bus: BusConfig | None = None,
                  events: EventLog | None = None, incarnation: int | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, region: str | None = None):
         self.model, self.optimizer = model, optimizer
+        self.region = region     # issue 14: start() moves to this region's store (None: ``store`` is it)
         self.store = open_store(store, create=False) if isinstance(store, str) else store   # never a new empty dir
         self.id = check_learner_id(learner_id)
         self.cfg = config
@@ -108,6 +110,7 @@ class Learner:
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "Learner":
+        self.store = learner_region_store(self.store, self.region)
         d = self.descriptor = read_descriptor(self.store)
         if d.schedule.driver != "syncer":
             raise ValueError(f"run {d.run_id} was created before syncer-driven rounds (driver {d.schedule.driver!r}): "

@@ -22,6 +22,7 @@ from pipeline.types import CommitRecord
 from storage.checkpoints import list_checkpoints
 from storage.errors import NotFound, StoreError
 from storage.layout import DELTA_PREFIX, SPILL_PREFIX, VERSION_PREFIX
+from storage.regions import open_region, verify_region
 from .replay import ReplayStats
 from .replay_verify import log_bounds, open_run, replay_run
 
@@ -139,7 +140,34 @@ def configure(parser: argparse.ArgumentParser):
     parser.add_argument("--to", dest="end", type=int, default=None, metavar="SEQ",
                         help="last commit to verify (default: the end of the log)")
     parser.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
+    parser.add_argument("--regions", action="store_true",
+                        help="also check that every other region's store holds the home log's commit records and "
+                             "versions byte for byte (docs/regions.md)")
     return pipe_safe(replay_command)
+
+
+def verify_regions(store, descriptor, tail: int, out: TextIO, err: TextIO) -> bool:
+    """Each non-home region's copy against the authoritative log (commits 0..``tail``), by sha256
+    of every object (issue 14); one line per region. True if every copy matches."""
+    if descriptor.regions is None:
+        print("regions: this run has one region (no regions section): nothing to compare", file=out)
+        return True
+    ok = True
+    for spec in descriptor.regions.others:
+        try:
+            check = verify_region(store, open_region(spec), spec.name, tail)
+        except (StoreError, FormatError) as exc:
+            print(f"region {spec.name} ({spec.uri}): FAILED: {exc}", file=err)
+            ok = False
+            continue
+        if check.ok:
+            print(f"region {spec.name} ({spec.uri}): {check.checked} commits match the home log", file=out)
+            continue
+        ok = False
+        lag = f"; its log ends at commit {check.tail} of {tail} (replication behind?)" if check.tail < tail else ""
+        print(f"region {spec.name} ({spec.uri}): {len(check.missing)} objects missing, {len(check.mismatched)} "
+              f"differ{lag}; first: {(check.mismatched + check.missing)[:3]}", file=err)
+    return ok
 
 
 def replay_command(args, out: TextIO, err: TextIO) -> int:
@@ -171,4 +199,6 @@ def replay_command(args, out: TextIO, err: TextIO) -> int:
         print(f"warning: {w}", file=err)
     print(f"verified {report.commits} commits, {report.versions} versions (commits {report.start}..{report.end}, "
           f"checkpoints matched: {report.checkpoints}, {report.seconds:.2f} s)", file=out, flush=True)
+    if getattr(args, "regions", False) and not verify_regions(store, descriptor, hi, out, err):
+        return EXIT_DAMAGED
     return EXIT_OK

@@ -26,7 +26,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
 
 from pipeline.commit import Commit, CommitMeta, apply_commit, initial_window
 from pipeline.envelope import digest
@@ -47,6 +47,7 @@ from .events import EventLog
 from .gc import RetentionConfig, SyncerRetention
 from .keys import Gate, KeyRing, Roster, check_syncer_keys
 from .recovery import Recovery, recover_state, republish_damaged
+from .replicate import replication
 from .replay import trusted_commits
 from .rounds import OpenRound, RoundBook
 from .signing import seal_checkpoint, sign_commit
@@ -117,7 +118,8 @@ class Syncer(SyncerIngest):
     def __init__(self, store: str | ObjectStore, cfg: SyncerConfig = SyncerConfig(), bus: BusConfig | None = None,
                  events: EventLog | None = None, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time, keys: KeyRing | None = None,
-                 before_commit: Callable[[CommitRecord], None] | None = None):
+                 before_commit: Callable[[CommitRecord], None] | None = None,
+                 regions: Mapping[str, ObjectStore] | None = None):
         self.store = open_store(store, create=False) if isinstance(store, str) else store   # never a new empty dir
         self.cfg = cfg
         self.events = events or EventLog(None, "syncer", cfg.syncer_id)
@@ -154,6 +156,9 @@ class Syncer(SyncerIngest):
         self.io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="syncer-io")
         self.retention = SyncerRetention(self.store, cfg.retention, self.events, self.io)
         self.before_commit = before_commit
+        # Issue 14: ingest every region's inbox; copy each commit to the other regions (``regions``:
+        # stores by name that override the descriptor's, e.g. wrapped in tests).
+        self.inboxes, self.replicator = replication(self.store, self.descriptor, self.events, regions)
 
     # -- start-up --------------------------------------------------------------------------------
     def recover(self) -> None:
@@ -236,6 +241,8 @@ class Syncer(SyncerIngest):
             self.recover()
         if self.bus is None:
             self.open_bus()
+        if self.replicator is not None:
+            self.replicator.start(self.state.last_seq)
         next_spill = next_beat = 0.0
         next_fence_check = self.clock() + self.cfg.fence_check_s
         try:
@@ -262,6 +269,8 @@ class Syncer(SyncerIngest):
             if self.bus is not None:
                 self.bus.close()
             self.io.shutdown(wait=True)
+            if self.replicator is not None:
+                self.replicator.stop(self.replicator.cfg.drain_s)
             self.events.emit("syncer-stop", fenced=self.fenced, **self.summary())
         return 3 if self.fenced else 0
 
@@ -299,6 +308,8 @@ class Syncer(SyncerIngest):
     def _put_clock(self, blob: bytes) -> None:
         try:
             self.store.put(CLOCK_KEY, blob)
+            if self.replicator is not None:
+                self.replicator.advisory(CLOCK_KEY, blob)   # learners of other regions read theirs
         except StoreError as exc:   # advisory: learners with a bus do not need it
             self.events.emit("store-error", op="round-clock", error=str(exc))
 
@@ -383,7 +394,7 @@ class Syncer(SyncerIngest):
         for h in held:
             self.pending[p].pop(h.pkey, None)
             if h.inbox_key:
-                self.io.submit(self._delete, h.inbox_key)
+                self.io.submit(self._delete, h.inbox_key, h.inbox_store)
         self.stats.commits += 1
         self.stats.merged += len(rec.inputs)
         self.stats.dropped += len(rec.dropped)
@@ -396,6 +407,8 @@ class Syncer(SyncerIngest):
                                                   "key": rec.output_key, "checksum": rec.output_checksum,
                                                   "epoch": self.epoch, "round": rec.round}))
         self.io.submit(self.log.write_hint, rec.seq, self.epoch)
+        if self.replicator is not None:
+            self.replicator.committed(rec.seq, self.epoch)
         self.events.emit("commit", seq=rec.seq, kind=rec.kind, fragment=p, version=rec.version,
                          inputs=[i.delta_id for i in rec.inputs], weights=[round(i.weight, 4) for i in rec.inputs],
                          staleness=[i.staleness for i in rec.inputs],
@@ -465,4 +478,5 @@ class Syncer(SyncerIngest):
                 "security": "signed" if self.security is not None else "off",
                 "rejections": dict(sorted((s.rejections + Counter(
                     {"unknown-key": self.gate.denied_total() if self.gate else 0})).items())),
-                "drops": dict(sorted(s.drops.items()))}
+                "drops": dict(sorted(s.drops.items())),
+                "regions": self.replicator.stats() if self.replicator is not None else {}}

@@ -42,6 +42,7 @@ class _Held:
     opened: Opened | None = None   # the verdict on these bytes (workers/deltas.py), reused at merge
     pkey: str | Quarantined = ""   # its key in the pending set: the delta id, or Quarantined (below)
     hold: str = ""                 # why the syncer keeps it out of every quorum (issue 11 items 5, 13)
+    inbox_store: object = None     # the region store whose inbox holds it (None: the home store)
 
     @property
     def reason(self) -> str:
@@ -161,7 +162,7 @@ class SyncerIngest:
             self.bus.send_to(ident, Message("ack", {"delta_id": header.id, "status": status, "reason": opened.reason}))
 
     def _admit(self, header: DeltaHeader, blob: bytes, key: str, source: str,
-               opened: Opened | None = None) -> _Held | None:
+               opened: Opened | None = None, inbox_store=None) -> _Held | None:
         """Place a delta in its fragment's pending set; None (and a clean-up) when it is not new."""
         if not 0 <= header.fragment < self.descriptor.num_fragments:
             self._reject(header, None, header.id, f"unknown fragment {header.fragment}", "unknown-fragment")
@@ -174,13 +175,14 @@ class SyncerIngest:
         # next commit, whose fold records why ("duplicate", or "stale-incarnation" when a newer life
         # of the learner was merged): it may have been merged before, or overtaken, or persisted by a
         # syncer fenced before its commit - a copy alone proves nothing, and nothing vanishes unrecorded.
-        held = _Held(header, blob, key, self.clock(), source, opened, hold=BELOW_HIGH_WATER if below else "")
+        held = _Held(header, blob, key, self.clock(), source, opened, hold=BELOW_HIGH_WATER if below else "",
+                     inbox_store=inbox_store)
         pend = self.pending[header.fragment]
         if not held.reason and hw is not None and header.order == tuple(hw):
             # Exactly the newest merged delta of its learner: merged for certain, tidy the inbox.
             self.stats.duplicates += 1
             if source == "spill":
-                self._delete(key)
+                self._delete(key, inbox_store)
             return None
         if held.pkey in pend:
             self.stats.duplicates += 1
@@ -218,7 +220,8 @@ class SyncerIngest:
             opened = dataclasses.replace(h.opened, reason=reason) if h.opened is not None else \
                 Opened(h.header, h.blob, reason)
             pend.pop(h.pkey, None)
-            evicted = _Held(h.header, h.blob, h.inbox_key, h.arrived_at, h.source, opened, hold=reason)
+            evicted = _Held(h.header, h.blob, h.inbox_key, h.arrived_at, h.source, opened, hold=reason,
+                            inbox_store=h.inbox_store)
             moved[h.pkey] = pend.setdefault(evicted.pkey, evicted)
             self.stats.evicted += 1
             self.events.emit("delta-evicted", delta=h.header.id, fragment=p, reason=reason,
@@ -226,11 +229,19 @@ class SyncerIngest:
         return moved
 
     def _ingest_spill(self) -> None:
+        """Every region's inbox (issue 14; just the home store's in a single-region run). A region
+        that fails is reported and skipped: the others are still read. Keys are compared across
+        regions: the same spill key in two regions is the same delta id (learner/incarnation/seq)."""
         known = {h.inbox_key for pend in self.pending for h in pend.values()} | self.bad_inbox
+        for store in getattr(self, "inboxes", None) or [self.store]:
+            self._ingest_inbox(store, known)
+
+    def _ingest_inbox(self, store, known: set[str]) -> None:
+        home = store is self.store
         try:
-            keys = self.store.list(SPILL_PREFIX)
+            keys = store.list(SPILL_PREFIX)
         except StoreError as exc:
-            self.events.emit("store-error", op="list-inbox", error=str(exc))
+            self.events.emit("store-error", op="list-inbox", error=str(exc), **({} if home else {"store": store.uri}))
             return
         n = 0
         for key in keys:
@@ -241,13 +252,13 @@ class SyncerIngest:
             n += 1
             try:
                 named = parse_spill_key(key)
-                size = self.store.head(key).size
+                size = store.head(key).size
                 if size > self.max_delta:   # checked before reading: a planted huge object must not exhaust memory
                     self._reject(None, None, key, f"{key}: {size} bytes exceeds the run's delta size limit "
                                                   f"{self.max_delta}", "oversize")
                     self.bad_inbox.add(key)
                     continue
-                blob = self.store.get(key)
+                blob = store.get(key)
                 opened = open_stored(blob, self.descriptor, self.roster, key)
                 if (opened.header.learner, opened.header.incarnation, opened.header.seq) != tuple(named):
                     raise FormatError(f"{key}: holds delta {opened.header.id}, not the one its key names")
@@ -260,7 +271,7 @@ class SyncerIngest:
                 self.bad_inbox.add(key)
                 continue
             except StoreError as exc:
-                self.events.emit("store-error", op="read-inbox", key=key, error=str(exc))
+                self.events.emit("store-error", op="read-inbox", key=key, error=str(exc), store=store.uri)
                 return
             if opened.reason == UNKNOWN_LEARNER:
                 self._reject(opened.header, None, key, f"learner {opened.header.learner} is not listed",
@@ -269,12 +280,12 @@ class SyncerIngest:
                 self.unknown_inbox.add(key)
                 self.gate.soon()
                 continue
-            if self._admit(opened.header, blob, key, "spill", opened) is not None:
+            if self._admit(opened.header, blob, key, "spill", opened, None if home else store) is not None:
                 self.stats.from_spill += 1
 
-    def _delete(self, key: str) -> None:
+    def _delete(self, key: str, store=None) -> None:
         try:
-            self.store.delete(key)
+            (store if store is not None else self.store).delete(key)
         except StoreError:
             pass   # best effort: a leftover inbox object is recognised as a duplicate next time
 

@@ -1,0 +1,153 @@
+"""Per-region stores of a run (issue 14, docs/regions.md "Topology"): opening them, copying the
+authoritative log's objects from the home store to another region's, and checking a copy.
+
+A region's copy holds the same keys (storage/layout.py) with the same bytes as the home store:
+the descriptor, the membership records, every commit record and every version object a commit
+published. Commit records and versions carry the syncer's signatures and digests, so a learner
+verifies its region's copy with the run's keys exactly as it would verify the home copy; nothing
+here needs to be trusted. Copies are create-if-absent and version-before-commit (SPEC §7: data
+before the commit that names it), so a copy interrupted anywhere is resumed by copying again.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from pipeline.envelope import digest
+from pipeline.regions import RegionSpec
+from pipeline.types import CommitRecord
+
+from .errors import AlreadyExists, NotFound
+from .layout import DESCRIPTOR_KEY, MEMBER_PREFIX, commit_key, read_descriptor
+from .store import ObjectStore, open_store
+
+__all__ = ["RegionConflict", "open_region", "learner_region_store", "copy_same", "replicate_static",
+           "replicate_commit", "RegionCheck", "verify_region"]
+
+_PUBLISHING = ("init", "merge")   # commit kinds that name a version they created
+
+
+class RegionConflict(ValueError):
+    """A region's store holds other bytes than the home store under the same key."""
+
+
+def open_region(spec: RegionSpec, *, create: bool = False, **kw) -> ObjectStore:
+    """The store of region ``spec`` (its endpoint and credentials profile; ``kw`` as ``open_store``).
+    ``create=False`` by default: a mistyped path must not become an empty region."""
+    return open_store(spec.uri, s3_endpoint=spec.endpoint, profile=spec.profile, create=create, **kw)
+
+
+def learner_region_store(store: ObjectStore, region: str | None, opener=open_region) -> ObjectStore:
+    """The store a learner of ``region`` reads and spills to (issue 14: never a cross-region read
+    in steady state). ``store`` is any copy of the run (usually the learner's own region's); its
+    descriptor names the region's store, which must hold the same descriptor bytes. ``region``
+    None: ``store`` itself (a single-region run, or a learner placed by its store URI alone)."""
+    if region is None:
+        return store
+    desc = read_descriptor(store)
+    if desc.regions is None:
+        raise ValueError(f"run {desc.run_id} has no regions section: --region {region} needs a run created "
+                         "with regions (docs/regions.md)")
+    spec = desc.regions.region(region)
+    if _same_location(spec, store):
+        return store
+    local = opener(spec)
+    if digest(local.get(DESCRIPTOR_KEY)) != digest(store.get(DESCRIPTOR_KEY)):
+        raise RegionConflict(f"region {region}'s store {spec.uri} holds another run descriptor than {store.uri}")
+    return local
+
+
+def _same_location(spec: RegionSpec, store: ObjectStore) -> bool:
+    """Whether ``store`` already is region ``spec``'s store (then no second client is opened)."""
+    if spec.uri.rstrip("/") == store.uri.rstrip("/"):
+        return True
+    root = getattr(store, "root", None)     # a LocalStore: compare absolute paths
+    path = spec.uri[len("file://"):] if spec.uri.startswith("file://") else spec.uri
+    return root is not None and "://" not in path and os.path.abspath(os.path.expanduser(path)) == root
+
+
+def copy_same(src: ObjectStore, dst: ObjectStore, key: str, blob: bytes | None = None) -> int:
+    """Create ``key`` in ``dst`` with ``src``'s bytes (``blob`` if the caller has them); bytes
+    written (0: it was there already, with the same bytes). ``RegionConflict`` when ``dst`` holds
+    other bytes; ``NotFound`` when ``src`` has no such object."""
+    if blob is None:
+        blob = src.get(key)
+    try:
+        dst.put_if_absent(key, blob)
+        return len(blob)
+    except AlreadyExists:
+        if digest(dst.get(key)) != digest(blob):
+            raise RegionConflict(f"{dst.uri}/{key} holds other bytes than {src.uri}/{key}") from None
+        return 0
+
+
+def replicate_static(home: ObjectStore, dst: ObjectStore) -> int:
+    """The descriptor and every membership record (learners added after creation) of ``home`` in
+    ``dst``: what a learner reads besides the log before its first step. Returns bytes written."""
+    n = copy_same(home, dst, DESCRIPTOR_KEY)
+    have = set(dst.list(MEMBER_PREFIX))
+    for key in home.list(MEMBER_PREFIX):
+        if key not in have:
+            n += copy_same(home, dst, key)
+    return n
+
+
+def replicate_commit(home: ObjectStore, dst: ObjectStore, seq: int) -> int:
+    """Commit ``seq`` of the home log in ``dst``: its version object first (for commits that
+    publish one; skipped when retention already deleted it at home), then the record. Returns
+    bytes written. ``NotFound`` when home has no commit ``seq``."""
+    key = commit_key(seq)
+    blob = home.get(key)
+    rec = CommitRecord.from_bytes(blob, what=f"{home.uri}/{key}")
+    n = 0
+    if rec.kind in _PUBLISHING and rec.output_key:
+        try:
+            n += copy_same(home, dst, rec.output_key)
+        except NotFound:
+            pass   # an old commit whose version retention removed: the record alone is the log
+    return n + copy_same(home, dst, key, blob)
+
+
+@dataclass
+class RegionCheck:
+    """What ``verify_region`` found: commits checked, and the keys missing from or differing in
+    the region's copy (``behind``: the region's log ends at ``tail`` < home's)."""
+
+    region: str
+    checked: int = 0
+    tail: int = -1
+    missing: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing and not self.mismatched
+
+
+def verify_region(home: ObjectStore, dst: ObjectStore, name: str, upto: int) -> RegionCheck:
+    """Check region ``name``'s copy against the home log for commits ``0..upto``: the descriptor,
+    every commit record and every published version that home still holds, byte for byte (sha256).
+    A missing version in the region counts only if home still has it."""
+    check = RegionCheck(name)
+    if digest(dst.get(DESCRIPTOR_KEY)) != digest(home.get(DESCRIPTOR_KEY)):
+        check.mismatched.append(DESCRIPTOR_KEY)
+    for seq in range(upto + 1):
+        key = commit_key(seq)
+        blob = home.get(key)
+        rec = CommitRecord.from_bytes(blob, what=f"{home.uri}/{key}")
+        keys = [(key, blob)]
+        if rec.kind in _PUBLISHING and rec.output_key:
+            try:
+                keys.insert(0, (rec.output_key, home.get(rec.output_key)))
+            except NotFound:
+                pass
+        for k, b in keys:
+            try:
+                if digest(dst.get(k)) != digest(b):
+                    check.mismatched.append(k)
+            except NotFound:
+                check.missing.append(k)
+        if check.tail == seq - 1 and key not in check.missing:
+            check.tail = seq      # the region's log is contiguous up to here
+        check.checked += 1
+    return check

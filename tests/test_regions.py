@@ -1,0 +1,236 @@
+"""Issue 14, run topology: a descriptor with regions, learners that read and spill only in their
+own region's store, a syncer that ingests every region's inbox and replicates each commit there,
+and `ddiloco replay --regions` checking each copy.
+
+The run is real (in-process syncer thread, four in-process learners, no bus, a tiny model) over two
+local-directory stores as two regions. Region B's store as the *syncer* sees it can be cut off (a
+wrapper that raises Unavailable: a partition between the regions), while B's learners keep their
+own direct access to it. Tests wait on conditions with deadlines, never on sleeps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import threading
+import time
+
+import pytest
+import torch
+
+from pipeline.descriptor import RunDescriptor
+from pipeline.errors import FormatError
+from pipeline.envelope import pack_record
+from pipeline.regions import RegionSpec, RegionsConfig
+from pipeline.types import delta_id
+from storage.accounting import CountingStore
+from storage.errors import Unavailable
+from storage.layout import DESCRIPTOR_KEY, SPILL_PREFIX, commit_key, parse_spill_key, read_descriptor
+from storage.log import CommitLog
+from storage.regions import RegionConflict, learner_region_store, verify_region
+from storage.store import open_store
+from workers import cli
+from workers.launch import RunSettings, create_run
+from workers.learner import Learner, LearnerConfig
+from workers.replay_cli import verify_regions
+from workers.replay_verify import replay_run
+from workers.syncer import Syncer, SyncerConfig
+
+
+class Partitioned:
+    """An ObjectStore whose every call raises Unavailable while ``down`` (the path to it is cut)."""
+
+    def __init__(self, inner):
+        self.inner, self.uri, self.down = inner, inner.uri, False
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+
+        def call(*a, **kw):
+            if self.down:
+                raise Unavailable("partitioned (test)", uri=self.uri)
+            return attr(*a, **kw)
+        return call
+
+
+def regions_for(a, b) -> RegionsConfig:
+    return RegionsConfig("a", (RegionSpec("a", str(a)), RegionSpec("b", str(b))))
+
+
+def _model(seed: int):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+
+def wait_until(cond, timeout: float, what: str, step=None) -> None:
+    """Poll ``cond`` (running ``step`` between polls: the learners train meanwhile) until true."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        if step is not None:
+            step()
+        else:
+            time.sleep(0.01)
+
+
+# -- the descriptor ---------------------------------------------------------------------------------
+
+def _desc(tmp_path, regions):
+    init = {n: p.detach().numpy().copy() for n, p in _model(0).named_parameters()}
+    return create_run(open_store(str(tmp_path / "run")), init, RunSettings(fragments=2, sync_every=4, regions=regions))
+
+
+def test_a_run_without_regions_still_writes_version_2_and_one_with_regions_version_3(tmp_path):
+    plain = _desc(tmp_path / "p", None)
+    assert plain.to_bytes() == pack_record(RunDescriptor.KIND, 2, plain.to_dict())   # unchanged v2 bytes
+    assert "regions" not in plain.to_dict()
+    regional = _desc(tmp_path / "r", regions_for(tmp_path / "a", tmp_path / "b"))
+    again = RunDescriptor.from_bytes(regional.to_bytes())
+    assert again == regional and again.regions.home == "a" and [r.name for r in again.regions.others] == ["b"]
+    assert regional.to_bytes() == pack_record(RunDescriptor.KIND, 3, regional.to_dict())
+    # regions is exactly the v2/v3 difference: neither may pass for the other
+    with pytest.raises(FormatError, match="version 2 document must not have a regions section"):
+        RunDescriptor.from_bytes(pack_record(RunDescriptor.KIND, 2, regional.to_dict()))
+    with pytest.raises(FormatError, match="version 3 document must have a regions section"):
+        RunDescriptor.from_bytes(pack_record(RunDescriptor.KIND, 3, plain.to_dict()))
+
+
+@pytest.mark.parametrize("change, error", [
+    (lambda d: d["regions"].update(home="c"), "home 'c' is not one of the regions"),
+    (lambda d: d["regions"]["regions"][1].update(name="a"), r"names \['a'\] appear more than once"),
+    (lambda d: d["regions"]["regions"][1].update(uri="s3://key:secret@bucket/run"), "carries user info"),
+    (lambda d: d["regions"]["regions"][1].update(endpoint="ftp://x"), "endpoint must be http"),
+    (lambda d: d["regions"]["regions"][1].update(profile="a b"), "profile must be a profile name"),
+    (lambda d: d["regions"]["regions"][1].update(Name="b"), r"regions\[1\] must be a map with exactly"),
+    (lambda d: d["regions"]["regions"][1].update(name="B_1"), "region name 'B_1' must match"),
+])
+def test_bad_regions_sections_are_refused_naming_the_field(tmp_path, change, error):
+    d = _desc(tmp_path, regions_for(tmp_path / "a", tmp_path / "b")).to_dict()
+    change(d)
+    with pytest.raises(FormatError, match=error) as exc:
+        RunDescriptor.from_dict(d)
+    assert str(exc.value).startswith("descriptor regions")
+
+
+def test_a_learner_finds_its_region_store_and_refuses_a_wrong_one(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    _desc_store = open_store(str(a))
+    init = {n: p.detach().numpy().copy() for n, p in _model(0).named_parameters()}
+    create_run(_desc_store, init, RunSettings(fragments=2, sync_every=4, regions=regions_for(a, b)))
+    with pytest.raises(ValueError, match=r"no region 'c' in this run; its regions are \['a', 'b'\]"):
+        learner_region_store(_desc_store, "c")
+    assert learner_region_store(_desc_store, "a") is _desc_store
+    open_store(str(b)).put(DESCRIPTOR_KEY, b"another run")
+    with pytest.raises(RegionConflict, match="holds another run descriptor"):
+        learner_region_store(_desc_store, "b")
+    plain = open_store(str(tmp_path / "plain"))
+    create_run(plain, init, RunSettings(fragments=2, sync_every=4))
+    with pytest.raises(ValueError, match="has no regions section: --region b needs"):
+        learner_region_store(plain, "b")
+
+
+# -- a two-region run -------------------------------------------------------------------------------
+
+class TwoRegions:
+    """Run in regions a (home) and b, a syncer thread, learners a0 a1 (store a) and b0 b1 (region b)."""
+
+    def __init__(self, tmp_path):
+        self.a_uri, self.b_uri = str(tmp_path / "a"), str(tmp_path / "b")
+        self.home = open_store(self.a_uri)
+        self.b_direct = open_store(self.b_uri)
+        create_run(self.home, {n: p.detach().numpy().copy() for n, p in _model(0).named_parameters()},
+                   RunSettings(fragments=2, sync_every=4, regions=regions_for(self.a_uri, self.b_uri)))
+        self.b_for_syncer = Partitioned(open_store(self.b_uri))
+        self.stop = threading.Event()
+        self.syncer = Syncer(self.home, SyncerConfig(spill_poll_s=0.05, checkpoint_every=10),
+                             regions={"b": self.b_for_syncer})
+        self.syncer.replicator.cfg = dataclasses.replace(self.syncer.replicator.cfg, retry_s=0.05, max_retry_s=0.2)
+        self.thread = threading.Thread(target=self.syncer.run, args=(self.stop.is_set,), daemon=True)
+        self.thread.start()
+        wait_until(lambda: CommitLog(self.b_direct).tail() >= 1 and self.b_direct.exists(DESCRIPTOR_KEY), 30,
+                   "region b to receive the run")
+        # b's learners are handed the *home* store (counted) and their region: they must move to b's
+        # store at start and never read the home store again.
+        self.a_seen_by_b = CountingStore(open_store(self.a_uri))
+        self.learners = {}
+        for i, lid in enumerate(("a0", "a1", "b0", "b1")):
+            model = _model(i + 1)
+            store = self.home if lid.startswith("a") else self.a_seen_by_b
+            learner = Learner(model, torch.optim.AdamW(model.parameters(), 1e-3), store, lid,
+                              LearnerConfig(poll_s=0.05), region=None if lid.startswith("a") else "b")
+            self.learners[lid] = (learner.start(), model)
+        self.after_start = self.a_seen_by_b.snapshot()
+        self.x, self.y = torch.randn(16, 8), torch.randn(16, 1)
+        self.b_step_s: list[float] = []
+
+    def step(self) -> None:
+        """One step of every learner (a real learner's step takes time: the syncer's clock follows it)."""
+        assert self.thread.is_alive(), "the syncer died"
+        for lid, (learner, model) in self.learners.items():
+            t0 = time.monotonic()
+            learner.step(lambda: torch.nn.functional.mse_loss(model(self.x), self.y), tokens=16)
+            if lid.startswith("b"):
+                self.b_step_s.append(time.monotonic() - t0)
+        time.sleep(0.004)
+
+    def merged_ids(self) -> set[str]:
+        log = CommitLog(self.home)
+        return {i.delta_id for r in log.read_range(0, log.tail() + 1) for i in r.inputs}
+
+    def close(self) -> None:
+        for learner, _ in self.learners.values():
+            learner.close()
+        self.stop.set()
+        self.thread.join(60)
+
+
+def test_two_regions_train_replicate_survive_a_partition_and_replay(tmp_path):
+    run = TwoRegions(tmp_path)
+    try:
+        assert all(l.store.uri == run.b_direct.uri for lid, (l, _) in run.learners.items() if lid[0] == "b")
+        # 1. both regions' deltas are merged, and b's learners apply versions from b's copy
+        wait_until(lambda: {d.split("/")[0] for d in run.merged_ids()} >= {"a0", "a1", "b0", "b1"}
+                   and all(run.learners[b][0].applied >= 2 for b in ("b0", "b1")), 120,
+                   "merges from both regions and versions applied in b", run.step)
+        # 2. partition: b's learners keep training and spill into b; home goes on committing a's work
+        run.b_for_syncer.down = True
+        tail_at_cut = CommitLog(run.home).tail()
+        steps_before = len(run.b_step_s)
+        wait_until(lambda: len(run.b_direct.list(SPILL_PREFIX)) >= 4
+                   and CommitLog(run.home).tail() >= tail_at_cut + 4, 60, "spills in b during the partition",
+                   run.step)
+        stranded = {delta_id(*parse_spill_key(k)) for k in run.b_direct.list(SPILL_PREFIX)}
+        assert CommitLog(run.b_direct).tail() <= tail_at_cut + 1 < CommitLog(run.home).tail()
+        assert run.syncer.replicator.lag()["b"] > 0
+        cut = sorted(run.b_step_s[steps_before:])
+        assert max(cut) < 1.0, f"b's learners stalled during the partition: {cut[-3:]}"
+        # 3. heal: the syncer ingests what b spilled and b's copy catches up with the home log
+        run.b_for_syncer.down = False
+        wait_until(lambda: stranded <= run.merged_ids() | dropped_ids(run.home), 60,
+                   "the deltas spilled in b during the partition to be folded", run.step)
+        assert stranded & run.merged_ids(), "none of b's partition-time deltas was merged"
+    finally:
+        run.close()
+    tail = CommitLog(run.home).tail()
+    assert run.syncer.replicator.lag() == {"b": 0}
+    check = verify_region(run.home, run.b_direct, "b", tail)
+    assert check.ok and check.tail == tail and check.checked == tail + 1
+    # b's learners read the home store only at start (descriptor look-up), never while training
+    steady = run.a_seen_by_b.snapshot() - run.after_start
+    assert steady.requests == 0 and steady.bytes_read == 0, steady
+    assert run.after_start.get <= 2 * 2   # per b learner: the descriptor, read and compared with b's
+    desc = read_descriptor(run.home)
+    report = replay_run(run.home, desc)
+    assert report.commits >= 8
+    assert cli.main(["replay", run.a_uri, "--regions", "--plain"]) == 0
+    # damage in b's copy is found by name
+    blob = run.b_direct.get(commit_key(tail))
+    run.b_direct.delete(commit_key(tail))
+    run.b_direct.put(commit_key(tail), blob[:-1] + bytes([blob[-1] ^ 1]))
+    out, err = io.StringIO(), io.StringIO()
+    assert not verify_regions(run.home, desc, tail, out, err)
+    assert f"{commit_key(tail)}" in err.getvalue() and "1 differ" in err.getvalue()
+
+
+def dropped_ids(store) -> set[str]:
+    log = CommitLog(store)
+    return {d.delta_id for r in log.read_range(0, log.tail() + 1) for d in r.dropped}
