@@ -7,10 +7,9 @@ bf16. The byte layout is in docs/formats.md ("Tensor blobs"); the blob is sealed
 
 Speed (issue 15): vectorised kernels go through a tensor in steps of ``_STEP`` values whose
 temporaries stay in cache; steps form jobs of ``_JOB`` values that a caller may run on its threads
-(``map_fn``, e.g. ``ThreadPoolExecutor.map``: numpy releases the GIL). Payloads above
-``ZSTD_STREAM_MIN`` bytes go through zstd's streaming mode, fed tensor by tensor on the calling
-thread while the pool quantises later tensors; smaller ones through the one-shot call used before
-issue 15 (same bytes). Bytes never depend on ``map_fn`` (docs/formats.md).
+(``map_fn``, e.g. ``ThreadPoolExecutor.map``: numpy releases the GIL). zstd is the one-shot call
+used before issue 15: a blob's bytes are what they were, whatever ``map_fn`` (docs/formats.md).
+Decoding streams zstd's output and starts each job as soon as its bytes are out.
 
 Decoding trusts nothing in the body: it checks every field, bounds the decoded size before it
 allocates, bounds zstd's output, checks the payload length against what the shapes imply, checks
@@ -21,7 +20,6 @@ from __future__ import annotations
 
 import math
 import sys
-from collections import Counter
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -46,7 +44,7 @@ _MAX_NDIM = 32
 _STEP = 1 << 17           # values per kernel step: its temporaries (512 KiB at most) stay in L2/L3
 _ROWS = (1 << 15) - 1     # values per torch reduction call: below torch's grain size, so it runs serially
 _JOB = 1 << 20            # values per job handed to map_fn: the unit of parallelism
-ZSTD_STREAM_MIN = 1 << 20  # raw payloads above this many bytes use zstd's (single-threaded) streaming mode
+_PIECE = 1 << 20          # bytes zstd decompresses at a time while decoding jobs start
 # y + MAGIC, in float32, is MAGIC + rint(y) exactly (half to even) for |y| < 2**22: the spacing of
 # float32 at 1.5 * 2**23 is 1 and MAGIC is even. The low byte of its bits is then the code: q + 8
 # for int4 (offset binary) and q mod 256 (two's complement) for int8.
@@ -348,24 +346,15 @@ def _encode_job(job: tuple[int, int, int], raw: np.ndarray, slots: list[_Slot], 
 
 def _encode_payload(raw: np.ndarray, slots: list[_Slot], cfg: CodecConfig, level: int, map_fn: MapFn
                     ) -> tuple[bytes | memoryview, int | None]:
-    """Fill ``raw`` by jobs run through ``map_fn`` and compress it (``level`` 0: not at all).
-    Returns the payload, or the index of the first tensor with a non-finite value."""
-    jobs = _jobs(slots, cfg.block_size)
-    left = Counter(i for i, _, _ in jobs)
-    stream = zstandard.ZstdCompressor(level=level, write_content_size=True).compressobj(size=raw.size) \
-        if level and raw.size > ZSTD_STREAM_MIN else None   # its bytes do not depend on how it is fed
-    parts, fed, bad = [], 0, None
+    """Fill ``raw`` by jobs run through ``map_fn`` and compress it (``level`` 0: not at all) with the
+    one-shot call used before issue 15 (same bytes; the least CPU: streaming it tensor by tensor
+    would overlap zstd with quantisation on a pool but costs more). Returns the payload, or the index
+    of the first tensor with a non-finite value."""
     work = partial(_encode_job, raw=raw, slots=slots, scheme=cfg.scheme, bs=cfg.block_size)
-    for (i, _, _), ok in zip(jobs, map_fn(work, jobs)):
-        left[i] -= 1
-        bad = i if not ok and bad is None else bad
-        if stream is not None and bad is None and left[i] == 0:   # tensor i is complete: zstd starts on it
-            parts.append(stream.compress(raw[fed:slots[i].offset + slots[i].length]))
-            fed = slots[i].offset + slots[i].length
+    jobs = _jobs(slots, cfg.block_size)
+    bad = next((i for (i, _, _), ok in zip(jobs, list(map_fn(work, jobs))) if not ok), None)
     if bad is not None:
         return b"", bad
-    if stream is not None:
-        return b"".join(parts + [stream.compress(raw[fed:]), stream.flush()]), None
     if level:
         return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(raw), None
     return memoryview(raw), None
@@ -374,7 +363,7 @@ def _encode_payload(raw: np.ndarray, slots: list[_Slot], cfg: CodecConfig, level
 def encode(kind: str, meta: dict, tensors: Mapping[str, np.ndarray], cfg: CodecConfig, *,
            map_fn: MapFn | None = None) -> bytes:
     """One sealed blob of ``kind`` holding ``meta`` and ``tensors`` (in the given order). ``map_fn``
-    runs the quantisation jobs (default ``map``: this thread; zstd runs on this thread) and never
+    runs the quantisation jobs (default ``map``: this thread; zstd runs on this one) and never
     changes the bytes. ValueError naming the tensor for non-float dtypes or non-finite values (never
     quantised silently; float64 beyond float32's range counts as non-finite for lossy schemes)."""
     if not isinstance(cfg, CodecConfig):
@@ -562,7 +551,7 @@ def _raw_payload(payload: bytes, use_zstd: bool, raw_len: int, name: str) -> tup
     def inflate(reader: Any, view: memoryview, pos: int = 0) -> Iterator[int]:
         while pos < raw_len:
             try:
-                n = reader.readinto(view[pos:pos + ZSTD_STREAM_MIN])
+                n = reader.readinto(view[pos:pos + _PIECE])
             except zstandard.ZstdError as exc:
                 raise FormatError(f"{name}: zstd payload does not decompress ({exc})") from None
             if not n:

@@ -33,6 +33,9 @@ import numpy as np
 from pipeline.codec import SCHEMES, CodecConfig, decode, encode
 
 MB = 1e6
+# wall: elapsed time (what a caller waits); cpu: this process's CPU time, all its threads together
+# (on a machine shared with other work, the cost of one thread's work without the waiting)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class BenchConfig:
     seed: int = 0
     threads: tuple[int, ...] = (1, 2)
     schemes: tuple[str, ...] = SCHEMES
+    clock: str = "wall"
 
     def __post_init__(self) -> None:
         if self.what not in ("codec", "merge", "all"):
@@ -60,6 +64,8 @@ class BenchConfig:
             raise ValueError(f"--repeat must be >= 1, got {self.repeat}")
         if not self.threads or any(not isinstance(t, int) or t < 1 for t in self.threads):
             raise ValueError(f"--threads must list ints >= 1, got {self.threads}")
+        if self.clock not in CLOCKS:
+            raise ValueError(f"--clock must be one of {sorted(CLOCKS)}, got {self.clock!r}")
         bad = [s for s in self.schemes if s not in SCHEMES]
         if bad or not self.schemes:
             raise ValueError(f"--schemes must name some of {SCHEMES}, got {self.schemes}")
@@ -252,20 +258,22 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
                         help="thread counts to measure, comma-separated (default 1,2), each pinned to as many cores")
     parser.add_argument("--schemes", type=lambda s: tuple(s.split(",")), default=SCHEMES,
                         help=f"codec schemes, comma-separated (default {','.join(SCHEMES)})")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall time (default) or this process's CPU time (1 thread on a busy machine)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
 
     def handler(args: argparse.Namespace) -> int:
         try:
             cfg = BenchConfig(args.what, args.size_mb, args.merge_mb, args.repeat, args.block_size,
-                              args.zstd_level, args.seed, args.threads, args.schemes)
+                              args.zstd_level, args.seed, args.threads, args.schemes, args.clock)
         except ValueError as exc:
             parser.error(str(exc))
         results: dict[str, Any] = {"config": dataclasses.asdict(cfg)}
         if cfg.what in ("codec", "all"):
-            results["codec"] = bench_codec(cfg)
+            results["codec"] = bench_codec(cfg, CLOCKS[cfg.clock])
             _print_codec(results["codec"])
         if cfg.what in ("merge", "all"):
-            results["merge"] = bench_merge(cfg)
+            results["merge"] = bench_merge(cfg, CLOCKS[cfg.clock])
             _print_merge(results["merge"])
         if args.json:
             with open(args.json, "w") as f:
