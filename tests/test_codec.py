@@ -15,7 +15,6 @@ import zstandard
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
-from pipeline import codec
 from pipeline.checksum import tensor_digest
 from pipeline.codec import (
     SCHEMES, CodecConfig, Decoded, bf16_bits, decode, dequantize, encode, from_bf16_bits, peek_meta,

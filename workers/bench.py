@@ -119,7 +119,7 @@ def bench_codec(cfg: BenchConfig, clock: Callable[[], float] = time.perf_counter
     """Encode/decode MB/s and compression ratio per scheme, with and without zstd, per thread count.
     torch is imported first where installed, as in a learner (the codec then uses its row maximum)."""
     try:
-        import torch  # noqa: F401
+        import torch  # noqa: F401  (loaded, as in a learner)
     except ImportError:
         pass
     n = int(cfg.size_mb * MB) // 4
