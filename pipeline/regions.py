@@ -69,8 +69,8 @@ class RegionSpec:
 @dataclass(frozen=True)
 class RegionsConfig:
     """The regions of a run, ``home`` first-class: it names the region whose store holds the
-    authoritative log. Names and URIs are unique; order is the launcher's (kept, so equal
-    configurations write equal bytes)."""
+    authoritative log. Names are unique, and so are (uri, endpoint) pairs; order is the launcher's
+    (kept, so equal configurations write equal bytes)."""
 
     home: str
     regions: tuple[RegionSpec, ...]
@@ -83,10 +83,12 @@ class RegionsConfig:
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"regions: names {dup} appear more than once")
-        uris = [r.uri for r in self.regions]
-        dup = sorted({u for u in uris if uris.count(u) > 1})
+        # The same bucket name on two endpoints is two stores; on one endpoint it is one store.
+        places = [(r.uri, r.endpoint) for r in self.regions]
+        dup = sorted({u for u, e in places if places.count((u, e)) > 1})
         if dup:
-            raise ValueError(f"regions: uris {dup} appear more than once (two regions cannot share a store)")
+            raise ValueError(f"regions: uris {dup} appear more than once with the same endpoint (two regions "
+                             "cannot share a store)")
         if self.home not in names:
             raise ValueError(f"regions: home {self.home!r} is not one of the regions {names}")
 

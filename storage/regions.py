@@ -58,9 +58,14 @@ def learner_region_store(store: ObjectStore, region: str | None, opener=open_reg
 
 
 def _same_location(spec: RegionSpec, store: ObjectStore) -> bool:
-    """Whether ``store`` already is region ``spec``'s store (then no second client is opened)."""
+    """Whether ``store`` already is region ``spec``'s store (then no second client is opened). An
+    s3:// URI names a store only together with its endpoint: one bucket name on two servers is two
+    stores (when in doubt: not the same, and the region's store is opened - that costs a client)."""
     if spec.uri.rstrip("/") == store.uri.rstrip("/"):
-        return True
+        if not spec.uri.startswith("s3://"):
+            return True
+        have = getattr(store, "endpoint", None)
+        return (spec.endpoint or "").rstrip("/") == (have or "").rstrip("/")
     root = getattr(store, "root", None)     # a LocalStore: compare absolute paths
     path = spec.uri[len("file://"):] if spec.uri.startswith("file://") else spec.uri
     return root is not None and "://" not in path and os.path.abspath(os.path.expanduser(path)) == root

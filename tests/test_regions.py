@@ -13,6 +13,9 @@ import dataclasses
 import io
 import threading
 import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable
 
 import pytest
 import torch
@@ -26,7 +29,7 @@ from storage.accounting import CountingStore
 from storage.errors import Unavailable
 from storage.layout import DESCRIPTOR_KEY, SPILL_PREFIX, commit_key, parse_spill_key, read_descriptor
 from storage.log import CommitLog
-from storage.regions import RegionConflict, learner_region_store, verify_region
+from storage.regions import RegionConflict, learner_region_store, open_region, verify_region
 from storage.store import open_store
 from workers import cli
 from workers.launch import RunSettings, create_run
@@ -65,7 +68,7 @@ def wait_until(cond, timeout: float, what: str, step=None) -> None:
     """Poll ``cond`` (running ``step`` between polls: the learners train meanwhile) until true."""
     deadline = time.monotonic() + timeout
     while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what() if callable(what) else what}"
         if step is not None:
             step()
         else:
@@ -111,13 +114,15 @@ def test_bad_regions_sections_are_refused_naming_the_field(tmp_path, change, err
     assert str(exc.value).startswith("descriptor regions")
 
 
-def test_a_learner_finds_its_region_store_and_refuses_a_wrong_one(tmp_path):
+def test_a_learner_finds_its_region_store_and_refuses_a_wrong_one(tmp_path, capsys):
     a, b = tmp_path / "a", tmp_path / "b"
     _desc_store = open_store(str(a))
     init = {n: p.detach().numpy().copy() for n, p in _model(0).named_parameters()}
     create_run(_desc_store, init, RunSettings(fragments=2, sync_every=4, regions=regions_for(a, b)))
     with pytest.raises(ValueError, match=r"no region 'c' in this run; its regions are \['a', 'b'\]"):
         learner_region_store(_desc_store, "c")
+    assert cli.main(["learner", "--store", str(a), "--id", "b0", "--region", "c", "--insecure"]) == 1
+    assert "no region 'c' in this run" in capsys.readouterr().err
     assert learner_region_store(_desc_store, "a") is _desc_store
     open_store(str(b)).put(DESCRIPTOR_KEY, b"another run")
     with pytest.raises(RegionConflict, match="holds another run descriptor"):
@@ -130,35 +135,46 @@ def test_a_learner_finds_its_region_store_and_refuses_a_wrong_one(tmp_path):
 
 # -- a two-region run -------------------------------------------------------------------------------
 
-class TwoRegions:
-    """Run in regions a (home) and b, a syncer thread, learners a0 a1 (store a) and b0 b1 (region b)."""
+@dataclass
+class Topology:
+    """Two regions' stores as each party sees them: ``home`` (the syncer's, region a), ``b_direct``
+    (b's learners', and the test's view of b), ``b_for_syncer`` (b across the link from home),
+    ``a_for_b`` (the home store as handed to b's learners, counted), ``cut``/``heal`` the link."""
 
-    def __init__(self, tmp_path):
-        self.a_uri, self.b_uri = str(tmp_path / "a"), str(tmp_path / "b")
-        self.home = open_store(self.a_uri)
-        self.b_direct = open_store(self.b_uri)
+    home: object
+    b_direct: object
+    b_for_syncer: object
+    a_for_b: CountingStore
+    regions: RegionsConfig
+    cut: Callable[[], None]
+    heal: Callable[[], None]
+
+
+class TwoRegions:
+    """Run in regions a (home) and b, a syncer thread, learners a0 a1 (home) and b0 b1 (region b)."""
+
+    def __init__(self, topo: Topology):
+        self.topo, self.home, self.b_direct = topo, topo.home, topo.b_direct
         create_run(self.home, {n: p.detach().numpy().copy() for n, p in _model(0).named_parameters()},
-                   RunSettings(fragments=2, sync_every=4, regions=regions_for(self.a_uri, self.b_uri)))
-        self.b_for_syncer = Partitioned(open_store(self.b_uri))
+                   RunSettings(fragments=2, sync_every=4, regions=topo.regions))
         self.stop = threading.Event()
         self.syncer = Syncer(self.home, SyncerConfig(spill_poll_s=0.05, checkpoint_every=10),
-                             regions={"b": self.b_for_syncer})
+                             regions={"b": topo.b_for_syncer})
         self.syncer.replicator.cfg = dataclasses.replace(self.syncer.replicator.cfg, retry_s=0.05, max_retry_s=0.2)
         self.thread = threading.Thread(target=self.syncer.run, args=(self.stop.is_set,), daemon=True)
         self.thread.start()
-        wait_until(lambda: CommitLog(self.b_direct).tail() >= 1 and self.b_direct.exists(DESCRIPTOR_KEY), 30,
+        wait_until(lambda: CommitLog(self.b_direct).tail() >= 1 and self.b_direct.exists(DESCRIPTOR_KEY), 60,
                    "region b to receive the run")
         # b's learners are handed the *home* store (counted) and their region: they must move to b's
         # store at start and never read the home store again.
-        self.a_seen_by_b = CountingStore(open_store(self.a_uri))
         self.learners = {}
         for i, lid in enumerate(("a0", "a1", "b0", "b1")):
             model = _model(i + 1)
-            store = self.home if lid.startswith("a") else self.a_seen_by_b
+            store = self.home if lid.startswith("a") else topo.a_for_b
             learner = Learner(model, torch.optim.AdamW(model.parameters(), 1e-3), store, lid,
                               LearnerConfig(poll_s=0.05), region=None if lid.startswith("a") else "b")
             self.learners[lid] = (learner.start(), model)
-        self.after_start = self.a_seen_by_b.snapshot()
+        self.after_start = topo.a_for_b.snapshot()
         self.x, self.y = torch.randn(16, 8), torch.randn(16, 1)
         self.b_step_s: list[float] = []
 
@@ -172,9 +188,10 @@ class TwoRegions:
                 self.b_step_s.append(time.monotonic() - t0)
         time.sleep(0.004)
 
-    def merged_ids(self) -> set[str]:
+    def folded(self, what: str = "inputs") -> set[str]:
+        """Delta ids the home log merged (``inputs``) or dropped (``dropped``)."""
         log = CommitLog(self.home)
-        return {i.delta_id for r in log.read_range(0, log.tail() + 1) for i in r.inputs}
+        return {x.delta_id for r in log.read_range(0, log.tail() + 1) for x in getattr(r, what)}
 
     def close(self) -> None:
         for learner, _ in self.learners.values():
@@ -183,54 +200,122 @@ class TwoRegions:
         self.thread.join(60)
 
 
-def test_two_regions_train_replicate_survive_a_partition_and_replay(tmp_path):
-    run = TwoRegions(tmp_path)
-    try:
-        assert all(l.store.uri == run.b_direct.uri for lid, (l, _) in run.learners.items() if lid[0] == "b")
-        # 1. both regions' deltas are merged, and b's learners apply versions from b's copy
-        wait_until(lambda: {d.split("/")[0] for d in run.merged_ids()} >= {"a0", "a1", "b0", "b1"}
-                   and all(run.learners[b][0].applied >= 2 for b in ("b0", "b1")), 120,
-                   "merges from both regions and versions applied in b", run.step)
-        # 2. partition: b's learners keep training and spill into b; home goes on committing a's work
-        run.b_for_syncer.down = True
-        tail_at_cut = CommitLog(run.home).tail()
-        steps_before = len(run.b_step_s)
-        wait_until(lambda: len(run.b_direct.list(SPILL_PREFIX)) >= 4
-                   and CommitLog(run.home).tail() >= tail_at_cut + 4, 60, "spills in b during the partition",
-                   run.step)
-        stranded = {delta_id(*parse_spill_key(k)) for k in run.b_direct.list(SPILL_PREFIX)}
-        assert CommitLog(run.b_direct).tail() <= tail_at_cut + 1 < CommitLog(run.home).tail()
-        assert run.syncer.replicator.lag()["b"] > 0
-        cut = sorted(run.b_step_s[steps_before:])
-        assert max(cut) < 1.0, f"b's learners stalled during the partition: {cut[-3:]}"
-        # 3. heal: the syncer ingests what b spilled and b's copy catches up with the home log
-        run.b_for_syncer.down = False
-        wait_until(lambda: stranded <= run.merged_ids() | dropped_ids(run.home), 60,
-                   "the deltas spilled in b during the partition to be folded", run.step)
-        assert stranded & run.merged_ids(), "none of b's partition-time deltas was merged"
-    finally:
-        run.close()
+def train_across_a_partition(run: TwoRegions, timeout: float = 120) -> None:
+    """Both regions train and merge; the link to b is cut while b's learners keep stepping and
+    spilling in b; after the heal every delta b spilled meanwhile is folded at home."""
+    for lid in ("b0", "b1"):
+        store = run.learners[lid][0].store
+        assert store is not run.topo.a_for_b and store.uri == run.b_direct.uri
+        assert getattr(store, "endpoint", None) == getattr(run.b_direct, "endpoint", None)
+    wait_until(lambda: {d.split("/")[0] for d in run.folded()} >= {"a0", "a1", "b0", "b1"}
+               and all(run.learners[b][0].applied >= 2 for b in ("b0", "b1")), timeout,
+               "merges from both regions and versions applied in b", run.step)
+    run.topo.cut()
+    tail_at_cut = CommitLog(run.home).tail()
+    steps_before = len(run.b_step_s)
+    wait_until(lambda: len(run.b_direct.list(SPILL_PREFIX)) >= 4
+               and CommitLog(run.home).tail() >= tail_at_cut + 4, timeout,
+               lambda: f"spills in b during the partition: {len(run.b_direct.list(SPILL_PREFIX))} spilled, "
+                       f"home tail {CommitLog(run.home).tail()} (cut at {tail_at_cut}), {run.syncer.summary()}",
+               run.step)
+    stranded = {delta_id(*parse_spill_key(k)) for k in run.b_direct.list(SPILL_PREFIX)}
+    assert CommitLog(run.b_direct).tail() <= tail_at_cut + 1 < CommitLog(run.home).tail()
+    assert run.syncer.replicator.lag()["b"] > 0
+    cut = sorted(run.b_step_s[steps_before:])
+    assert max(cut) < 1.0, f"b's learners stalled during the partition: {cut[-3:]}"
+    run.topo.heal()
+    wait_until(lambda: stranded <= run.folded() | run.folded("dropped"), timeout,
+               "the deltas spilled in b during the partition to be folded", run.step)
+    assert stranded & run.folded(), "none of b's partition-time deltas was merged"
+
+
+def check_after(run: TwoRegions) -> int:
+    """Replication caught up and verified, b's learners never read home after start, replay exact."""
     tail = CommitLog(run.home).tail()
     assert run.syncer.replicator.lag() == {"b": 0}
     check = verify_region(run.home, run.b_direct, "b", tail)
-    assert check.ok and check.tail == tail and check.checked == tail + 1
-    # b's learners read the home store only at start (descriptor look-up), never while training
-    steady = run.a_seen_by_b.snapshot() - run.after_start
+    assert check.ok and check.tail == tail and check.checked == tail + 1, check
+    steady = run.topo.a_for_b.snapshot() - run.after_start
     assert steady.requests == 0 and steady.bytes_read == 0, steady
     assert run.after_start.get <= 2 * 2   # per b learner: the descriptor, read and compared with b's
-    desc = read_descriptor(run.home)
-    report = replay_run(run.home, desc)
-    assert report.commits >= 8
-    assert cli.main(["replay", run.a_uri, "--regions", "--plain"]) == 0
+    assert replay_run(run.home, read_descriptor(run.home)).commits >= 8
+    return tail
+
+
+def test_two_regions_train_replicate_survive_a_partition_and_replay(tmp_path):
+    a_uri, b_uri = str(tmp_path / "a"), str(tmp_path / "b")
+    b_for_syncer = Partitioned(open_store(b_uri))
+    topo = Topology(open_store(a_uri), open_store(b_uri), b_for_syncer, CountingStore(open_store(a_uri)),
+                    regions_for(a_uri, b_uri), lambda: setattr(b_for_syncer, "down", True),
+                    lambda: setattr(b_for_syncer, "down", False))
+    run = TwoRegions(topo)
+    try:
+        train_across_a_partition(run)
+    finally:
+        run.close()
+    tail = check_after(run)
+    assert cli.main(["replay", a_uri, "--regions", "--plain"]) == 0
     # damage in b's copy is found by name
+    desc = read_descriptor(run.home)
     blob = run.b_direct.get(commit_key(tail))
     run.b_direct.delete(commit_key(tail))
     run.b_direct.put(commit_key(tail), blob[:-1] + bytes([blob[-1] ^ 1]))
     out, err = io.StringIO(), io.StringIO()
     assert not verify_regions(run.home, desc, tail, out, err)
-    assert f"{commit_key(tail)}" in err.getvalue() and "1 differ" in err.getvalue()
+    assert commit_key(tail) in err.getvalue() and "0 objects missing, 1 differ" in err.getvalue()
 
 
-def dropped_ids(store) -> set[str]:
-    log = CommitLog(store)
-    return {d.delta_id for r in log.read_range(0, log.tail() + 1) for d in r.dropped}
+# -- the same over two SeaweedFS servers with a WAN link between the regions ---------------------------
+
+@pytest.fixture
+def two_servers(tmp_path, monkeypatch):
+    """Two SeaweedFS servers (regions a and b), each with its own credentials, reached through the
+    AWS profiles ``ra`` and ``rb`` of a credentials file: the descriptor names profiles, never keys."""
+    from infra.s3server import S3Server
+    servers = []
+    try:
+        for name in ("a", "b"):
+            servers.append(S3Server(tmp_path / f"s3{name}").start())
+        creds = tmp_path / "credentials"
+        creds.write_text("".join(f"[r{n}]\naws_access_key_id = {s.access_key}\naws_secret_access_key = {s.secret_key}\n"
+                                 for n, s in zip("ab", servers)))
+        for var in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                    "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+            monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+        monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+        monkeypatch.setenv("AWS_REGION", "us-east-1")
+        monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_two_seaweedfs_regions_over_a_wan_link(two_servers):
+    from infra.wan import WanProxy
+    from storage.s3 import S3Store
+    sa, sb = two_servers
+    prefix = "run-" + uuid.uuid4().hex[:8]
+    regions = RegionsConfig("a", (RegionSpec("a", sa.uri(prefix), endpoint=sa.endpoint, profile="ra"),
+                                  RegionSpec("b", sb.uri(prefix), endpoint=sb.endpoint, profile="rb")))
+    proxy = WanProxy("127.0.0.1", sb.port, "rtt=40ms,bw=100mbit,jitter=2ms", seed=1)
+    proxy.start()
+    try:
+        home = open_region(regions.region("a"))
+        # the syncer reaches b across the link; b's learners reach b directly
+        b_for_syncer = S3Store(sb.uri(prefix), endpoint=f"http://{proxy.endpoint}", profile="rb",
+                               connect_timeout=1.0, read_timeout=2.0, attempts=1)
+        topo = Topology(home, open_region(regions.region("b")), b_for_syncer,
+                        CountingStore(open_region(regions.region("a"))), regions,
+                        lambda: proxy.partition("reset"), proxy.heal)
+        run = TwoRegions(topo)
+        try:
+            train_across_a_partition(run, timeout=180)
+        finally:
+            run.close()
+        check_after(run)
+        stats = proxy.stats()
+        assert stats.resets > 0 and stats.bytes_up > 0 and stats.bytes_down > 0
+    finally:
+        proxy.stop()
