@@ -27,7 +27,8 @@ from pipeline.regions import RegionSpec, RegionsConfig
 from pipeline.types import delta_id
 from storage.accounting import CountingStore
 from storage.errors import Unavailable
-from storage.layout import DESCRIPTOR_KEY, SPILL_PREFIX, commit_key, parse_spill_key, read_descriptor
+from storage.layout import (DESCRIPTOR_KEY, SPILL_PREFIX, commit_key, incarnation_prefix, parse_spill_key,
+                            read_descriptor)
 from storage.log import CommitLog
 from storage.regions import RegionConflict, learner_region_store, open_region, verify_region
 from storage.store import open_store
@@ -319,3 +320,40 @@ def test_two_seaweedfs_regions_over_a_wan_link(two_servers):
         assert stats.resets > 0 and stats.bytes_up > 0 and stats.bytes_down > 0
     finally:
         proxy.stop()
+
+
+# -- real processes: `ddiloco syncer` and `ddiloco learner --region` with a bus ------------------------
+
+def test_learner_processes_in_two_regions_with_a_bus(tmp_path):
+    """l0 in the home region, l1 started with ``--store HOME --region b``: it moves to b's store,
+    trains, applies versions from b's copy (signed run: verified with the run's keys), and the
+    syncer process replicates everything to b; replay --regions verifies the copy."""
+    import os
+    from tests.runhelpers import TinyRun
+    a_uri, b_uri = str(tmp_path / "a"), str(tmp_path / "b")
+    run = TinyRun(a_uri, tmp_path, dict(os.environ, OMP_NUM_THREADS="1"), steps=120, learners=2)
+    run.create(regions=regions_for(a_uri, b_uri))
+    try:
+        run.syncer()
+        wait_until(lambda: os.path.isdir(b_uri) and CommitLog(open_store(b_uri)).tail() >= 2
+                   and open_store(b_uri).exists(DESCRIPTOR_KEY), 60, "the syncer to fill region b")
+        run.learner("l0")
+        run.learner("l1", extra=["--region", "b"])
+        for lid in ("l0", "l1"):
+            assert run.wait(lid, 240) == 0, run.stderr(lid)
+        assert run.wait_inbox_empty(60), "the syncer did not commit every durable delta"
+    finally:
+        run.stop_all()
+    assert run.procs["syncer"].returncode == 0, run.stderr("syncer")
+    done = {lid: [e for e in run.events(lid) if e.get("event") == "learner-done"][-1] for lid in ("l0", "l1")}
+    assert done["l1"]["versions_applied"] > 0, done["l1"]
+    home = open_store(a_uri)
+    log = CommitLog(home)
+    merged = {i.learner for r in log.read_range(0, log.tail() + 1) for i in r.inputs}
+    assert merged == {"l0", "l1"}
+    # each learner claimed its life in its own region's store (a write that shows where it lives)
+    assert open_store(b_uri).list(incarnation_prefix("l1")) and not home.list(incarnation_prefix("l1"))
+    assert home.list(incarnation_prefix("l0")) and not open_store(b_uri).list(incarnation_prefix("l0"))
+    check = verify_region(home, open_store(b_uri), "b", log.tail())
+    assert check.ok and check.tail == log.tail(), check
+    assert cli.main(["replay", a_uri, "--regions", "--plain"]) == 0
