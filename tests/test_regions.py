@@ -234,6 +234,11 @@ def check_after(run: TwoRegions) -> int:
     """Replication caught up and verified, b's learners never read home after start, replay exact."""
     tail = CommitLog(run.home).tail()
     assert run.syncer.replicator.lag() == {"b": 0}
+    b = run.syncer.summary()["regions"]["b"]
+    assert b["next"] == tail + 1 and b["copied"] >= tail - 2
+    # the syncer's cross-region traffic is counted: the copies it wrote, the spills it read in b
+    assert b["requests"]["bytes_written"] >= b["bytes"] > 0 and b["requests"]["bytes_read"] > 0
+    assert b["requests"]["list"] > 0 and b["requests"]["failed"] > 0      # the inbox polls; the cut
     check = verify_region(run.home, run.b_direct, "b", tail)
     assert check.ok and check.tail == tail and check.checked == tail + 1, check
     steady = run.topo.a_for_b.snapshot() - run.after_start

@@ -13,12 +13,14 @@ latest-wins slots: only the newest is written when a region is reachable again.
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from pipeline.errors import FormatError
+from storage.accounting import CountingStore
 from storage.errors import NotFound, StoreError
 from storage.layout import HEAD_HINT_KEY, pack_head_hint
 from storage.log import CommitLog
@@ -98,9 +100,15 @@ class Replicator:
             return {r.name: self._latest + 1 - (r.next or 0) for r in self.regions}
 
     def stats(self) -> dict[str, dict]:
+        """Per region: the next seq it lacks, commits and bytes copied, failures in a row, and (when
+        its store is a CountingStore) every request the syncer made to it: ingest and replication."""
         with self._lock:
-            return {r.name: {"next": r.next, "copied": r.copied, "bytes": r.bytes, "failures": r.failures}
-                    for r in self.regions}
+            out = {r.name: {"next": r.next, "copied": r.copied, "bytes": r.bytes, "failures": r.failures}
+                   for r in self.regions}
+        for r in self.regions:
+            if isinstance(r.store, CountingStore):
+                out[r.name]["requests"] = dataclasses.asdict(r.store.snapshot())
+        return out
 
     def stop(self, drain_s: float = 0.0) -> bool:
         """Stop the thread, after waiting up to ``drain_s`` for every region to catch up; True if
@@ -215,6 +223,8 @@ def replication(home: ObjectStore, desc: RunDescriptor, events: EventLog,
     home first; just ``home`` in a single-region run) and the replicator to the other regions
     (None: there are none)."""
     stores = region_stores(home, desc, given)
-    others = {n: s for n, s in stores.items() if s is not home}
+    # Counted: every request the syncer makes to another region crosses regions (docs/regions.md
+    # "Request and byte accounting"); Replicator.stats() reports them per region.
+    others = {n: CountingStore(s) for n, s in stores.items() if s is not home}
     inboxes = [home, *others.values()]
     return inboxes, (Replicator(home, others, events) if others else None)
