@@ -18,11 +18,12 @@ from pipeline.regions import RegionSpec
 from pipeline.types import CommitRecord
 
 from .errors import AlreadyExists, NotFound
-from .layout import DESCRIPTOR_KEY, MEMBER_PREFIX, commit_key, read_descriptor
+from .layout import (DESCRIPTOR_KEY, MEMBER_PREFIX, VERSION_PREFIX, commit_key, parse_version_key,
+                     read_descriptor)
 from .store import ObjectStore, open_store
 
 __all__ = ["RegionConflict", "open_region", "learner_region_store", "copy_same", "replicate_static",
-           "replicate_commit", "RegionCheck", "verify_region"]
+           "replicate_commit", "prune_versions", "RegionCheck", "verify_region"]
 
 _PUBLISHING = ("init", "merge")   # commit kinds that name a version they created
 
@@ -111,6 +112,28 @@ def replicate_commit(home: ObjectStore, dst: ObjectStore, seq: int) -> int:
         except NotFound:
             pass   # an old commit whose version retention removed: the record alone is the log
     return n + copy_same(home, dst, key, blob)
+
+
+def prune_versions(home: ObjectStore, dst: ObjectStore) -> int:
+    """Delete from ``dst`` every version object older than the oldest version of its fragment that
+    ``home`` still keeps: a region follows the home store's retention (docs/storage.md
+    "Retention"), which deletes only at home. Only *older* ones go, so a version not copied yet
+    or just published is never touched; a fragment home lists no version of is left alone.
+    Returns how many objects were deleted."""
+    oldest: dict[int, int] = {}
+    for key in home.list(VERSION_PREFIX):
+        p, v = parse_version_key(key)
+        oldest[p] = min(v, oldest.get(p, v))
+    deleted = 0
+    for key in dst.list(VERSION_PREFIX):
+        p, v = parse_version_key(key)
+        if p in oldest and v < oldest[p]:
+            try:
+                dst.delete(key)
+            except NotFound:
+                pass   # deleted meanwhile: the goal either way
+            deleted += 1
+    return deleted
 
 
 @dataclass

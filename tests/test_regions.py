@@ -27,10 +27,10 @@ from pipeline.regions import RegionSpec, RegionsConfig
 from pipeline.types import delta_id
 from storage.accounting import CountingStore
 from storage.errors import Unavailable
-from storage.layout import (DESCRIPTOR_KEY, SPILL_PREFIX, commit_key, incarnation_prefix, parse_spill_key,
-                            read_descriptor)
+from storage.layout import (DESCRIPTOR_KEY, SPILL_PREFIX, VERSION_PREFIX, commit_key, incarnation_prefix,
+                            parse_spill_key, parse_version_key, read_descriptor, version_key)
 from storage.log import CommitLog
-from storage.regions import RegionConflict, learner_region_store, open_region, verify_region
+from storage.regions import RegionConflict, learner_region_store, open_region, prune_versions, verify_region
 from storage.store import open_store
 from workers import cli
 from workers.launch import RunSettings, create_run
@@ -132,6 +132,18 @@ def test_a_learner_finds_its_region_store_and_refuses_a_wrong_one(tmp_path, caps
     create_run(plain, init, RunSettings(fragments=2, sync_every=4))
     with pytest.raises(ValueError, match="has no regions section: --region b needs"):
         learner_region_store(plain, "b")
+
+
+def test_a_region_prunes_the_versions_home_retention_deleted_and_nothing_newer(tmp_path):
+    home, b = open_store(str(tmp_path / "a")), open_store(str(tmp_path / "b"))
+    for p, kept in ((0, (3, 4)), (1, (7,))):
+        for v in kept:
+            home.put(version_key(p, v, 1), b"x")
+    for p, v in ((0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (1, 6), (1, 7), (2, 0)):
+        b.put(version_key(p, v, 1), b"x")      # (0, 5): copied before home listed it; (2, 0): home has none
+    assert prune_versions(home, b) == 3
+    left = sorted(parse_version_key(k) for k in b.list(VERSION_PREFIX))
+    assert left == [(0, 3), (0, 4), (0, 5), (1, 7), (2, 0)]
 
 
 # -- a two-region run -------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from storage.errors import NotFound, StoreError
 from storage.layout import HEAD_HINT_KEY, pack_head_hint
 from storage.log import CommitLog
 from pipeline.types import RunDescriptor
-from storage.regions import RegionConflict, open_region, replicate_commit, replicate_static
+from storage.regions import RegionConflict, open_region, prune_versions, replicate_commit, replicate_static
 from storage.store import ObjectStore
 from .events import EventLog
 
@@ -37,6 +37,7 @@ class ReplicatorConfig:
     retry_s: float = 0.5          # first pause after a region failed (doubles while it keeps failing)
     max_retry_s: float = 10.0     # longest pause between attempts on a failing region
     static_every_s: float = 5.0   # how often membership records are copied again (learners join)
+    prune_every_s: float = 60.0   # how often a region's old versions follow the home retention
     batch: int = 64               # commits copied to one region before the others get a turn
     drain_s: float = 10.0         # how long a stopping syncer waits for the regions to catch up
 
@@ -53,6 +54,8 @@ class _Region:
     retry_at: float = 0.0
     failures: int = 0             # consecutive failed attempts
     static_at: float = -1e18      # when the descriptor and members were last copied
+    pruned_at: float = 0.0        # when its old versions were last pruned (the first prune: one period in)
+    pruned: int = 0               # version objects deleted to follow home's retention
     copied: int = 0               # commits copied
     bytes: int = 0                # bytes written to this region
     slots: dict[str, bytes] = field(default_factory=dict)   # advisory objects still to write
@@ -67,7 +70,7 @@ class Replicator:
     def __init__(self, home: ObjectStore, regions: Mapping[str, ObjectStore], events: EventLog,
                  cfg: ReplicatorConfig = ReplicatorConfig(), clock: Callable[[], float] = time.monotonic):
         self.home, self.events, self.cfg, self.clock = home, events, cfg, clock
-        self.regions = [_Region(name, store) for name, store in regions.items()]
+        self.regions = [_Region(name, store, pruned_at=clock()) for name, store in regions.items()]
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -103,8 +106,8 @@ class Replicator:
         """Per region: the next seq it lacks, commits and bytes copied, failures in a row, and (when
         its store is a CountingStore) every request the syncer made to it: ingest and replication."""
         with self._lock:
-            out = {r.name: {"next": r.next, "copied": r.copied, "bytes": r.bytes, "failures": r.failures}
-                   for r in self.regions}
+            out = {r.name: {"next": r.next, "copied": r.copied, "bytes": r.bytes, "failures": r.failures,
+                            "pruned": r.pruned} for r in self.regions}
         for r in self.regions:
             if isinstance(r.store, CountingStore):
                 out[r.name]["requests"] = dataclasses.asdict(r.store.snapshot())
@@ -178,6 +181,9 @@ class Replicator:
             with self._lock:
                 r.slots[HEAD_HINT_KEY] = pack_head_hint(r.next - 1, epoch)
         self._flush_slots(r)
+        if now - r.pruned_at >= self.cfg.prune_every_s:
+            r.pruned += prune_versions(self.home, r.store)
+            r.pruned_at = now
         return r.next <= latest and copied > 0
 
     def _flush_slots(self, r: _Region) -> None:
