@@ -23,7 +23,7 @@ from .layout import (DESCRIPTOR_KEY, MEMBER_PREFIX, VERSION_PREFIX, commit_key, 
 from .store import ObjectStore, open_store
 
 __all__ = ["RegionConflict", "open_region", "learner_region_store", "copy_same", "replicate_static",
-           "replicate_commit", "prune_versions", "RegionCheck", "verify_region"]
+           "replicate_commit", "seed_region", "prune_versions", "RegionCheck", "verify_region"]
 
 _PUBLISHING = ("init", "merge")   # commit kinds that name a version they created
 
@@ -134,6 +134,18 @@ def prune_versions(home: ObjectStore, dst: ObjectStore) -> int:
                 pass   # deleted meanwhile: the goal either way
             deleted += 1
     return deleted
+
+
+def seed_region(home: ObjectStore, dst: ObjectStore) -> int:
+    """Copy a newly created run (descriptor, members, the init commits and version 0) from ``home``
+    to region store ``dst``, so that its learners can start before the syncer does; the syncer's
+    replicator goes on from the region's log tail. Returns bytes written."""
+    n = replicate_static(home, dst)
+    seq = 0
+    while home.exists(commit_key(seq)):
+        n += replicate_commit(home, dst, seq)
+        seq += 1
+    return n
 
 
 @dataclass

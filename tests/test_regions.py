@@ -374,3 +374,23 @@ def test_learner_processes_in_two_regions_with_a_bus(tmp_path):
     check = verify_region(home, open_store(b_uri), "b", log.tail())
     assert check.ok and check.tail == log.tail(), check
     assert cli.main(["replay", a_uri, "--regions", "--plain"]) == 0
+
+
+def test_ddiloco_run_places_learners_in_regions(tmp_path):
+    """`ddiloco run --regions 2`: the run is created with two regions (r1 seeded at creation), l1
+    runs in r1; the run finishes, r1's copy matches the home log, and replay --regions passes."""
+    import os
+    import subprocess
+    import sys
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "workers.cli", "run", "--learners", "2", "--regions", "2", "--steps", "60",
+           "--fragments", "3", "--sync-every", "6", "--layers", "1", "--width", "32", "--batch-size", "4",
+           "--max-bytes", "300000", "--plain", "--eval-every", "1000", "--out", str(out)]
+    done = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    home, r1 = open_store(str(out / "store")), open_store(str(out / "regions" / "r1"))
+    assert read_descriptor(home).regions.home == "r0"
+    assert r1.list(incarnation_prefix("l1")) and not home.list(incarnation_prefix("l1"))
+    tail = CommitLog(home).tail()
+    assert verify_region(home, r1, "r1", tail).ok
+    assert cli.main(["replay", str(out / "store"), "--regions", "--plain"]) == 0

@@ -32,6 +32,7 @@ from pipeline.security import RunSecurity
 from pipeline.types import CommitRecord
 from storage.layout import version_key, write_descriptor
 from storage.log import CommitLog
+from storage.regions import open_region, seed_region
 from storage.store import ObjectStore
 from .keys import Identity, PublicIdentity
 from .signing import sign_commit
@@ -101,7 +102,8 @@ class RunSettings:
 def create_run(store: ObjectStore, init: Mapping[str, np.ndarray], settings: RunSettings,
                embedding_tensors: tuple[str, ...] | None = None, *, syncer: Identity | None = None,
                learners: Sequence[PublicIdentity] = ()) -> RunDescriptor:
-    """Write the descriptor, version 0 of every fragment, and one ``init`` commit per fragment.
+    """Write the descriptor, version 0 of every fragment, and one ``init`` commit per fragment;
+    in a run with regions, copy them to every other region's store (issue 14).
 
     ``syncer`` (its identity, secret included: it signs version 0) makes the run signed, listing
     ``learners``' public keys; more learners can join later (workers/keys.py ``add_member``)."""
@@ -128,4 +130,7 @@ def create_run(store: ObjectStore, init: Mapping[str, np.ndarray], settings: Run
         rec = CommitRecord(seq=p, epoch=0, kind="init", fragment=p, version=0, output_key=key,
                            output_checksum=checksum, info={"created_at": round(time.time(), 3)})
         log.append(sign_commit(rec, signer, desc.run_id) if signer is not None else rec)
+    if desc.regions is not None:   # every region holds the run before any of its learners starts
+        for spec in desc.regions.others:
+            seed_region(store, open_region(spec, create=True))
     return desc

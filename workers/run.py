@@ -14,6 +14,7 @@ CURVE or signatures, and says so in the log and the summary.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -24,6 +25,7 @@ import torch
 
 from pipeline.codec import SCHEMES
 from pipeline.guard import NormGuardConfig
+from pipeline.regions import RegionSpec, RegionsConfig
 from storage.log import CommitLog
 from storage.store import ObjectStore, open_store
 from .cluster import ClusterConfig, LocalCluster, create_job_run, global_eval_loss
@@ -83,6 +85,9 @@ def configure(parser):
     a("--keys", default=None, help="key directory (default OUT/keys); missing keys are created")
     a("--norm-guard", type=float, default=0.0,
       help="drop deltas whose norm exceeds this factor x the recent median (0: off)")
+    a("--regions", type=int, default=1, metavar="N",
+      help="regions (docs/regions.md): r0 is home (--store), r1.. are directories OUT/regions/rK; learner m "
+           "runs in region m mod N, reading and spilling only there (no WAN emulation yet)")
     a("--create-only", action="store_true",
       help="only create the run (descriptor + version 0) and exit; start roles with ddiloco syncer/learner")
     return run
@@ -108,6 +113,19 @@ def settings_from_args(args, gcfg: GPTConfig, job: JobSettings) -> RunSettings:
                        norm_guard=NormGuardConfig(factor=args.norm_guard) if args.norm_guard else None)
 
 
+def local_regions(args, store_uri: str, out: Path) -> RegionsConfig | None:
+    """``--regions N``: home r0 at the run's store, r1..r(N-1) in local directories (None: one region)."""
+    if args.regions < 1:
+        raise SystemExit(f"--regions must be >= 1, got {args.regions}")
+    if args.regions == 1:
+        return None
+    if "://" in store_uri:
+        raise SystemExit("--regions N places regions in local directories; for S3 buckets create the run with a "
+                         "regions section (docs/regions.md) and start the roles with ddiloco syncer/learner --region")
+    uris = [store_uri, *(str((out / "regions" / f"r{r}").resolve()) for r in range(1, args.regions))]
+    return RegionsConfig("r0", tuple(RegionSpec(f"r{r}", uri) for r, uri in enumerate(uris)))
+
+
 def run(args) -> int:
     if args.learners < 1:
         raise SystemExit(f"--learners must be >= 1, got {args.learners}")
@@ -126,7 +144,8 @@ def run(args) -> int:
     store = open_store(store_uri, s3_endpoint=args.s3_endpoint)
     keydir = None if args.insecure else Path(args.keys or out / "keys")
     names = [f"l{m}" for m in range(args.learners)]
-    desc, model = create_job_run(store, settings_from_args(args, gcfg, job), gcfg, args.seed, keydir, names)
+    settings = dataclasses.replace(settings_from_args(args, gcfg, job), regions=local_regions(args, store_uri, out))
+    desc, model = create_job_run(store, settings, gcfg, args.seed, keydir, names)
     if args.create_only:
         print(f"created run {desc.run_id} at {store_uri}: {desc.num_fragments} fragments, "
               f"H={desc.schedule.sync_every}, K={desc.policy.quorum}, {desc.codec.scheme}; {steps} steps per learner; "
@@ -145,7 +164,8 @@ def run(args) -> int:
     t_start = time.time()
     cluster.start_syncer(SYNCER)
     for m, lid in enumerate(names):
-        cluster.start_learner(lid, ["--shard", str(m)])
+        region = ["--region", f"r{m % args.regions}"] if desc.regions is not None else []
+        cluster.start_learner(lid, ["--shard", str(m), *region])
     init_loss = evaluate(model, corpus)
     events.emit("eval", tokens=0, loss=init_loss, versions={})
     progress = Progress(args.learners, steps, desc, plain=args.plain or not sys.stdout.isatty())
