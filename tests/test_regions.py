@@ -394,3 +394,26 @@ def test_ddiloco_run_places_learners_in_regions(tmp_path):
     tail = CommitLog(home).tail()
     assert verify_region(home, r1, "r1", tail).ok
     assert cli.main(["replay", str(out / "store"), "--regions", "--plain"]) == 0
+
+
+def test_the_replicator_catches_a_region_up_from_the_home_log_and_restarts(tmp_path):
+    """A region that fails is retried with backoff without blocking the caller; once it answers it
+    gets every commit from the home log, in order; a stopped replicator starts again."""
+    from workers.events import EventLog
+    from workers.replicate import Replicator, ReplicatorConfig
+    a, b = open_store(str(tmp_path / "a")), Partitioned(open_store(str(tmp_path / "b")))
+    init = {n: p.detach().numpy().copy() for n, p in _model(0).named_parameters()}
+    create_run(a, init, RunSettings(fragments=2, sync_every=4))
+    b.down = True
+    rep = Replicator(a, {"b": b}, EventLog(None, "syncer", "t"), ReplicatorConfig(retry_s=0.01, max_retry_s=0.05))
+    t0 = time.monotonic()
+    rep.start()
+    rep.committed(1, 0)
+    assert time.monotonic() - t0 < 0.5          # never waits on the region
+    wait_until(lambda: rep.stats()["b"]["failures"] >= 3, 10, "retries while b is down")
+    assert rep.lag() == {"b": 2}
+    b.down = False
+    wait_until(lambda: rep.lag() == {"b": 0}, 10, "b to catch up")
+    assert rep.stop() and verify_region(a, b.inner, "b", 1).ok
+    rep.start()
+    assert rep.stop(drain_s=1.0)

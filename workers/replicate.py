@@ -80,9 +80,12 @@ class Replicator:
 
     # -- the syncer's side (its loop thread) -----------------------------------------------------
     def start(self, tail: int | None = None) -> "Replicator":
-        """Start copying; ``tail`` the home log's last seq (None: read it here, once)."""
+        """Start copying (again, after ``stop``); ``tail`` the home log's last seq (None: read it here)."""
         self.committed(CommitLog(self.home).tail() if tail is None else tail, 0)
-        self._thread.start()
+        if not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="replicate", daemon=True)
+            self._thread.start()
         return self
 
     def committed(self, seq: int, epoch: int) -> None:
