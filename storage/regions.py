@@ -67,9 +67,11 @@ def _same_location(spec: RegionSpec, store: ObjectStore) -> bool:
             return True
         have = getattr(store, "endpoint", None)
         return (spec.endpoint or "").rstrip("/") == (have or "").rstrip("/")
-    root = getattr(store, "root", None)     # a LocalStore: compare absolute paths
-    path = spec.uri[len("file://"):] if spec.uri.startswith("file://") else spec.uri
-    return root is not None and "://" not in path and os.path.abspath(os.path.expanduser(path)) == root
+    def local(uri: str) -> str | None:      # a directory path or file:/// URI, made absolute
+        path = uri[len("file://"):] if uri.startswith("file://") else uri
+        return None if "://" in path else os.path.abspath(os.path.expanduser(path))
+    mine = local(spec.uri)
+    return mine is not None and mine in (getattr(store, "root", None), local(store.uri))
 
 
 def copy_same(src: ObjectStore, dst: ObjectStore, key: str, blob: bytes | None = None) -> int:

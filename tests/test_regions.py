@@ -125,6 +125,13 @@ def test_a_learner_finds_its_region_store_and_refuses_a_wrong_one(tmp_path, caps
     assert cli.main(["learner", "--store", str(a), "--id", "b0", "--region", "c", "--insecure"]) == 1
     assert "no region 'c' in this run" in capsys.readouterr().err
     assert learner_region_store(_desc_store, "a") is _desc_store
+    counted = CountingStore(_desc_store)     # a wrapper: recognised by its file:// URI
+    assert learner_region_store(counted, "a") is counted
+    from workers.replicate import region_stores
+    with pytest.raises(ValueError, match="'a' is the home region: its store is the syncer's own"):
+        region_stores(_desc_store, read_descriptor(_desc_store), {"a": counted})
+    with pytest.raises(ValueError, match=r"region stores \['z'\] were given, but run .* regions are \['a', 'b'\]"):
+        region_stores(_desc_store, read_descriptor(_desc_store), {"z": counted})
     open_store(str(b)).put(DESCRIPTOR_KEY, b"another run")
     with pytest.raises(RegionConflict, match="holds another run descriptor"):
         learner_region_store(_desc_store, "b")

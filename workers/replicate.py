@@ -213,6 +213,9 @@ def region_stores(home: ObjectStore, desc: RunDescriptor,
             raise ValueError(f"run {desc.run_id} has no regions section, but region stores {sorted(given)} were given")
         return {}
     given = dict(given or {})
+    if desc.regions.home in given:
+        raise ValueError(f"region {desc.regions.home!r} is the home region: its store is the syncer's own "
+                         "(pass it as the syncer's store, not in regions=)")
     unknown = sorted(set(given) - {r.name for r in desc.regions.regions})
     if unknown:
         raise ValueError(f"region stores {unknown} were given, but run {desc.run_id}'s regions are "
