@@ -133,7 +133,8 @@ def _fma32_step(a: np.ndarray, b: np.ndarray, c64: float, out: np.ndarray, t: _S
     s, bits, rbits, mid, edge = t.s[:n], t.bits[:n], t.rbits[:n], t.mid[:n], t.edge[:n]
     np.multiply(b, c64, out=s, dtype=np.float64)      # exact: 24 x 24 bits
     np.add(s, a, out=s, dtype=np.float64)             # rounds once, to 53 bits
-    np.copyto(out, s, casting="same_kind")            # and to 24: wrong only on a float32 midpoint
+    with np.errstate(over="ignore"):                  # beyond float32's range: inf, as IEEE fma gives
+        np.copyto(out, s, casting="same_kind")        # and to 24: wrong only on a float32 midpoint
     np.bitwise_and(s.view(np.uint64), _LOW29, out=bits)
     np.equal(bits, _MID29, out=mid)
     np.bitwise_and(out.view(np.uint32), np.uint32(0x7FFFFFFF), out=rbits)
