@@ -117,13 +117,13 @@ class Syncer(SyncerIngest):
 
     def __init__(self, store: str | ObjectStore, cfg: SyncerConfig = SyncerConfig(), bus: BusConfig | None = None,
                  events: EventLog | None = None, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time, keys: KeyRing | None = None,
-                 before_commit: Callable[[CommitRecord], None] | None = None,
+                 wall: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
+                 keys: KeyRing | None = None, before_commit: Callable[[CommitRecord], None] | None = None,
                  regions: Mapping[str, ObjectStore] | None = None):
         self.store = open_store(store, create=False) if isinstance(store, str) else store   # never a new empty dir
         self.cfg = cfg
         self.events = events or EventLog(None, "syncer", cfg.syncer_id)
-        self.clock, self.wall = clock, wall
+        self.clock, self.wall, self.sleep = clock, wall, sleep   # injected: tests drive time (style guide)
         self.descriptor: RunDescriptor = read_descriptor(self.store)
         self.security = check_syncer_keys(self.descriptor, keys)
         self.signer = keys.own.signer() if keys is not None else None
@@ -443,7 +443,7 @@ class Syncer(SyncerIngest):
                 if not exc.retryable:
                     raise
                 self.events.emit("store-error", op="commit", seq=rec.seq, error=str(exc), retry_in_s=backoff)
-                time.sleep(backoff)
+                self.sleep(backoff)
                 backoff = min(backoff * 2, self.cfg.max_retry_s)
                 if self.bus is not None:
                     self._ingest_bus(0)   # keep hearing heartbeats; new deltas wait in pending

@@ -8,7 +8,6 @@ here runs on the syncer's one loop thread and uses its state (``pending``, ``sta
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 
 from pipeline.envelope import digest
@@ -65,7 +64,7 @@ class _Held:
 class SyncerIngest:
     def _ingest_bus(self, timeout_s: float) -> None:
         if self.bus is None:
-            time.sleep(timeout_s)
+            self.sleep(timeout_s)
             return
         got = self.bus.recv(timeout_s)
         # Drain what is queued, but return to close rounds at least every 50 ms: a flood of deltas
