@@ -255,6 +255,7 @@ def check_after(run: TwoRegions) -> int:
     assert run.syncer.replicator.lag() == {"b": 0}
     b = run.syncer.summary()["regions"]["b"]
     assert b["next"] == tail + 1 and b["copied"] >= tail - 2
+    assert 0 < b["delay_s_mean"] <= b["delay_s_max"]     # the cut shows as the longest delay
     # the syncer's cross-region traffic is counted: the copies it wrote, the spills it read in b
     assert b["requests"]["bytes_written"] >= b["bytes"] > 0 and b["requests"]["bytes_read"] > 0
     assert b["requests"]["list"] > 0 and b["requests"]["failed"] > 0      # the inbox polls; the cut
@@ -419,8 +420,10 @@ def test_the_replicator_catches_a_region_up_from_the_home_log_and_restarts(tmp_p
     assert time.monotonic() - t0 < 0.5          # never waits on the region
     wait_until(lambda: rep.stats()["b"]["failures"] >= 3, 10, "retries while b is down")
     assert rep.lag() == {"b": 2}
+    down_s = time.monotonic() - t0
     b.down = False
     wait_until(lambda: rep.lag() == {"b": 0}, 10, "b to catch up")
+    assert rep.stats()["b"]["delay_s_max"] >= down_s     # commit noted -> copied, across the outage
     assert rep.stop() and verify_region(a, b.inner, "b", 1).ok
     rep.start()
     assert rep.stop(drain_s=1.0)

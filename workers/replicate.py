@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -27,9 +28,12 @@ from storage.log import CommitLog
 from pipeline.types import RunDescriptor
 from storage.regions import RegionConflict, open_region, prune_versions, replicate_commit, replicate_static
 from storage.store import ObjectStore
+from .aggregate import RunningMean
 from .events import EventLog
 
 __all__ = ["ReplicatorConfig", "Replicator", "region_stores", "replication"]
+
+NOTED_KEEP = 4096   # recent commits whose noting time is kept for the replication delay
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class _Region:
     static_at: float = -1e18      # when the descriptor and members were last copied
     pruned_at: float = 0.0        # when its old versions were last pruned (the first prune: one period in)
     pruned: int = 0               # version objects deleted to follow home's retention
+    delay: RunningMean = field(default_factory=RunningMean)   # commit noted -> record copied, seconds
     copied: int = 0               # commits copied
     bytes: int = 0                # bytes written to this region
     slots: dict[str, bytes] = field(default_factory=dict)   # advisory objects still to write
@@ -76,6 +81,9 @@ class Replicator:
         self._stop = threading.Event()
         self._latest = -1
         self._epoch = 0
+        # When each recent commit was noted, for the replication delay; bounded (commits noted
+        # longer ago than NOTED_KEEP commits are not timed: a region that far behind is reported by lag()).
+        self._noted: OrderedDict[int, float] = OrderedDict()
         self._thread = threading.Thread(target=self._run, name="replicate", daemon=True)
 
     # -- the syncer's side (its loop thread) -----------------------------------------------------
@@ -89,7 +97,12 @@ class Replicator:
         return self
 
     def committed(self, seq: int, epoch: int) -> None:
+        now = self.clock()
         with self._lock:
+            for s in range(max(self._latest + 1, seq - NOTED_KEEP + 1), seq + 1):
+                self._noted[s] = now
+            while len(self._noted) > NOTED_KEEP:
+                self._noted.popitem(last=False)
             if seq > self._latest:
                 self._latest, self._epoch = seq, max(self._epoch, epoch)
         self._wake.set()
@@ -110,7 +123,8 @@ class Replicator:
         its store is a CountingStore) every request the syncer made to it: ingest and replication."""
         with self._lock:
             out = {r.name: {"next": r.next, "copied": r.copied, "bytes": r.bytes, "failures": r.failures,
-                            "pruned": r.pruned} for r in self.regions}
+                            "pruned": r.pruned, "delay_s_mean": round(r.delay.mean, 4),
+                            "delay_s_max": round(r.delay.high, 4) if r.delay else 0.0} for r in self.regions}
         for r in self.regions:
             if isinstance(r.store, CountingStore):
                 out[r.name]["requests"] = dataclasses.asdict(r.store.snapshot())
@@ -176,6 +190,9 @@ class Replicator:
             except NotFound:
                 break          # noted before home's write is visible to this reader: next turn
             with self._lock:
+                noted = self._noted.get(r.next)
+                if noted is not None:
+                    r.delay.append(self.clock() - noted)
                 r.next += 1
                 r.copied += 1
                 r.bytes += n
