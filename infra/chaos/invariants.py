@@ -191,16 +191,7 @@ def token_ledger(obs: Observation, store: ObjectStore | None = None) -> Check:
         problems.append(f"ledger does not balance: produced {produced_tokens} tokens, accounted {accounted}")
     if not produced:
         problems.append("no learner logged a produced delta (is the learner's 'delta' event missing?)")
-    orphaned = []
-    if store is not None:
-        from storage.layout import delta_key
-        for did in unaccounted:
-            learner, inc, seq = did.split("/")
-            try:
-                if store.exists(delta_key(learner, int(inc), int(seq))):
-                    orphaned.append(did)
-            except Exception:
-                pass
+    orphaned = _orphaned(store, unaccounted) if store is not None else []
     if orphaned:
         problems.insert(0, f"{len(unaccounted)} durable deltas unaccounted; {len(orphaned)} of them (e.g. {orphaned[0]}) "
                            "have a permanent copy no commit names: a fenced/crashed syncer persisted them, a "
@@ -209,13 +200,29 @@ def token_ledger(obs: Observation, store: ObjectStore | None = None) -> Check:
             "orphaned_by_syncer": orphaned, "unaccounted": unaccounted[:20],
             "deltas": dict(categories["deltas"]), "tokens": dict(categories["tokens"]),
             "duplicate_copies_recorded": sum(1 for d in merged if d in dropped)}
-    c = categories["deltas"]
-    detail = problems[0] if problems else (
-        f"{len(produced)} deltas: {c['merged']} merged once, "
-        f"{sum(v for k, v in c.items() if k.startswith('dropped'))} dropped with a reason, "
-        f"{c['superseded-at-learner'] + c['evicted-at-learner']} superseded at the learner, "
-        f"{c['lost-with-process']} lost with a killed process, {c['in-flight-at-shutdown']} in flight")
+    detail = problems[0] if problems else _ledger_summary(len(produced), categories["deltas"])
     return Check("token-ledger", not problems, detail, data)
+
+
+def _orphaned(store: ObjectStore, unaccounted: list[str]) -> list[str]:
+    """The unaccounted deltas whose permanent copy exists although no commit names them."""
+    from storage.layout import delta_key
+    orphaned = []
+    for did in unaccounted:
+        learner, inc, seq = did.split("/")
+        try:
+            if store.exists(delta_key(learner, int(inc), int(seq))):
+                orphaned.append(did)
+        except Exception:      # a diagnosis only: an unreadable store must not hide the ledger's verdict
+            pass
+    return orphaned
+
+
+def _ledger_summary(produced: int, c: Counter) -> str:
+    return (f"{produced} deltas: {c['merged']} merged once, "
+            f"{sum(v for k, v in c.items() if k.startswith('dropped'))} dropped with a reason, "
+            f"{c['superseded-at-learner'] + c['evicted-at-learner']} superseded at the learner, "
+            f"{c['lost-with-process']} lost with a killed process, {c['in-flight-at-shutdown']} in flight")
 
 
 # -- 3. replay ---------------------------------------------------------------------------------------
