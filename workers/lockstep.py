@@ -57,6 +57,23 @@ def _load(model: torch.nn.Module, values: dict[str, np.ndarray]) -> None:
             params[n].copy_(torch.from_numpy(v))
 
 
+def _land(model: torch.nn.Module, p: int, version: dict[str, np.ndarray], at_answer: dict[int, tuple],
+          c_steps: list[int], c_tokens: list[int], keep_progress: bool) -> None:
+    """Fragment p's new version reaches one replica: it overwrites what the replica did on p since
+    its answer (the latency's steps are lost), or with ``keep_progress`` keeps it on top
+    (Theta_new + (theta - theta at the answer)) and the counters keep those steps."""
+    cur, s0, k0 = at_answer.pop(p)
+    if keep_progress:
+        params = dict(model.named_parameters())
+        _load(model, {n: version[n] + (params[n].detach().numpy() - cur[n]) for n in version})
+        c_steps[p] -= s0
+        c_tokens[p] -= k0
+    else:
+        _load(model, version)
+        c_steps[p] = 0
+        c_tokens[p] = 0
+
+
 def diloco_baseline(gcfg: GPTConfig, job: JobSettings, learners: int, seed: int, events: EventLog,
                     outer: OuterSettings = OuterSettings(), eval_every: int = 50) -> dict:
     """Train ``learners`` replicas for ``job.steps`` inner steps each with the outer loop ``outer``;
@@ -113,19 +130,9 @@ def diloco_baseline(gcfg: GPTConfig, job: JobSettings, learners: int, seed: int,
             published.update(version)
             arriving.append((step + outer.latency, p, version))
         for item in [a for a in arriving if a[0] == step]:
-            _, p, version = item
             arriving.remove(item)
-            for m, model in enumerate(models):       # overwrite: the latency's steps on p are lost
-                cur, s0, k0 = at_answer[m].pop(p)
-                if outer.keep_progress:              # ... or kept: Theta_new + (theta - theta at the answer)
-                    params = dict(model.named_parameters())
-                    _load(model, {n: version[n] + (params[n].detach().numpy() - cur[n]) for n in version})
-                    c_steps[m][p] -= s0
-                    c_tokens[m][p] -= k0
-                else:
-                    _load(model, version)
-                    c_steps[m][p] = 0
-                    c_tokens[m][p] = 0
+            for m, model in enumerate(models):
+                _land(model, item[1], item[2], at_answer[m], c_steps[m], c_tokens[m], outer.keep_progress)
         if (step + 1) % 10 == 0:
             events.emit("step", step=step + 1, tokens=tokens)
         if (step + 1) % eval_every == 0:
