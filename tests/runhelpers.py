@@ -7,8 +7,10 @@ Secure by default like ``ddiloco run``: ``create`` makes keys for the syncer and
 ``DIR/keys`` and a signed run; ``TinyRun(..., secure=False)`` makes an unsigned one (--insecure)."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +25,16 @@ from workers.model import GPTConfig
 __all__ = ["TINY", "TinyRun", "Recorder", "free_port"]
 
 TINY = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=32)
+
+
+def finished_demo_run(out: Path, steps: int) -> Path:
+    """A finished 2-learner `ddiloco run` of a tiny model in ``out`` (a module fixture's directory)."""
+    cmd = [sys.executable, "-m", "workers.cli", "run", "--learners", "2", "--steps", str(steps), "--fragments", "3",
+           "--sync-every", "6", "--layers", "1", "--width", "32", "--batch-size", "4", "--plain",
+           "--eval-every", "1000", "--out", str(out)]
+    done = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0 and (out / "summary.json").exists(), done.stdout[-3000:] + done.stderr[-3000:]
+    return out
 
 
 @dataclass

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +23,7 @@ from workers.job import job_from
 from workers.model import GPT
 from workers.replay import rebuild
 from workers.replay_verify import open_run
+from runhelpers import finished_demo_run
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -33,13 +31,7 @@ pytestmark = pytest.mark.timeout(240)
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     """A finished 2-learner `ddiloco run` (tiny model); returns its output directory."""
-    out = tmp_path_factory.mktemp("ddiloco-export")
-    cmd = [sys.executable, "-m", "workers.cli", "run", "--learners", "2", "--steps", "60", "--fragments", "3",
-           "--sync-every", "6", "--layers", "1", "--width", "32", "--batch-size", "4", "--plain",
-           "--eval-every", "1000", "--out", str(out)]
-    done = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=200)
-    assert done.returncode == 0 and (out / "summary.json").exists(), done.stdout[-3000:] + done.stderr[-3000:]
-    return out
+    return finished_demo_run(tmp_path_factory.mktemp("ddiloco-export"), steps=60)
 
 
 def call(argv: list, capsys) -> tuple[int, str, str]:

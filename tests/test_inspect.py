@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +23,7 @@ from workers.job import job_from
 from workers.model import GPT
 from workers.replay import rebuild
 from workers.replay_verify import open_run
+from runhelpers import finished_demo_run
 from workers.versions import VersionTracker
 
 pytestmark = pytest.mark.timeout(240)
@@ -34,13 +32,7 @@ pytestmark = pytest.mark.timeout(240)
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     """A finished 2-learner `ddiloco run` (tiny model); returns its output directory."""
-    out = tmp_path_factory.mktemp("ddiloco-run")
-    cmd = [sys.executable, "-m", "workers.cli", "run", "--learners", "2", "--steps", "100", "--fragments", "3",
-           "--sync-every", "6", "--layers", "1", "--width", "32", "--batch-size", "4", "--plain",
-           "--eval-every", "1000", "--out", str(out)]
-    done = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=200)
-    assert done.returncode == 0 and (out / "summary.json").exists(), done.stdout[-3000:] + done.stderr[-3000:]
-    return out
+    return finished_demo_run(tmp_path_factory.mktemp("ddiloco-run"), steps=100)
 
 
 def store_of(run: Path) -> str:
