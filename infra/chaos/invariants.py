@@ -241,16 +241,18 @@ def replay_bitexact(store: ObjectStore, descriptor: RunDescriptor) -> Check:
 # -- 4. commits keep flowing -----------------------------------------------------------------------
 
 def training_windows(obs: Observation, margin_s: float) -> dict[str, list[tuple[float, float]]]:
-    """Per learner: when it was training (from ``learner-start`` + margin to its last produced
-    delta, per life), minus the times the harness had it paused."""
+    """Per learner: when it was training (from ``learner-start`` + margin to its last sign of
+    training - a produced delta, a step report or its stop - per life), minus the times the harness
+    had it paused. (Not the last delta alone: a learner that ends its budget sends no closing delta,
+    README "Rounds", so its last delta can come long before it stops training.)"""
     out: dict[str, list[tuple[float, float]]] = {}
     for lid, events in obs.learner_events.items():
         spans = []
         for life in _lives_of(events):
             start = next(e["t"] for e in life if e.get("event") == "learner-start") + margin_s
-            deltas = [e["t"] for e in life if e.get("event") == "delta"]
-            if deltas and deltas[-1] > start:
-                spans.append((start, deltas[-1]))
+            ends = [e["t"] for e in life if e.get("event") in ("delta", "step", "learner-stop")]
+            if ends and ends[-1] > start:
+                spans.append((start, ends[-1]))
         for a, b in obs.pauses(lid):
             spans = [piece for s in spans for piece in _minus(s, (a, b))]
         out[lid] = spans
