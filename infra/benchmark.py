@@ -32,7 +32,7 @@ import numpy as np
 
 from storage.log import CommitLog
 from storage.store import open_store
-from workers.events import read_events
+from workers.common.events import read_events
 
 
 def configure(parser: argparse.ArgumentParser):
@@ -123,9 +123,9 @@ def control_main(out: str, run_dir: str, steps: int) -> None:
     """The sync-off control: the default job's model, data and optimizer, no Learner at all, trained
     while the run in ``run_dir`` trains (same machine load); step times written to ``out``."""
     import torch
-    from workers.data import Corpus
-    from workers.job import JobSettings, make_optimizer
-    from workers.model import GPTConfig, build_model
+    from workers.job.data import Corpus
+    from workers.job.job import JobSettings, make_optimizer
+    from workers.job.model import GPTConfig, build_model
     torch.set_num_threads(1)
     from workers.run import DEMO_BATCH_SIZE
     gcfg, job = GPTConfig(), JobSettings(steps=steps, batch_size=DEMO_BATCH_SIZE)   # what `ddiloco run` trains
@@ -215,7 +215,7 @@ def _handle(args) -> int:
     figures["step_time_ratio_on_off"] = figures["step_time_sync_on_s"] / control
     lat = version_latencies(out / "decoupled-local", local["run_uri"])
     figures["latency_local_p50_s"], figures["latency_local_p99_s"] = _pct(lat, 50), _pct(lat, 99)
-    from workers.model import GPTConfig, build_model
+    from workers.job.model import GPTConfig, build_model
     params = sum(p.numel() for p in build_model(GPTConfig(), 0).parameters())
     figures.update(bandwidth_figures(local, args.steps, params, args.learners))
     # Rounds (issue "Rounds"): share of each learner's steps whose work entered a version, and how

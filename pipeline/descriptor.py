@@ -6,7 +6,7 @@ the component that uses it - ``layout`` (pipeline/fragment.py), ``schedule`` (pi
 ``outer`` (pipeline/outer.py), ``guard`` (pipeline/guard.py), ``security`` (pipeline/security.py),
 ``regions`` (pipeline/regions.py; format v3 only, below),
 and ``versions`` and ``learner`` (defined here: their users live in workers/, which pipeline/ cannot
-import). ``job`` is the default job's settings as a plain map (workers/job.py types it), ``model``
+import). ``job`` is the default job's settings as a plain map (workers/job/job.py types it), ``model``
 the model config, ``extra`` free-form notes no component reads. Carries no secrets.
 
 Validated once, in ``from_dict``: every error is a FormatError naming the field's path (``descriptor
@@ -60,7 +60,7 @@ class VersionsConfig:
 
 @dataclass(frozen=True)
 class LearnerRules:
-    """What a learner does when a new version lands (workers/learner.py): mix its replica into it
+    """What a learner does when a new version lands (workers/learner/learner.py): mix its replica into it
     with weight ``mixing_alpha`` (0: take the version), and ``keep_progress`` (keep its steps since
     the answer it sent)."""
 
@@ -92,7 +92,7 @@ class RunDescriptor:
     learner: LearnerRules = LearnerRules()
     guard: NormGuardConfig | None = None
     security: RunSecurity | None = None
-    job: dict[str, Any] | None = None      # the default job's settings (workers/job.py JobSettings)
+    job: dict[str, Any] | None = None      # the default job's settings (workers/job/job.py JobSettings)
     seed: int = 0
     model: dict[str, Any] = field(default_factory=dict)   # model config for jobs that build one
     extra: dict[str, Any] = field(default_factory=dict)   # free-form notes; no component reads them

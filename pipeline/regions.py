@@ -5,7 +5,7 @@ A run has one *home* region - the syncer and the authoritative commit log live i
 any number of others, each with its own store (a bucket in that region). Learners read versions,
 commit records and the round clock from their own region's store and spill there; the syncer
 ingests every region's inbox and replicates each commit record and version to every other region
-(workers/replicate.py). A run without a ``regions`` section is one region: today's single store.
+(workers/syncer/replicate.py). A run without a ``regions`` section is one region: today's single store.
 
 The descriptor's ``regions`` section (docs/formats.md "Run descriptor", version 3) is a
 ``RegionsConfig``. It carries no secret: a credentials *profile name* (the AWS shared-config

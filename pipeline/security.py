@@ -2,7 +2,7 @@
 
 Public keys only, never a secret. Typed here, beside the descriptor that carries it, because
 pipeline/ must not import workers/; key files, signatures and the membership records that extend
-the list live in workers/keys.py and workers/signing.py, which re-export these types.
+the list live in workers/bus/keys.py and workers/bus/signing.py, which re-export these types.
 
 Map (descriptor v1 ``extra["security"]``, descriptor v2 ``security``; the same bytes in both):
 ``{"mode": "signed", "version": 1, "syncer": {name, role, curve, sign}, "learners": {id: {...}}}``.

@@ -279,7 +279,7 @@ def claim_epoch(store: ObjectStore, syncer_id: str, *, retry: RetryPolicy = Retr
                 info: dict | None = None, trusted: Callable[[CommitRecord], bool] | None = None) -> SyncerClaim:
     """Claim a new syncer epoch and fence every older syncer (see the module docstring).
 
-    ``sign``: returns the fence record signed (a signed run's syncer key, workers/signing.py
+    ``sign``: returns the fence record signed (a signed run's syncer key, workers/bus/signing.py
     ``sign_commit``), so that nobody who can merely write to the bucket can forge a fence (issue 11
     item 14; recovery and replay verify it), and ``trusted`` tells such records from forged ones (see
     ``CommitLog``). ``info``: more to record in the fence (e.g. what recovery had to salvage);

@@ -16,11 +16,11 @@ from pathlib import Path
 
 from storage.store import open_store
 from workers.cluster import ClusterConfig, LocalCluster, create_job_run, free_port, global_eval_loss
-from workers.data import Corpus, evaluate
-from workers.events import EventLog
-from workers.job import JobSettings
+from workers.job.data import Corpus, evaluate
+from workers.common.events import EventLog
+from workers.job.job import JobSettings
 from workers.launch import RunSettings
-from workers.model import GPTConfig
+from workers.job.model import GPTConfig
 
 __all__ = ["TINY", "TinyRun", "Recorder", "free_port"]
 

@@ -20,7 +20,7 @@ from infra.chaos.proxy import Relay
 from infra.chaos.runner import run_scenario
 from infra.chaos.scenarios import SCENARIOS, Fault, Scenario, draw_failures, faults_from_events, get
 from pipeline.types import CommitRecord, InputRecord
-from workers.events import read_events
+from workers.common.events import read_events
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -8,7 +8,7 @@ import pytest
 from storage.log import CommitLog
 from storage.store import open_store
 from workers.cluster import ClusterConfig, DrainStatus, LocalCluster, RoleExited, create_job_run, global_eval_loss
-from workers.job import JobSettings
+from workers.job.job import JobSettings
 from workers.launch import RunSettings
 
 from runhelpers import TINY
@@ -116,5 +116,5 @@ def test_two_learners_kill_restart_pause_resume_and_drain(tmp_path):
 
 def cluster_log_every() -> int:
     """Steps between two ``step`` events (LearnerConfig.log_every): a pause may land mid-window."""
-    from workers.learner import LearnerConfig
+    from workers.learner.learner import LearnerConfig
     return LearnerConfig().log_every

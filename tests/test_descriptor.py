@@ -27,10 +27,10 @@ from pipeline.policy import PolicyConfig
 from storage.errors import AlreadyExists
 from storage.layout import DESCRIPTOR_KEY, read_descriptor, write_descriptor
 from storage.store import open_store
-from workers.job import JobSettings, job_from
-from workers.keys import Roster, ensure_identities
+from workers.job.job import JobSettings, job_from
+from workers.bus.keys import Roster, ensure_identities
 from workers.launch import RunSettings, create_run
-from workers.replay_verify import replay_run
+from workers.tools.replay_verify import replay_run
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

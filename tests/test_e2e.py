@@ -11,8 +11,8 @@ import pytest
 
 from pipeline.checksum import tensor_digest
 from storage.log import CommitLog
-from workers.replay import rebuild
-from workers.versions import decode_version
+from workers.tools.replay import rebuild
+from workers.common.versions import decode_version
 
 from conftest import use_s3_env
 from runhelpers import TinyRun

@@ -17,12 +17,12 @@ from safetensors.torch import load_file
 
 from pipeline.errors import FormatError
 from storage.log import CommitLog
-from workers import export
-from workers.data import Corpus, evaluate
-from workers.job import job_from
-from workers.model import GPT
-from workers.replay import rebuild
-from workers.replay_verify import open_run
+from workers.tools import export
+from workers.job.data import Corpus, evaluate
+from workers.job.job import job_from
+from workers.job.model import GPT
+from workers.tools.replay import rebuild
+from workers.tools.replay_verify import open_run
 from runhelpers import finished_demo_run
 
 pytestmark = pytest.mark.timeout(240)

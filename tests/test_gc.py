@@ -20,13 +20,13 @@ from storage.log import CommitLog
 from storage.retention import plan_retention
 from storage.store import open_store
 from workers import cli
-from workers.events import EventLog, read_events
-from workers.gc import RetentionConfig
+from workers.common.events import EventLog, read_events
+from workers.syncer.gc import RetentionConfig
 from workers.launch import RunSettings, create_run
-from workers.learner import Learner, LearnerConfig
-from workers.replay_verify import replay_run
-from workers.syncer import Syncer, SyncerConfig
-from workers.versions import VersionTracker
+from workers.learner.learner import Learner, LearnerConfig
+from workers.tools.replay_verify import replay_run
+from workers.syncer.syncer import Syncer, SyncerConfig
+from workers.common.versions import VersionTracker
 
 COMMITS = 45
 
@@ -158,7 +158,7 @@ class Now:
 def test_by_default_the_newest_commits_keep_everything(tmp_path):
     """The syncer's default keeps whatever the newest 1000 commits name: a run shorter than that
     replays from its first commit; a longer one keeps the newest checkpoint old enough, and after it."""
-    from workers.gc import SyncerRetention
+    from workers.syncer.gc import SyncerRetention
     uri, _ = make_run(tmp_path, RetentionConfig(enabled=False))
     store = open_store(uri)
     desc = read_descriptor(store)

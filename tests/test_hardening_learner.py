@@ -20,8 +20,8 @@ from storage.layout import commit_key, version_key
 from storage.log import CommitLog
 from storage.store import open_store
 from workers.launch import RunSettings, create_run
-from workers.learner import Learner, LearnerConfig
-from workers.versions import VersionTracker, encode_version
+from workers.learner.learner import Learner, LearnerConfig
+from workers.common.versions import VersionTracker, encode_version
 
 from runhelpers import Recorder
 
@@ -265,7 +265,7 @@ def test_a_crashed_receiver_thread_restarts_and_says_so(tmp_path, monkeypatch):
 def test_syncer_stats_are_running_aggregates_not_lists():
     """Old code: SyncerStats.grace_waits and quorum_sizes were lists with one entry per commit."""
     import pickle
-    from workers.syncer import SyncerStats
+    from workers.syncer.syncer import SyncerStats
     s = SyncerStats()
     for i in range(20_000):
         s.quorum_sizes.append(1 + i % 3)

@@ -17,8 +17,8 @@ from storage.store import open_store
 from workers import cli
 from workers.commands import learner_exit
 from workers.launch import RunSettings, create_run
-from workers.learner import Learner, LearnerConfig
-from workers.sender import SenderConfig
+from workers.learner.learner import Learner, LearnerConfig
+from workers.learner.sender import SenderConfig
 
 
 def run_cli(argv, capsys) -> tuple[int, str, str]:
@@ -132,7 +132,7 @@ def test_a_full_disk_is_reported_at_stop_and_by_the_exit(tmp_path):
 def test_learner_trouble_shows_in_the_live_progress(capsys):
     """Spill failures, stuck receivers, skipped steps and lost deltas reach the launcher's table."""
     from types import SimpleNamespace
-    from workers.progress import Progress
+    from workers.tools.progress import Progress
     desc = SimpleNamespace(run_id="r", num_fragments=2, sync_every=8, quorum=1, compression="int4")
     progress = Progress(1, 10, desc, plain=True)
     progress.update("l0", [

@@ -14,7 +14,7 @@ from pipeline.types import DeltaHeader
 from storage.errors import Unavailable
 from storage.layout import SPILL_PREFIX
 from storage.store import open_store
-from workers.sender import Sender, SenderConfig
+from workers.learner.sender import Sender, SenderConfig
 
 from runhelpers import Recorder
 

@@ -26,11 +26,11 @@ from pipeline.types import CommitRecord, DeltaHeader
 from storage.layout import spill_key
 from storage.log import CommitLog
 from storage.store import open_store
-from workers.bus import Message
+from workers.bus.bus import Message
 from workers.launch import RunSettings, create_run
-from workers.learner import Learner
-from workers.replay import rebuild
-from workers.syncer import Syncer, SyncerConfig
+from workers.learner.learner import Learner
+from workers.tools.replay import rebuild
+from workers.syncer.syncer import Syncer, SyncerConfig
 
 pytestmark = pytest.mark.timeout(120)
 

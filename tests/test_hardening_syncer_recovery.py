@@ -19,13 +19,13 @@ from storage.errors import NotFound
 from storage.layout import checkpoint_key, commit_key
 from storage.log import CommitLog
 from storage.store import open_store
-from workers.keys import KeyRing, ensure_identities
+from workers.bus.keys import KeyRing, ensure_identities
 from workers.launch import RunSettings, create_run
-from workers.replay import rebuild
-from workers.replay_verify import replay_run
-from workers.signing import commit_signature_ok, seal_delta
-from workers.syncer import Syncer, SyncerConfig
-from workers.versions import VersionTracker
+from workers.tools.replay import rebuild
+from workers.tools.replay_verify import replay_run
+from workers.bus.signing import commit_signature_ok, seal_delta
+from workers.syncer.syncer import Syncer, SyncerConfig
+from workers.common.versions import VersionTracker
 
 from test_hardening_syncer import _blob, _commits, _init, _merge_all, _offer
 

@@ -17,14 +17,14 @@ import torch
 from pipeline.types import CommitRecord, DroppedRecord, InputRecord
 from storage.layout import commit_key
 from storage.log import CommitLog
-from workers import export, logview, replay_cli
-from workers.data import Corpus, evaluate
-from workers.job import job_from
-from workers.model import GPT
-from workers.replay import rebuild
-from workers.replay_verify import open_run
+from workers.tools import export, logview, replay_cli
+from workers.job.data import Corpus, evaluate
+from workers.job.job import job_from
+from workers.job.model import GPT
+from workers.tools.replay import rebuild
+from workers.tools.replay_verify import open_run
 from runhelpers import finished_demo_run
-from workers.versions import VersionTracker
+from workers.common.versions import VersionTracker
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -212,7 +212,7 @@ def test_diff_norms_are_those_of_the_two_exports(run, capsys):
 
 def test_commit_line_shows_ingest_rejections():
     from pipeline.types import CommitRecord
-    from workers.logview import commit_line
+    from workers.tools.logview import commit_line
     rec = CommitRecord(seq=9, epoch=1, kind="drop", fragment=0, version=3,
                        info={"rejected": {"bad-signature": 2, "oversized": 1}})
     line = commit_line(rec)

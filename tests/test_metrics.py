@@ -20,10 +20,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from storage.accounting import CountingStore
 from storage.store import open_store
-from workers import logview
+from workers.tools import logview
 from workers.commands import configure_learner, configure_syncer
-from workers.events import EventLog
-from workers.metrics import Metrics, start_metrics
+from workers.common.events import EventLog
+from workers.common.metrics import Metrics, start_metrics
 
 from runhelpers import TinyRun
 

@@ -34,10 +34,10 @@ from storage.regions import RegionConflict, learner_region_store, open_region, p
 from storage.store import open_store
 from workers import cli
 from workers.launch import RunSettings, create_run
-from workers.learner import Learner, LearnerConfig
-from workers.replay_cli import verify_regions
-from workers.replay_verify import replay_run
-from workers.syncer import Syncer, SyncerConfig
+from workers.learner.learner import Learner, LearnerConfig
+from workers.tools.replay_cli import verify_regions
+from workers.tools.replay_verify import replay_run
+from workers.syncer.syncer import Syncer, SyncerConfig
 
 
 class Partitioned:
@@ -127,7 +127,7 @@ def test_a_learner_finds_its_region_store_and_refuses_a_wrong_one(tmp_path, caps
     assert learner_region_store(_desc_store, "a") is _desc_store
     counted = CountingStore(_desc_store)     # a wrapper: recognised by its file:// URI
     assert learner_region_store(counted, "a") is counted
-    from workers.replicate import region_stores
+    from workers.syncer.replicate import region_stores
     with pytest.raises(ValueError, match="'a' is the home region: its store is the syncer's own"):
         region_stores(_desc_store, read_descriptor(_desc_store), {"a": counted})
     with pytest.raises(ValueError, match=r"region stores \['z'\] were given, but run .* regions are \['a', 'b'\]"):
@@ -407,8 +407,8 @@ def test_ddiloco_run_places_learners_in_regions(tmp_path):
 def test_the_replicator_catches_a_region_up_from_the_home_log_and_restarts(tmp_path):
     """A region that fails is retried with backoff without blocking the caller; once it answers it
     gets every commit from the home log, in order; a stopped replicator starts again."""
-    from workers.events import EventLog
-    from workers.replicate import Replicator, ReplicatorConfig
+    from workers.common.events import EventLog
+    from workers.syncer.replicate import Replicator, ReplicatorConfig
     a, b = open_store(str(tmp_path / "a")), Partitioned(open_store(str(tmp_path / "b")))
     init = {n: p.detach().numpy().copy() for n, p in _model(0).named_parameters()}
     create_run(a, init, RunSettings(fragments=2, sync_every=4))

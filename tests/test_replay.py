@@ -32,11 +32,11 @@ from storage.checkpoints import KIND as CHECKPOINT_KIND, VERSION as CHECKPOINT_V
 from storage.layout import checkpoint_key, commit_key
 from storage.log import CommitLog
 from storage.store import open_store
-from workers import replay_cli
-from workers.keys import SYNCER
-from workers.replay import rebuild
-from workers.replay_verify import open_run, replay_run
-from workers.versions import VERSION_KIND, encode_version, max_fragment_bytes
+from workers.tools import replay_cli
+from workers.bus.keys import SYNCER
+from workers.tools.replay import rebuild
+from workers.tools.replay_verify import open_run, replay_run
+from workers.common.versions import VERSION_KIND, encode_version, max_fragment_bytes
 
 from conftest import use_s3_env
 from runhelpers import TinyRun
@@ -214,8 +214,8 @@ def _reseal(store_dir: Path, seq: int, keys: Path | None, **changes) -> None:
     path = store_dir / commit_key(seq)
     rec = dataclasses.replace(CommitRecord.from_bytes(path.read_bytes()), **changes)
     if keys is not None:
-        from workers.keys import key_paths, load_identity
-        from workers.signing import sign_commit
+        from workers.bus.keys import key_paths, load_identity
+        from workers.bus.signing import sign_commit
         signer = load_identity(key_paths(keys, SYNCER)[1]).signer()
         rec = sign_commit(rec, signer, open_run(str(store_dir))[1].run_id)
     path.write_bytes(rec.to_bytes())
@@ -332,8 +332,8 @@ def _wrong_checkpoint(store_dir: Path, seq: int, fragment: int, keys: Path | Non
     fs.momentum[name] = bad
     payload = state.to_bytes()
     if keys is not None:
-        from workers.keys import key_paths, load_identity
-        from workers.signing import seal_checkpoint
+        from workers.bus.keys import key_paths, load_identity
+        from workers.bus.signing import seal_checkpoint
         payload = seal_checkpoint(payload, seq, load_identity(key_paths(keys, SYNCER)[1]).signer(), d.run_id)
     commit = (store_dir / commit_key(seq)).read_bytes()
     (store_dir / checkpoint_key(seq)).write_bytes(pack_record(CHECKPOINT_KIND, CHECKPOINT_VERSION, {

@@ -13,7 +13,7 @@ from pipeline.fragment import FragmentLayout
 from pipeline.merge import MergeConfig
 from pipeline.schedule import ClockRecord, RoundClock, ScheduleConfig, latest_round
 from pipeline.types import CommitRecord, DeltaHeader, InputRecord, RunDescriptor, TensorSpec
-from workers.rounds import RoundBook
+from workers.syncer.rounds import RoundBook
 
 
 # ------------------------------------------------------------------ the global clock
@@ -200,9 +200,9 @@ class _FakeReceiver:
 def _learner(tmp_path, keep_progress=False):
     import torch
     from storage.store import open_store
-    from workers.events import EventLog
+    from workers.common.events import EventLog
     from workers.launch import RunSettings, create_run
-    from workers.learner import Learner
+    from workers.learner.learner import Learner
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
@@ -219,7 +219,7 @@ def _learner(tmp_path, keep_progress=False):
 
 
 def _deltas(tmp_path):
-    from workers.events import read_events
+    from workers.common.events import read_events
     return [e for e in read_events(tmp_path / "l0.jsonl") if e.get("event") == "delta"]
 
 
@@ -241,7 +241,7 @@ def test_learner_answers_each_opened_round_once_at_the_next_step(tmp_path):
 
 
 def _arrival(learner, version, rnd, scale=0.0):
-    from workers.receiver import Arrival
+    from workers.learner.receiver import Arrival
     values = {n: (learner.base[0][n] + scale).astype(np.float32) for n in learner.base[0]}
     return Arrival(0, version, 10 + version, values, "announce", 0.0, 1, rnd)
 

@@ -32,17 +32,17 @@ from storage.checkpoints import write_checkpoint
 from storage.layout import spill_key
 from storage.log import CommitLog
 from storage.store import open_store
-from workers.bus import BusConfig, LearnerLink, Message
-from workers.events import EventLog, read_events
-from workers.keys import (KeyRing, Roster, add_member, configure as keys_configure, ensure_identities,
+from workers.bus.bus import BusConfig, LearnerLink, Message
+from workers.common.events import EventLog, read_events
+from workers.bus.keys import (KeyRing, Roster, add_member, configure as keys_configure, ensure_identities,
                           generate_identity, key_paths, load_identity, write_identity)
 from workers.launch import RunSettings, create_run
-from workers.learner import Learner, LearnerConfig
-from workers.receiver import Receiver
-from workers.replay import rebuild
-from workers.signing import seal_delta
-from workers.syncer import Syncer, SyncerConfig
-from workers.versions import VersionTracker, decode_version, version_codec
+from workers.learner.learner import Learner, LearnerConfig
+from workers.learner.receiver import Receiver
+from workers.tools.replay import rebuild
+from workers.bus.signing import seal_delta
+from workers.syncer.syncer import Syncer, SyncerConfig
+from workers.common.versions import VersionTracker, decode_version, version_codec
 
 from runhelpers import free_port
 

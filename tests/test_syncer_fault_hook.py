@@ -19,7 +19,7 @@ from storage.layout import delta_key, spill_key
 from storage.log import CommitLog
 from storage.store import open_store
 from workers.launch import RunSettings, create_run
-from workers.syncer import Syncer, SyncerConfig
+from workers.syncer.syncer import Syncer, SyncerConfig
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -15,9 +15,9 @@ from pipeline.types import DeltaHeader
 from storage.layout import spill_key
 from storage.log import CommitLog
 from storage.store import open_store
-from workers.bus import BusConfig, LearnerLink, Message
+from workers.bus.bus import BusConfig, LearnerLink, Message
 from workers.launch import RunSettings, create_run
-from workers.syncer import Syncer, SyncerConfig
+from workers.syncer.syncer import Syncer, SyncerConfig
 
 from runhelpers import free_port
 

@@ -37,8 +37,8 @@ from storage.errors import StoreError
 from storage.layout import SPILL_PREFIX, parse_spill_key
 from storage.log import CommitLog
 from storage.store import ObjectStore, open_store
-from .events import Tail, read_events
-from .keys import SYNCER, ensure_identities, key_paths
+from workers.common.events import Tail, read_events
+from workers.bus.keys import SYNCER, ensure_identities, key_paths
 from .launch import RunSettings, create_run
 
 SYNCER_ROLE, LEARNER_ROLE = "syncer", "learner"
@@ -485,10 +485,10 @@ def global_eval_loss(store: ObjectStore, descriptor: RunDescriptor, corpus=None)
     """Held-out loss of the global model as it stands in storage (the latest version of every
     fragment; nobody is paused) and those versions. ``corpus``: the job's, when the caller holds it."""
     import torch   # here, not at import: the cluster itself never needs torch
-    from .data import Corpus, evaluate
-    from .job import job_from
-    from .model import GPT
-    from .versions import VersionTracker
+    from workers.job.data import Corpus, evaluate
+    from workers.job.job import job_from
+    from workers.job.model import GPT
+    from workers.common.versions import VersionTracker
     gcfg, job = job_from(descriptor)
     values, versions = VersionTracker(store, descriptor).load_all()
     model = GPT(gcfg)
@@ -500,10 +500,10 @@ def global_eval_loss(store: ObjectStore, descriptor: RunDescriptor, corpus=None)
 
 def create_job_run(store: ObjectStore, settings: RunSettings, gcfg, seed: int, keydir: Path | None,
                    learners: Sequence[str], also_listed: Sequence[str] = ()):
-    """Create a run of the default job (workers/job.py): the model drawn from ``seed``, keys for
+    """Create a run of the default job (workers/job/job.py): the model drawn from ``seed``, keys for
     the syncer and every learner in ``keydir`` (None: an unsigned run) with ``learners`` and
     ``also_listed`` listed. Returns (descriptor, the initial model)."""
-    from .model import EMBEDDING_TENSORS, build_model
+    from workers.job.model import EMBEDDING_TENSORS, build_model
     model = build_model(gcfg, seed)
     init = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
     listed = [*learners, *also_listed]

@@ -18,7 +18,7 @@ created; a store that does not answer, a missing run, bad keys are one ``error: 
 lost and why, and exits 4.
 
 Metrics (issue 17): ``--metrics-port N`` (0: any free port) serves Prometheus metrics of either role
-at ``http://127.0.0.1:N/metrics`` (``--metrics-host`` to bind elsewhere); workers/metrics.py.
+at ``http://127.0.0.1:N/metrics`` (``--metrics-host`` to bind elsewhere); workers/common/metrics.py.
 """
 from __future__ import annotations
 
@@ -35,11 +35,11 @@ from pipeline.types import CommitRecord
 from storage.layout import read_descriptor
 from storage.regions import learner_region_store
 from storage.store import open_store
-from .bus import BusConfig
-from .events import EventLog
-from .keys import SYNCER, KeyRing, key_paths, load_identity, load_public
-from .metrics import add_metrics_args, start_metrics
-from .syncer import Syncer, SyncerConfig
+from workers.bus.bus import BusConfig
+from workers.common.events import EventLog
+from workers.bus.keys import SYNCER, KeyRing, key_paths, load_identity, load_public
+from workers.common.metrics import add_metrics_args, start_metrics
+from workers.syncer.syncer import Syncer, SyncerConfig
 
 
 def _stop_flag() -> threading.Event:
@@ -127,7 +127,7 @@ def configure_syncer(parser: argparse.ArgumentParser,
                         help="no retention: keep every delta, version and checkpoint (full replay from the start)")
 
     def handler(args) -> int:
-        from .gc import RetentionConfig
+        from workers.syncer.gc import RetentionConfig
         retention = RetentionConfig(enabled=not args.keep_all, keep_checkpoints=args.keep_checkpoints,
                                     keep_commits=args.keep_commits)
         store = open_store(args.store, s3_endpoint=args.s3_endpoint, create=False)
@@ -166,9 +166,9 @@ def configure_learner(parser: argparse.ArgumentParser):
 
     def handler(args) -> int:
         # torch is imported only by the learner role, so a syncer (re)starts in a fraction of the time.
-        from .job import learner_process
-        from .learner import LearnerConfig
-        from .sender import SenderConfig
+        from workers.job.job import learner_process
+        from workers.learner.learner import LearnerConfig
+        from workers.learner.sender import SenderConfig
         if args.slow < 1.0:
             raise SystemExit(f"--slow must be >= 1, got {args.slow}")
         shard = args.shard

@@ -34,9 +34,9 @@ from storage.layout import version_key, write_descriptor
 from storage.log import CommitLog
 from storage.regions import open_region, seed_region
 from storage.store import ObjectStore
-from .keys import Identity, PublicIdentity
-from .signing import sign_commit
-from .versions import encode_version
+from workers.bus.keys import Identity, PublicIdentity
+from workers.bus.signing import sign_commit
+from workers.common.versions import encode_version
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class RunSettings:
     run_id: str = ""
     norm_guard: NormGuardConfig | None = None     # None: the default guard, on (pipeline/guard.py); off: enabled=False
     model: dict[str, Any] = field(default_factory=dict)
-    job: dict[str, Any] | None = None  # the default job's settings (workers/job.py JobSettings.to_dict())
+    job: dict[str, Any] | None = None  # the default job's settings (workers/job/job.py JobSettings.to_dict())
     extra: dict[str, Any] = field(default_factory=dict)   # free-form notes, never read
     regions: RegionsConfig | None = None   # the run topology (issue 14); None: one region, this store
 
@@ -106,7 +106,7 @@ def create_run(store: ObjectStore, init: Mapping[str, np.ndarray], settings: Run
     in a run with regions, copy them to every other region's store (issue 14).
 
     ``syncer`` (its identity, secret included: it signs version 0) makes the run signed, listing
-    ``learners``' public keys; more learners can join later (workers/keys.py ``add_member``)."""
+    ``learners``' public keys; more learners can join later (workers/bus/keys.py ``add_member``)."""
     wide = sorted(n for n, a in init.items() if str(a.dtype) in ("float64", "torch.float64"))
     if wide:   # versions and deltas travel as fp32/bf16: a float64 model would silently lose precision
         raise ValueError(f"the model has float64 tensors ({', '.join(wide[:3])}{' ...' if len(wide) > 3 else ''}); "

@@ -29,17 +29,17 @@ from pipeline.regions import RegionSpec, RegionsConfig
 from storage.log import CommitLog
 from storage.store import ObjectStore, open_store
 from .cluster import ClusterConfig, LocalCluster, create_job_run, global_eval_loss
-from .data import Corpus, evaluate
-from .events import EventLog, Tail, read_events
-from .job import LR_SCHEDULES, JobSettings, dp_baseline
-from .keys import SYNCER
+from workers.job.data import Corpus, evaluate
+from workers.common.events import EventLog, Tail, read_events
+from workers.job.job import LR_SCHEDULES, JobSettings, dp_baseline
+from workers.bus.keys import SYNCER
 from .launch import RunSettings
-from .logview import stored_base, token_figures
-from .lockstep import OuterSettings, diloco_baseline
-from .model import GPTConfig
-from .progress import Progress
-from .report import plot_run
-from .utilisation import latency_steps, p50, utilisation
+from workers.tools.logview import stored_base, token_figures
+from workers.job.lockstep import OuterSettings, diloco_baseline
+from workers.job.model import GPTConfig
+from workers.tools.progress import Progress
+from workers.tools.report import plot_run
+from workers.tools.utilisation import latency_steps, p50, utilisation
 
 
 def configure(parser):
@@ -302,7 +302,7 @@ def _publish_to_applied(events: list[dict]) -> dict:
 
 def _log_figures(store: ObjectStore, desc) -> dict:
     """Tokens that entered the model (each counted once) and drops split into harmless ones and lost
-    work, from the commit log - the numbers ``ddiloco log`` prints (workers/logview.py)."""
+    work, from the commit log - the numbers ``ddiloco log`` prints (workers/tools/logview.py)."""
     try:
         log = CommitLog(store)
         return token_figures(log.read_range(0, log.tail() + 1), desc.num_fragments, stored_base(store, desc))
@@ -312,7 +312,7 @@ def _log_figures(store: ObjectStore, desc) -> dict:
 
 def _rounds_figures(store: ObjectStore, desc, events: list[dict]) -> dict:
     """Utilisation (share of each learner's steps whose work entered a version) and version latency
-    in steps (answer -> applied), from the commit log and the event logs (workers/utilisation.py)."""
+    in steps (answer -> applied), from the commit log and the event logs (workers/tools/utilisation.py)."""
     try:
         log = CommitLog(store)
         records = [log.read(s) for s in range(log.tail() + 1)]

@@ -32,8 +32,8 @@ from typing import Callable
 import numpy as np
 
 from pipeline.policy import PolicyConfig
-from workers.events import Tail
-from workers.utilisation import latency_steps, p50, useful_steps
+from workers.common.events import Tail
+from workers.tools.utilisation import latency_steps, p50, useful_steps
 from .harness import ChaosRun, RunSpec
 from .scenarios import draw_failures
 
@@ -181,9 +181,9 @@ def _dp_train(spec: RunSpec, phases: list[tuple[int, int]], seed: int) -> float:
     replica takes a batch from its shard (the same streams as the learners), gradients averaged,
     one AdamW step. Returns the final held-out loss (the quality a DP job would reach)."""
     import torch
-    from workers.data import Corpus, evaluate
-    from workers.job import JobSettings, make_optimizer
-    from workers.model import build_model
+    from workers.job.data import Corpus, evaluate
+    from workers.job.job import JobSettings, make_optimizer
+    from workers.job.model import build_model
     from .harness import MODELS
     torch.set_num_threads(1)
     gcfg, batch, max_bytes = MODELS[spec.model]

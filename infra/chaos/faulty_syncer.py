@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 from pipeline.types import CommitRecord
 from workers.cli import run_handler
 from workers.commands import configure_syncer
-from workers.events import EventLog
+from workers.common.events import EventLog
 
 CRASH = "crash-before-commit"
 EXIT_CODE = 137                      # what a SIGKILLed process reports (128 + 9)

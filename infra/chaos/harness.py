@@ -25,10 +25,10 @@ from storage.log import CommitLog
 from storage.store import ObjectStore, open_store
 from workers.cluster import (LEARNER_ROLE, SYNCER_ROLE, ClusterConfig, DrainStatus, Life, LocalCluster,
                              create_job_run, free_port)
-from workers.job import JobSettings
-from workers.keys import SYNCER, ensure_identities, key_paths
+from workers.job.job import JobSettings
+from workers.bus.keys import SYNCER, ensure_identities, key_paths
 from workers.launch import RunSettings
-from workers.model import GPTConfig
+from workers.job.model import GPTConfig
 from .faulty_syncer import crash_count
 from .proxy import Relay
 
@@ -209,7 +209,7 @@ class ChaosRun:
     def add_learner(self, lid: str) -> None:
         """List a new learner in the running (signed) run: a key pair and a membership record
         signed with the syncer's key, as ``ddiloco keys DIR ID --join STORE --authority ...`` does."""
-        from workers.keys import add_member, load_identity
+        from workers.bus.keys import add_member, load_identity
         ident = ensure_identities(self.keydir, [lid])[lid]
         add_member(self.store, self.descriptor, load_identity(key_paths(self.keydir, SYNCER)[1]), ident.public)
         self.mark(lid, "listed")

@@ -228,7 +228,7 @@ def _ledger_summary(produced: int, c: Counter) -> str:
 # -- 3. replay ---------------------------------------------------------------------------------------
 
 def replay_bitexact(store: ObjectStore, descriptor: RunDescriptor) -> Check:
-    from workers.replay_verify import replay_run
+    from workers.tools.replay_verify import replay_run
     try:
         rep = replay_run(store, descriptor)
     except Exception as exc:      # a divergence or damage: the message names the commit

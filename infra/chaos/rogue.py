@@ -36,12 +36,12 @@ from pipeline.envelope import digest, pack_record, seal, unpack_record, unseal
 from pipeline.types import DeltaHeader, RunDescriptor
 from storage.layout import spill_key
 from storage.store import ObjectStore
-from workers.bus import BusConfig, LearnerLink, Message
-from workers.deltas import max_delta_bytes
-from workers.keys import SYNCER, key_paths, load_identity, load_public
-from workers.learner import INCARNATION_EPOCH_NS
-from workers.signing import seal_delta
-from workers.versions import VersionTracker
+from workers.bus.bus import BusConfig, LearnerLink, Message
+from workers.common.deltas import max_delta_bytes
+from workers.bus.keys import SYNCER, key_paths, load_identity, load_public
+from workers.learner.learner import INCARNATION_EPOCH_NS
+from workers.bus.signing import seal_delta
+from workers.common.versions import VersionTracker
 
 ATTACKS = ("duplicate", "reorder", "truncated", "corrupted", "corrupt-frame", "nan", "inf", "wrong-shape",
            "unknown-fragment", "too-old", "tampered-spill", "mislabeled-spill", "oversized-spill", "oversized")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from storage.layout import SPILL_PREFIX, VERSION_PREFIX, parse_spill_key
-from workers.bus import BusConfig
+from workers.bus.bus import BusConfig
 from . import invariants as inv
 from .harness import ROGUE, ChaosRun, free_port
 from .report import write_report
@@ -276,7 +276,7 @@ def _rogue(run: ChaosRun, f: Fault, injections: list) -> None:
 
 
 def _versions(run: ChaosRun) -> dict[int, int]:
-    from workers.versions import VersionTracker
+    from workers.common.versions import VersionTracker
     return {p: r.version for p, r in VersionTracker(run.store, run.descriptor).latest().items()}
 
 

@@ -1,8 +1,8 @@
 """A paced learner process for the chaos experiments (heterogeneous speeds, scavenging, goodput).
 
 ``python -m infra.chaos.worker --store URI --id l0 --keys DIR --pace 0.05 --slow 1.18 --jitter 0.1``
-is ``ddiloco learner`` (the same ``workers.job.learner_process``: Learner, model, data, keys) except
-that every inner step is padded (``workers.job.Pace``) to last ``pace * slow * (1 + jitter * z)``
+is ``ddiloco learner`` (the same ``workers.job.job.learner_process``: Learner, model, data, keys) except
+that every inner step is padded (``workers.job.job.Pace``) to last ``pace * slow * (1 + jitter * z)``
 seconds, z a standard normal drawn from ``--seed`` (clipped so a step never lasts under half its
 mean). Padding rather than stretching
 makes a learner's speed a controlled quantity even on a busy machine, which is what the paper's
@@ -19,13 +19,13 @@ import sys
 import threading
 
 from storage.store import open_store
-from workers.bus import BusConfig
+from workers.bus.bus import BusConfig
 from workers.commands import learner_exit
-from workers.events import EventLog
-from workers.job import Pace, learner_process
-from workers.keys import SYNCER, KeyRing, key_paths, load_identity, load_public
-from workers.learner import LearnerConfig
-from workers.sender import SenderConfig
+from workers.common.events import EventLog
+from workers.job.job import Pace, learner_process
+from workers.bus.keys import SYNCER, KeyRing, key_paths, load_identity, load_public
+from workers.learner.learner import LearnerConfig
+from workers.learner.sender import SenderConfig
 
 
 def _parser() -> argparse.ArgumentParser:

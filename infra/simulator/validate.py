@@ -93,7 +93,7 @@ def measure(out: Path, window_s: float, quorum: int) -> dict:
     from storage.layout import read_descriptor
     from storage.log import CommitLog
     from storage.store import open_store
-    from workers.events import read_events
+    from workers.common.events import read_events
 
     report = json.loads((out / "report.json").read_text())
     t0 = next(m["t"] for m in report["timeline"] if m["what"] == "training")

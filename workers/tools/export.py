@@ -26,9 +26,9 @@ from storage.errors import NotFound, StoreError
 from storage.layout import commit_key
 from storage.log import CommitLog
 from storage.store import ObjectStore
-from .replay_verify import open_run
-from .replay_cli import EXIT_DAMAGED, EXIT_USAGE, add_location_args, pipe_safe
-from .versions import decode_version
+from workers.tools.replay_verify import open_run
+from workers.tools.replay_cli import EXIT_DAMAGED, EXIT_USAGE, add_location_args, pipe_safe
+from workers.common.versions import decode_version
 
 FORMATS = ("torch", "safetensors")
 # safetensors metadata (str -> str): "format" is the key other tools read ("pt": torch tensors);

@@ -4,7 +4,7 @@
 then re-folds every commit after it from the inputs the log names, checking each one bit for bit,
 norms included (``pipeline.commit.verify_commit``: the same ``apply_commit`` as the live syncer;
 this module only fetches what it needs). The syncer's restart recovery calls it, so every restart is a
-replay check; ``ddiloco replay`` calls it through ``workers.replay_verify.replay_run``, which
+replay check; ``ddiloco replay`` calls it through ``workers.tools.replay_verify.replay_run``, which
 also checks every stored version object and every checkpoint it passes against the recomputed state
 (through the optional ``load_output`` and ``on_commit`` hooks).
 
@@ -30,11 +30,11 @@ from storage.errors import NotFound
 from storage.layout import commit_key
 from storage.log import CommitLog
 from storage.store import ObjectStore
-from .deltas import load_inputs
-from .versions import decode_version
+from workers.common.deltas import load_inputs
+from workers.common.versions import decode_version
 # issue "Security": signatures, checkpoints the syncer signed
-from .keys import Roster, RunSecurity
-from .signing import check_commit_signature, commit_signature_ok, open_checkpoint
+from workers.bus.keys import Roster, RunSecurity
+from workers.bus.signing import check_commit_signature, commit_signature_ok, open_checkpoint
 
 __all__ = ["PENDING_OVERFLOW", "RECORDED_REASONS", "with_recorded_decisions", "ReplayStats", "Refolder", "rebuild",
            "init_state", "origin_state", "older_commits", "commit_signed", "trusted_commits", "security_of"]

@@ -1,7 +1,7 @@
 """Verify a run bit for bit: what `ddiloco replay` does (SPEC §7 'Replay'; issue "Replay and
 inspection of a run's fragment log").
 
-:func:`replay_run` drives ``workers.replay.rebuild`` — the very path the syncer's restart recovery
+:func:`replay_run` drives ``workers.tools.replay.rebuild`` — the very path the syncer's restart recovery
 takes — from the nearest checkpoint before ``start`` (or the init commits), folding silently (every
 commit still checked) up to ``start``, then verifying ``start..end``: each commit is recomputed from
 its recorded inputs and compared with the record, norms included (``pipeline.commit.verify_commit``),
@@ -29,8 +29,8 @@ from storage.errors import NotFound, StoreError
 from storage.layout import HEAD_HINT_KEY, read_descriptor, unpack_head_hint
 from storage.log import CommitLog
 from storage.store import ObjectStore, open_store
-from .replay import ReplayStats, rebuild
-from .versions import VERSION_KIND, decode_version, max_fragment_bytes
+from workers.tools.replay import ReplayStats, rebuild
+from workers.common.versions import VERSION_KIND, decode_version, max_fragment_bytes
 
 
 def open_run(uri: str, *, s3_endpoint: str | None = None) -> tuple[ObjectStore, RunDescriptor]:
@@ -263,7 +263,7 @@ def _checkpoint_state_bytes(store: ObjectStore, descriptor: RunDescriptor, seq: 
     payload = read_checkpoint(store, seq)
     if descriptor.security is None:
         return payload
-    from .signing import open_checkpoint      # signed runs: the state is inside the syncer's signature
+    from workers.bus.signing import open_checkpoint      # signed runs: the state is inside the syncer's signature
     return open_checkpoint(payload, seq, descriptor.security.syncer.sign, descriptor.run_id, f"checkpoint {seq}")
 
 

@@ -19,7 +19,7 @@ A delta that cannot be encoded (non-finite values, issue 11 item 2) is dropped w
 is retried with backoff; failures are reported as ``spill-failed`` events (the 1st, 2nd, 4th ...
 in a row) and in ``stats.spill_errors`` / ``stats.last_error`` (issue 11 item 11).
 
-In a signed run ``seal`` wraps every encoded delta in the learner's signature (workers/signing.py)
+In a signed run ``seal`` wraps every encoded delta in the learner's signature (workers/bus/signing.py)
 before it is sent or spilled, so the stored object verifies itself wherever it ends up.
 """
 from __future__ import annotations
@@ -39,8 +39,8 @@ from pipeline.types import DeltaHeader
 from storage.errors import AlreadyExists, StoreError
 from storage.layout import spill_key
 from storage.store import ObjectStore
-from .bus import BusConfig, LearnerLink, Message, drain_wake
-from .events import EventLog
+from workers.bus.bus import BusConfig, LearnerLink, Message, drain_wake
+from workers.common.events import EventLog
 
 DELTA_KIND = "delta"
 

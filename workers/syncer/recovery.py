@@ -2,7 +2,7 @@
 
 SPEC §7-8: the syncer restarts from the log and loses nothing that was committed. Recovery re-folds
 every commit after the newest usable checkpoint with the same code as replay (``Refolder`` in
-workers/replay.py, which calls ``pipeline.commit.verify_commit``), so every restart is a replay
+workers/tools/replay.py, which calls ``pipeline.commit.verify_commit``), so every restart is a replay
 check; the norm window it rebuilds is part of the result (``Recovery.window``). Unlike replay, which stops at the first
 problem (it must report, never repair), recovery *salvages* what it can and says so:
 
@@ -46,10 +46,10 @@ from pipeline.types import CommitRecord, RunDescriptor
 from storage.errors import NotFound, StoreError
 from storage.log import CommitLog
 from storage.store import ObjectStore
-from .keys import Roster
-from .replay import Refolder, ReplayStats, older_commits, origin_state, security_of
-from .signing import Signer
-from .versions import VersionTracker, decode_version, encode_version
+from workers.bus.keys import Roster
+from workers.tools.replay import Refolder, ReplayStats, older_commits, origin_state, security_of
+from workers.bus.signing import Signer
+from workers.common.versions import VersionTracker, decode_version, encode_version
 
 NOTE_CHARS = 400          # a note is one line of an event or of the fence commit's info
 FENCE_NOTES = 16          # notes recorded in the fence commit (all of them go to events)

@@ -30,9 +30,9 @@ from pipeline.types import CommitRecord
 from pipeline.schedule import ClockRecord
 from storage.errors import NotFound, StoreError
 from storage.layout import CLOCK_KEY
-from .bus import AnnounceListener, BusConfig
-from .events import EventLog
-from .versions import VersionTracker
+from workers.bus.bus import AnnounceListener, BusConfig
+from workers.common.events import EventLog
+from workers.common.versions import VersionTracker
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from storage.errors import StoreError
 from storage.log import CommitLog
 from storage.retention import RetentionPlan, apply_retention, plan_retention
 from storage.store import ObjectStore
-from .events import EventLog
+from workers.common.events import EventLog
 
 EXIT_OK, EXIT_USAGE, EXIT_STORE = 0, 2, 3
 
@@ -114,7 +114,7 @@ def configure(parser: argparse.ArgumentParser):
 
 
 def gc_command(args, out: TextIO, err: TextIO) -> int:
-    from .replay_verify import open_run     # never creates a mistyped local directory
+    from workers.tools.replay_verify import open_run     # never creates a mistyped local directory
     try:
         store, _ = open_run(args.run_uri, s3_endpoint=args.s3_endpoint)
         if args.keep_commits < 0:

@@ -10,7 +10,7 @@ syncer because a newer epoch owns the run. Restart recovery goes through ``recov
 
 Hostile input (issue "Security", docs/security.md): in a signed run the bus is CURVE-encrypted and
 admits only listed learners (ZAP), each message's claimed learner must be its authenticated peer,
-and every delta's signature is judged from its bytes (workers/deltas.py). A delta that fails
+and every delta's signature is judged from its bytes (workers/common/deltas.py). A delta that fails
 (``bad-signature``, ``unsigned``, ``dtype-mismatch``, ``norm-outlier``, and the fold's own reasons)
 is a *recorded* drop: it never counts toward a quorum, is persisted under a content-addressed
 ``quarantine/<sha256>`` key (never under the id it claims, which its real owner may still need)
@@ -40,19 +40,19 @@ from storage.layout import CLOCK_KEY, delta_key, read_descriptor, version_key
 from storage.log import CommitLog, claim_epoch
 from storage.probe import probe_conditional_writes
 from storage.store import ObjectStore, open_store
-from .bus import HEAD_MAX_BYTES, BusConfig, Message, SyncerBus
-from .deltas import max_delta_bytes, round_input
-from .aggregate import RunningMean
-from .events import EventLog
-from .gc import RetentionConfig, SyncerRetention
-from .keys import Gate, KeyRing, Roster, check_syncer_keys
-from .recovery import Recovery, recover_state, republish_damaged
-from .replicate import replication
-from .replay import trusted_commits
-from .rounds import OpenRound, RoundBook
-from .signing import seal_checkpoint, sign_commit
-from .syncer_ingest import Quarantined, SyncerIngest, _Held
-from .versions import encode_version
+from workers.bus.bus import HEAD_MAX_BYTES, BusConfig, Message, SyncerBus
+from workers.common.deltas import max_delta_bytes, round_input
+from workers.common.aggregate import RunningMean
+from workers.common.events import EventLog
+from workers.syncer.gc import RetentionConfig, SyncerRetention
+from workers.bus.keys import Gate, KeyRing, Roster, check_syncer_keys
+from workers.syncer.recovery import Recovery, recover_state, republish_damaged
+from workers.syncer.replicate import replication
+from workers.tools.replay import trusted_commits
+from workers.syncer.rounds import OpenRound, RoundBook
+from workers.bus.signing import seal_checkpoint, sign_commit
+from workers.syncer.ingest import Quarantined, SyncerIngest, _Held
+from workers.common.versions import encode_version
 
 REJECTED_FLUSH = 16                   # rejected deltas of one fragment that force a drop commit
 
@@ -76,7 +76,7 @@ class SyncerConfig:
     max_retry_s: float = 5.0
     max_ingest_per_poll: int = 256
     members_poll_s: float = 5.0        # how often membership records are re-read (signed runs)
-    retention: RetentionConfig = RetentionConfig()   # after each checkpoint (workers/gc.py, docs/storage.md)
+    retention: RetentionConfig = RetentionConfig()   # after each checkpoint (workers/syncer/gc.py, docs/storage.md)
     initial_step_s: float = 0.1        # the global clock's pace before any learner's was measured
     fence_check_s: float = 1.0         # how often an idle syncer checks whether it was fenced (item 8)
     max_pending: int = 64              # candidate deltas held per fragment (issue 11 item 5)
@@ -165,7 +165,7 @@ class Syncer(SyncerIngest):
         """Prove the store enforces create-if-absent (fencing depends on it), rebuild the state from
         the log *read-only* (issue 11 item 9: a rebuild that fails leaves the old syncer running),
         then claim a new epoch with a signed fence (item 14), fold whatever an older syncer committed
-        in between, and repair what can be recomputed (item 10, workers/recovery.py)."""
+        in between, and repair what can be recomputed (item 10, workers/syncer/recovery.py)."""
         t0 = self.clock()
         probe_conditional_writes(self.store)   # raises, naming the store, on one that does not
         self._refresh_members(force=True)

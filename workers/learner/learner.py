@@ -2,7 +2,7 @@
 
 Public API (the default job uses it too)::
 
-    keys = KeyRing(load_identity("keys/l0.key_secret"), load_public("keys/syncer.key"))   # workers/keys.py
+    keys = KeyRing(load_identity("keys/l0.key_secret"), load_public("keys/syncer.key"))   # workers/bus/keys.py
     learner = Learner(model, optimizer, store="runs/demo", learner_id="l0", config=LearnerConfig(keys=keys))
     learner.start()                        # loads the latest global model from storage
     for x, y in batches:
@@ -38,14 +38,14 @@ from storage.layout import read_descriptor
 from storage.log import claim_incarnation
 from storage.regions import learner_region_store
 from storage.store import ObjectStore, open_store
-from .bus import BusConfig
-from .events import EventLog
-from .keys import KeyRing, Roster
-from .nonfinite import NonFiniteGuard
-from .receiver import Receiver
-from .sender import Sender, SenderConfig, SenderStats
-from .signing import seal_delta
-from .versions import VersionTracker
+from workers.bus.bus import BusConfig
+from workers.common.events import EventLog
+from workers.bus.keys import KeyRing, Roster
+from workers.learner.nonfinite import NonFiniteGuard
+from workers.learner.receiver import Receiver
+from workers.learner.sender import Sender, SenderConfig, SenderStats
+from workers.bus.signing import seal_delta
+from workers.common.versions import VersionTracker
 
 
 INCARNATION_EPOCH_NS = 1_704_067_200 * 10**9   # 2024-01-01T00:00:00Z
@@ -270,7 +270,7 @@ class Learner:
         loss = closure()
         loss.backward()
         if not self.health.check(self, loss):
-            return float(loss.detach())   # skipped, nothing counted; reported and repaired (workers/nonfinite.py)
+            return float(loss.detach())   # skipped, nothing counted; reported and repaired (workers/learner/nonfinite.py)
         self.optimizer.step()
         d = self.descriptor
         for p in range(d.num_fragments):

@@ -2,7 +2,7 @@
 
 In an unsigned run a stored delta is the codec blob of kind ``delta`` whose meta is the
 DeltaHeader. In a signed run it is a ``signed-delta`` envelope around that blob, carrying its
-learner's Ed25519 signature (workers/signing.py). Everything here is a deterministic function of
+learner's Ed25519 signature (workers/bus/signing.py). Everything here is a deterministic function of
 the stored bytes and the run's public keys, so replay reaches the same drop decisions as the live
 syncer did: ``reject_reason`` of a fold input is, in order,
 
@@ -28,9 +28,9 @@ from pipeline.errors import FormatError
 from pipeline.fold import RoundInput
 from pipeline.types import CommitRecord, DeltaHeader, RunDescriptor
 from storage.store import ObjectStore
-from .keys import Roster
-from .signing import delta_signature_ok, open_delta
-from .versions import max_fragment_bytes
+from workers.bus.keys import Roster
+from workers.bus.signing import delta_signature_ok, open_delta
+from workers.common.versions import max_fragment_bytes
 
 DELTA_KIND = "delta"
 UNSIGNED, UNKNOWN_LEARNER, BAD_SIGNATURE = "unsigned", "unknown-learner", "bad-signature"

@@ -1,4 +1,4 @@
-"""The default job: the GPT of workers/model.py on a real offline corpus (workers/data.py).
+"""The default job: the GPT of workers/job/model.py on a real offline corpus (workers/job/data.py).
 
 ``learner_process`` is what one ``ddiloco learner`` process runs: everything it needs comes from
 the run descriptor (model config in ``model``, job settings in ``job``), so a learner
@@ -17,11 +17,11 @@ import torch
 
 from pipeline.types import RunDescriptor
 from storage.store import ObjectStore
-from .bus import BusConfig
-from .data import Corpus, DataConfig, evaluate
-from .events import EventLog
-from .learner import Learner, LearnerConfig
-from .model import GPT, GPTConfig, build_model
+from workers.bus.bus import BusConfig
+from workers.job.data import Corpus, DataConfig, evaluate
+from workers.common.events import EventLog
+from workers.learner.learner import Learner, LearnerConfig
+from workers.job.model import GPT, GPTConfig, build_model
 
 
 LR_SCHEDULES = ("constant", "cosine")

@@ -28,8 +28,8 @@ from storage.log import CommitLog
 from pipeline.types import RunDescriptor
 from storage.regions import RegionConflict, open_region, prune_versions, replicate_commit, replicate_static
 from storage.store import ObjectStore
-from .aggregate import RunningMean
-from .events import EventLog
+from workers.common.aggregate import RunningMean
+from workers.common.events import EventLog
 
 __all__ = ["ReplicatorConfig", "Replicator", "region_stores", "replication"]
 

@@ -1,7 +1,7 @@
 """Prometheus metrics for the syncer and the learners (issue 17): opt-in with ``--metrics-port N``.
 
 A ``Metrics`` follows what its process already reports: it subscribes to the process's
-``EventLog`` (workers/events.py) and turns each event into counters, gauges and histograms, so the
+``EventLog`` (workers/common/events.py) and turns each event into counters, gauges and histograms, so the
 syncer and the learner need no code of their own for it. A few values are read when Prometheus
 scrapes instead: the store's requests and bytes (the role's store wrapped in
 ``storage.accounting.CountingStore``) and, on the syncer, the deltas held for a round and each
@@ -28,7 +28,7 @@ from pipeline.fold import DropReason
 from storage.accounting import CountingStore
 from storage.layout import read_descriptor
 from storage.store import ObjectStore
-from .events import EventLog
+from workers.common.events import EventLog
 
 ROUND_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 GRACE_BUCKETS = (0.0, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

@@ -26,7 +26,7 @@ class EventLog:
 
     def subscribe(self, listener: Callable[[dict], None]) -> None:
         """Also hand every later event's record to ``listener`` (after it is written), on the emitting
-        thread: it must be quick and catch its own errors (workers/metrics.py)."""
+        thread: it must be quick and catch its own errors (workers/common/metrics.py)."""
         self._listeners.append(listener)
 
     def emit(self, event: str, **fields: Any) -> None:

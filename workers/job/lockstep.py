@@ -2,7 +2,7 @@
 idealised model of syncer-driven rounds used to sweep the demo job's defaults.
 
 Both run M replicas of the default job's GPT in one process on the same data streams as the real
-learners (workers/job.py) and use the pipeline's own merge and outer optimizer (token weights,
+learners (workers/job/job.py) and use the pipeline's own merge and outer optimizer (token weights,
 RDA, Nesterov, versions rounded to bf16), so they differ from a real run only in what the real
 system adds: processes, the network, storage, and latency.
 
@@ -25,10 +25,10 @@ from pipeline.codec import round_to_bf16
 from pipeline.fragment import fragment_offsets, make_layout, specs_from_arrays
 from pipeline.merge import MergeConfig, merge_fragment, token_weights
 from pipeline.outer import nesterov_step
-from .data import Corpus, evaluate
-from .events import EventLog
-from .job import JobSettings, make_optimizer, set_lr
-from .model import EMBEDDING_TENSORS, GPTConfig, build_model
+from workers.job.data import Corpus, evaluate
+from workers.common.events import EventLog
+from workers.job.job import JobSettings, make_optimizer, set_lr
+from workers.job.model import EMBEDDING_TENSORS, GPTConfig, build_model
 
 
 @dataclass(frozen=True)

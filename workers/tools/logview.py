@@ -21,8 +21,8 @@ from pipeline.errors import FormatError
 from pipeline.types import CommitRecord, DroppedRecord
 from storage.errors import StoreError
 from storage.log import CommitLog
-from .replay_verify import open_run
-from .replay_cli import EXIT_DAMAGED, EXIT_USAGE, add_location_args, pipe_safe
+from workers.tools.replay_verify import open_run
+from workers.tools.replay_cli import EXIT_DAMAGED, EXIT_USAGE, add_location_args, pipe_safe
 
 
 HARMLESS = ("duplicate", "superseded")   # another copy, or a newer delta of the same lineage, carried the work
@@ -281,7 +281,7 @@ def log_command(args, out: TextIO, err: TextIO) -> int:
 def stored_base(store, descriptor) -> Callable[[DroppedRecord], int | None]:
     """``LogTotals.base_of`` reading a dropped delta's base version from its stored blob (None
     when it is gone - retention - or unreadable)."""
-    from .deltas import peek_header
+    from workers.common.deltas import peek_header
 
     def base_of(d: DroppedRecord) -> int | None:
         if not d.key:

@@ -1,7 +1,7 @@
 """The syncer's ingest half (SPEC §7, docs/protocol.md): deltas from the bus and from the spill
 inbox, checked and admitted to the per-fragment pending sets that rounds are made of.
 
-A mixin of ``Syncer`` (workers/syncer.py), split out so each file reads top to bottom: everything
+A mixin of ``Syncer`` (workers/syncer/syncer.py), split out so each file reads top to bottom: everything
 here runs on the syncer's one loop thread and uses its state (``pending``, ``state``, ``bus``,
 ``store``, ``stats``, ``events``). A bus delta is acked ``durable`` only after it is in the inbox.
 """
@@ -17,8 +17,8 @@ from storage.errors import AlreadyExists, NotFound, StoreError
 from pipeline.commit import PENDING_OVERFLOW
 from pipeline.fold import DropReason
 from storage.layout import SPILL_PREFIX, delta_key, parse_spill_key, quarantine_key, spill_key
-from .bus import Message
-from .deltas import UNKNOWN_LEARNER, Opened, open_stored
+from workers.bus.bus import Message
+from workers.common.deltas import UNKNOWN_LEARNER, Opened, open_stored
 
 BELOW_HIGH_WATER = "below-high-water"   # held out of the quorum; the fold records the reason
 
@@ -38,7 +38,7 @@ class _Held:
     inbox_key: str         # "" when it is held in memory only
     arrived_at: float
     source: str            # "bus" | "spill"
-    opened: Opened | None = None   # the verdict on these bytes (workers/deltas.py), reused at merge
+    opened: Opened | None = None   # the verdict on these bytes (workers/common/deltas.py), reused at merge
     pkey: str | Quarantined = ""   # its key in the pending set: the delta id, or Quarantined (below)
     hold: str = ""                 # why the syncer keeps it out of every quorum (issue 11 items 5, 13)
     inbox_store: object = None     # the region store whose inbox holds it (None: the home store)
@@ -199,7 +199,7 @@ class SyncerIngest:
         quorum is not met they would pile up without bound. The excess - superseded deltas first (an
         older delta of the same learner life on the same base, whose progress a newer one holds),
         then the oldest arrivals - is dropped with reason ``pending-overflow: ...`` in the next commit
-        (rejected deltas are bounded by their own flush, REJECTED_FLUSH in workers/syncer.py).
+        (rejected deltas are bounded by their own flush, REJECTED_FLUSH in workers/syncer/syncer.py).
         Returns the evicted entries by their former pending key (they are re-keyed by content)."""
         pend = self.pending[p]
         valid = [h for h in pend.values() if not h.reason]

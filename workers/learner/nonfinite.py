@@ -16,7 +16,7 @@ what happened. Then the fragments that can have caused it go back to their last 
   time, until a step is finite again or there is nothing older (then it keeps skipping, reporting).
 
 The last good version's values are the ones the learner loaded from storage and checked against
-their commit (workers/versions.py): they are kept by reference while a newer version is on
+their commit (workers/common/versions.py): they are kept by reference while a newer version is on
 probation (until the next finite step), so recovery needs no storage round trip and works while
 storage is down. After a reload the fragment's counters restart at zero and its base is that
 version, so the next delta is reconstructed correctly by the syncer (SPEC §4: a stale base is
@@ -48,7 +48,7 @@ def grads_finite(params: Iterable[torch.nn.Parameter]) -> bool:
 
 def older_version(tracker, fragment: int, before: int) -> tuple[int, dict[str, np.ndarray]] | None:
     """The newest committed version of ``fragment`` older than ``before`` that loads and checks
-    (workers/versions.py), scanning the log back from its tail; None if there is none (or storage
+    (workers/common/versions.py), scanning the log back from its tail; None if there is none (or storage
     cannot be read now). A damaged or deleted (retention) version is passed over."""
     try:
         seq = tracker.log.tail()

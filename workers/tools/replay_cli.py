@@ -1,8 +1,8 @@
 """`ddiloco replay RUN_URI [--from SEQ] [--to SEQ]`: verify a run's log bit for bit (SPEC §7 'Replay').
 
 Recomputes every committed fragment version from the inputs the log names, with the same pure fold
-and code path the syncer's recovery uses (``workers.replay_verify.replay_run`` over
-``workers.replay.rebuild``), and checks each commit, each stored version and each checkpoint. Exit status: 0 verified, 1 a divergence (a recomputed value or decision differs from
+and code path the syncer's recovery uses (``workers.tools.replay_verify.replay_run`` over
+``workers.tools.replay.rebuild``), and checks each commit, each stored version and each checkpoint. Exit status: 0 verified, 1 a divergence (a recomputed value or decision differs from
 the recorded one), 3 damage (a missing, truncated or altered object, a gap in the log), 2 bad
 arguments or no run at RUN_URI. Progress: a bar on a terminal, plain lines otherwise.
 """
@@ -23,8 +23,8 @@ from storage.checkpoints import list_checkpoints
 from storage.errors import NotFound, StoreError
 from storage.layout import DELTA_PREFIX, SPILL_PREFIX, VERSION_PREFIX
 from storage.regions import open_region, verify_region
-from .replay import ReplayStats
-from .replay_verify import log_bounds, open_run, replay_run
+from workers.tools.replay import ReplayStats
+from workers.tools.replay_verify import log_bounds, open_run, replay_run
 
 EXIT_OK, EXIT_DIVERGED, EXIT_USAGE, EXIT_DAMAGED = 0, 1, 2, 3
 

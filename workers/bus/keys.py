@@ -2,7 +2,7 @@
 
 Issue "Security"; docs/security.md explains the choices. Every process has one identity: a
 ZeroMQ CURVE key pair (transport encryption and authentication) and an Ed25519 key pair
-(signatures on data at rest, workers/signing.py). Both live in ZeroMQ certificate files, the
+(signatures on data at rest, workers/bus/signing.py). Both live in ZeroMQ certificate files, the
 format ``zmq.auth.create_certificates`` writes and ``zmq.auth.load_certificate`` reads:
 ``NAME.key`` (public, 0644) and ``NAME.key_secret`` (0600, refused when group/world readable).
 The Ed25519 keys ride in the certificate's ``metadata`` section (``ddiloco-sign-public``, and in
@@ -37,8 +37,8 @@ from pipeline.security import (HEX_RE as _HEX_RE, SYNCER, Z85_RE as _Z85_RE, Pub
 from storage.errors import AlreadyExists, NotFound, StoreError
 from storage.layout import MEMBER_PREFIX, member_key as layout_member_key
 from storage.store import ObjectStore
-from .bus import CurveKeys
-from .signing import Signer, canonical, verify
+from workers.bus.bus import CurveKeys
+from workers.bus.signing import Signer, canonical, verify
 
 MEMBER_KIND, MEMBER_VERSION = "member", 1
 _BANNER = {

@@ -6,7 +6,7 @@ version, seq and epoch; its values' digest must equal the commit's ``output_chec
 
 In a signed run (issue "Security") a version is used only if its commit carries the syncer's
 signature and the blob's ``meta["sig"]`` signs (fragment, version, seq, epoch, value digest) with
-the same key (workers/signing.py): a forged or altered version is refused here, which is the one
+the same key (workers/bus/signing.py): a forged or altered version is refused here, which is the one
 path learners, the evaluator, export and replay all read versions through.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pipeline.types import CommitRecord, RunDescriptor
 from storage.errors import NotFound, StoreError
 from storage.log import CommitLog
 from storage.store import ObjectStore
-from .signing import Signer, check_commit_signature, commit_signature_ok, sign_version_meta, version_signature_ok
+from workers.bus.signing import Signer, check_commit_signature, commit_signature_ok, sign_version_meta, version_signature_ok
 
 VERSION_KIND = "version"
 

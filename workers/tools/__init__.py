@@ -1,0 +1,1 @@
+"""Tools that read a run: replay, log, export/diff, report plots, utilisation, progress, bench."""
