@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from functools import partial
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from .errors import FormatError
 from .fold import (DropReason, ReplayMismatch, RoundInput, SyncerState, compare_records, fold,
                    fold_fence)
-from .guard import NormWindow, apply_guard, guard_config, norms_agree
+from .guard import NormGuardConfig, NormWindow, cap_limit, delta_norm, guard_config, norms_agree, verdict
+from .merge import MapFn
 from .types import CommitRecord, RunDescriptor
 
 __all__ = ["CommitMeta", "Commit", "apply_commit", "verify_commit", "initial_window", "backfill_window",
@@ -94,18 +96,46 @@ def _check_window(descriptor: RunDescriptor, window: NormWindow | None) -> None:
                          f"(initial_window(descriptor)), got {window!r:.120}")
 
 
+def _run_job(job: Callable[[], Any]) -> Any:
+    return job()
+
+
+def _guard(inputs: Sequence[RoundInput], history: Sequence[float], cfg: NormGuardConfig,
+           params: Mapping[str, np.ndarray], map_fn: MapFn) -> tuple[list[RoundInput], dict[str, float]]:
+    """``guard.apply_guard`` with its norms computed as jobs of ``map_fn``: one per judged input
+    and one for the cap (each a full read of a fragment, the guard's whole cost at large sizes).
+    Every norm is order independent (``delta_norm``: fixed chunks, ``math.fsum``), so the verdicts
+    and recorded norms are the same bits whatever runs the jobs (tests/test_commit_threads.py)."""
+    judged = [k for k, i in enumerate(inputs) if not i.reject_reason and i.tensors is not None]
+    jobs = [partial(cap_limit, params, cfg)] + [partial(delta_norm, inputs[k].tensors) for k in judged]
+    limit, *values = list(map_fn(_run_job, jobs))
+    out, norms = list(inputs), {}
+    for k, n in zip(judged, values):
+        norms[inputs[k].checksum] = n
+        reason = verdict(n, history, cfg, limit)
+        if reason:
+            out[k] = dataclasses.replace(inputs[k], reject_reason=reason)
+    return out, norms
+
+
 def apply_commit(state: SyncerState, window: NormWindow | None, descriptor: RunDescriptor, fragment: int,
-                 inputs: Sequence[RoundInput], meta: CommitMeta) -> Commit:
+                 inputs: Sequence[RoundInput], meta: CommitMeta, *, map_fn: MapFn | None = None) -> Commit:
     """Decide one commit of ``fragment`` (module docstring): guard, fold, record the merged norms,
-    move the window. ``inputs`` may hold deltas the caller rejected (``reject_reason``)."""
+    move the window. ``inputs`` may hold deltas the caller rejected (``reject_reason``).
+
+    ``map_fn`` runs the guard's norms and the fold's jobs (e.g. ``ThreadPoolExecutor.map`` of a
+    pool the caller owns; default ``map``, on this thread): the commit is the same bit for bit
+    whatever runs them (issue 15)."""
     _check_window(descriptor, window)
     if not 0 <= fragment < len(state.fragments):
         raise ValueError(f"fragment {fragment} out of range for a state of {len(state.fragments)} fragments")
     norms: dict[str, float] = {}
     if window is not None and inputs:
-        inputs, norms = apply_guard(inputs, window.history(fragment), window.cfg, state.fragments[fragment].params)
+        inputs, norms = _guard(inputs, window.history(fragment), window.cfg, state.fragments[fragment].params,
+                               map_fn or map)
     res = fold(state, descriptor, fragment, inputs, seq=meta.seq, epoch=meta.epoch, output_key=meta.output_key,
-               quorum=meta.quorum, grace_wait_s=meta.grace_wait_s, info=dict(meta.info), round_id=meta.round)
+               quorum=meta.quorum, grace_wait_s=meta.grace_wait_s, info=dict(meta.info), round_id=meta.round,
+               map_fn=map_fn)
     record = res.record
     if window is not None and record.kind == "merge":
         # Every survivor was decoded and judged by the guard, so each has a norm.
@@ -152,7 +182,8 @@ def with_recorded_decisions(record: CommitRecord, inputs: Sequence[RoundInput]) 
 
 
 def verify_commit(state: SyncerState, window: NormWindow | None, descriptor: RunDescriptor, record: CommitRecord,
-                  inputs: Sequence[RoundInput], *, recorded_output: Mapping[str, np.ndarray] | None = None) -> Commit:
+                  inputs: Sequence[RoundInput], *, recorded_output: Mapping[str, np.ndarray] | None = None,
+                  map_fn: MapFn | None = None) -> Commit:
     """Recompute a recorded commit with :func:`apply_commit` and check it bit for bit (SPEC §7
     'Replay'): ReplayMismatch at the first difference, norms included; FormatError for a merge of
     a guarded run that records no norms. The window moves by the *recorded* norms (what the live
@@ -162,7 +193,7 @@ def verify_commit(state: SyncerState, window: NormWindow | None, descriptor: Run
         return Commit(res.state, window, res.record, None)
     if record.kind not in ("merge", "drop"):
         raise ValueError(f"verify_commit: a {record.kind!r} commit is not produced by apply_commit")
-    got = apply_commit(state, window, descriptor, record.fragment, inputs, CommitMeta.of(record))
+    got = apply_commit(state, window, descriptor, record.fragment, inputs, CommitMeta.of(record), map_fn=map_fn)
     compare_records(record, got.record, recorded_output, got.published)
     if window is None or record.kind != "merge":
         return got

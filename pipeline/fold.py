@@ -62,25 +62,45 @@ def _finite(a: np.ndarray) -> bool:
 
 
 _STEP = 1 << 14
+_GRAD_JOB = 1 << 20       # values per outer-gradient job handed to map_fn (elementwise: any split, same bits)
 
 
-def _outer_gradient(current: np.ndarray, base: np.ndarray, delta: np.ndarray) -> np.ndarray:
-    """``v = Theta^(current) - (Theta^(base) - Delta)`` as ``(current - base) + Delta`` in float64,
-    rounded to float32, in steps whose float64 temporaries stay in cache. Against the current
-    version (``base is current``) that is Delta itself, up to the sign of zeros, which neither RDA
-    nor the weighted mean can see (they square and add to +0.0), so Delta is used as it is."""
-    d = np.asarray(delta, dtype=np.float32)
-    if base is current:
-        return d
-    out, t = np.empty(d.shape, np.float32), np.empty(min(_STEP, d.size), np.float64)
-    c, b, dd, o = current.reshape(-1), base.reshape(-1), d.reshape(-1), out.reshape(-1)
-    for lo in range(0, d.size, _STEP):
-        hi = min(lo + _STEP, d.size)
-        u = t[:hi - lo]
-        np.subtract(c[lo:hi], b[lo:hi], out=u, dtype=np.float64)
-        np.add(u, dd[lo:hi], out=u, dtype=np.float64)
-        np.copyto(o[lo:hi], u, casting="same_kind")
-    return out
+def _outer_gradient_range(current: np.ndarray, base: np.ndarray, delta: np.ndarray, out: np.ndarray,
+                          lo: int, hi: int) -> None:
+    """``out[lo:hi] = (current - base) + delta`` over flat views, in float64 steps that stay in cache."""
+    t = np.empty(min(_STEP, hi - lo), np.float64)
+    for a in range(lo, hi, _STEP):
+        b = min(a + _STEP, hi)
+        u = t[:b - a]
+        np.subtract(current[a:b], base[a:b], out=u, dtype=np.float64)
+        np.add(u, delta[a:b], out=u, dtype=np.float64)
+        np.copyto(out[a:b], u, casting="same_kind")
+
+
+def _outer_gradients(current: Mapping[str, np.ndarray], bases: Sequence[Mapping[str, np.ndarray]],
+                     deltas: Sequence[Mapping[str, np.ndarray]], names: Sequence[str],
+                     map_fn: MapFn | None) -> list[dict[str, np.ndarray]]:
+    """``v = Theta^(current) - (Theta^(base) - Delta)`` of every input and tensor, as
+    ``(current - base) + Delta`` in float64, rounded to float32. Against the current version
+    (``base is current``) that is Delta itself, up to the sign of zeros, which neither RDA nor the
+    weighted mean can see (they square and add to +0.0), so Delta is used as it is. The stale ones
+    are computed in jobs of ``_GRAD_JOB`` values run by ``map_fn`` (issue 15): every value alone,
+    so the result is the same bits whatever runs them."""
+    grads: list[dict[str, np.ndarray]] = []
+    jobs: list[tuple] = []
+    for base, delta in zip(bases, deltas):
+        g = {}
+        for n in names:
+            d = np.asarray(delta[n], dtype=np.float32)
+            if base[n] is current[n]:
+                g[n] = d
+                continue
+            g[n] = np.empty(d.shape, np.float32)
+            flat = (current[n].reshape(-1), base[n].reshape(-1), d.reshape(-1), g[n].reshape(-1))
+            jobs += [flat + (lo, min(lo + _GRAD_JOB, d.size)) for lo in range(0, d.size, _GRAD_JOB)]
+        grads.append(g)
+    list((map_fn or map)(lambda job: _outer_gradient_range(*job), jobs))
+    return grads
 
 
 @dataclass
@@ -395,13 +415,13 @@ def fold(state: SyncerState, descriptor: RunDescriptor, fragment: int, inputs: S
         return drop_commit(dropped)
 
     current = fs.history[fs.version]
-    grads = [{n: _outer_gradient(current[n], fs.history[i.header.base_version][n], i.tensors[n]) for n in specs}
-             for i in survivors]
+    grads = _outer_gradients(current, [fs.history[i.header.base_version] for i in survivors],
+                             [i.tensors for i in survivors], list(specs), map_fn)
     weights = token_weights([i.header.c_tokens for i in survivors], [i.header.c_steps for i in survivors])
     g = merge_fragment(grads, weights, descriptor.merge, map_fn=map_fn)
     params, momentum = nesterov_step(fs.params, fs.momentum, g, descriptor.outer.lr, descriptor.outer.momentum,
                                      map_fn=map_fn)
-    if not all(_finite(a) for d in (params, momentum) for a in d.values()):
+    if not all((map_fn or map)(_finite, [a for d in (params, momentum) for a in d.values()])):
         # Finite inputs whose merge overflows float32 (only without the norm guard, which caps
         # them): recorded, never published, never raised (issue 11 item 1).
         every = dropped + [_dropped(i, NON_FINITE_RESULT) for i in survivors]

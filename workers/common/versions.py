@@ -16,7 +16,7 @@ from typing import Mapping
 import numpy as np
 
 from pipeline.checksum import tensor_digest
-from pipeline.codec import CodecConfig, decode, encode
+from pipeline.codec import CodecConfig, MapFn, decode, encode
 from pipeline.errors import FormatError
 from pipeline.types import CommitRecord, RunDescriptor
 from storage.errors import NotFound, StoreError
@@ -34,14 +34,15 @@ def version_codec(descriptor: RunDescriptor) -> CodecConfig:
 
 def encode_version(descriptor: RunDescriptor, fragment: int, version: int, seq: int, epoch: int,
                    published: Mapping[str, np.ndarray], signer: Signer | None = None,
-                   values_digest: str | None = None) -> bytes:
+                   values_digest: str | None = None, map_fn: MapFn | None = None) -> bytes:
     """A version blob; signed by ``signer`` (the syncer's key) in a signed run. ``values_digest``
-    is the values' tensor digest if the caller has it (the commit's ``output_checksum``)."""
+    is the values' tensor digest if the caller has it (the commit's ``output_checksum``).
+    ``map_fn``: runs the codec's jobs (a caller's thread pool; the same bytes whatever runs them)."""
     values = {n: published[n] for n in descriptor.layout.fragments[fragment]}
     meta = {"fragment": fragment, "version": version, "seq": seq, "epoch": epoch}
     if signer is not None:
         meta = sign_version_meta(meta, values_digest or tensor_digest(values), signer, descriptor.run_id)
-    return encode(VERSION_KIND, meta, values, version_codec(descriptor))
+    return encode(VERSION_KIND, meta, values, version_codec(descriptor), map_fn=map_fn)
 
 
 def max_fragment_bytes(descriptor: RunDescriptor) -> int:
@@ -56,14 +57,16 @@ def max_version_bytes(descriptor: RunDescriptor) -> int:
     return m + m // 128 + (64 << 10)
 
 
-def decode_version(blob: bytes, descriptor: RunDescriptor, record: CommitRecord) -> dict[str, np.ndarray]:
-    """Decode and check a committed version against its commit record (FormatError if anything differs)."""
+def decode_version(blob: bytes, descriptor: RunDescriptor, record: CommitRecord,
+                   map_fn: MapFn | None = None) -> dict[str, np.ndarray]:
+    """Decode and check a committed version against its commit record (FormatError if anything differs).
+    ``map_fn``: runs the codec's decoding jobs (a caller's thread pool; the same values)."""
     what = record.output_key
     sec = descriptor.security
     if sec is not None:
         check_commit_signature(record, sec.syncer.sign, descriptor.run_id, f"commit {record.seq}")
     dec = decode(blob, VERSION_KIND, max_bytes=max_fragment_bytes(descriptor),
-                 expect=descriptor.fragment_specs(record.fragment), what=what)
+                 expect=descriptor.fragment_specs(record.fragment), what=what, map_fn=map_fn)
     meta = dec.meta
     if meta.get("fragment") != record.fragment or meta.get("version") != record.version:
         raise FormatError(f"{what}: holds fragment {meta.get('fragment')} version {meta.get('version')}, "

@@ -28,6 +28,7 @@ import os
 import select
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -54,10 +55,14 @@ class SenderConfig:
     retry_s: float = 1.0             # pause before retrying a failed spill (doubles while it keeps failing)
     max_retry_s: float = 15.0        # longest pause between spill retries
     bus_enabled: bool = True
+    encode_threads: int = 1          # threads encoding one delta (issue 15): 1 encodes on the sender thread
 
     def __post_init__(self) -> None:
         if self.ack_timeout_s <= 0 or self.heartbeat_s <= 0 or self.retry_s <= 0:
             raise ValueError("sender timeouts must be positive")
+        if not isinstance(self.encode_threads, int) or isinstance(self.encode_threads, bool) \
+                or not 1 <= self.encode_threads <= 256:
+            raise ValueError(f"encode_threads must be an int in 1..256, got {self.encode_threads!r}")
         if self.max_retry_s < self.retry_s:
             raise ValueError(f"max_retry_s ({self.max_retry_s}) must be >= retry_s ({self.retry_s})")
         if self.max_pending < 1:
@@ -121,6 +126,7 @@ class Sender:
         self._last_heard = -1e9
         self._link: LearnerLink | None = None
         self._spill_failures = 0           # consecutive failed spills (for backoff and event thinning)
+        self._map_fn = None                # the encode pool's map while the thread runs (encode_threads > 1)
         self.failed: str | None = None     # set if the thread died; the training loop then stops loudly
         # submit() wakes the sender thread through this pipe, so an answer leaves at once instead of
         # after the thread's next poll timeout (latency is what rounds lose work to, SPEC §3).
@@ -247,6 +253,10 @@ class Sender:
         if self.bus_cfg is not None and self.cfg.bus_enabled:
             self._link = LearnerLink(self.bus_cfg, self.identity, curve=self.curve, wake_fd=self._wake_r)
             self._link.send(Message("hello", {"learner": self.identity.decode(), "incarnation": 0}))
+        # The codec's jobs run on this pool (numpy releases the GIL): the same bytes at any count.
+        pool = ThreadPoolExecutor(self.cfg.encode_threads, thread_name_prefix="sender-encode") \
+            if self.cfg.encode_threads > 1 else None
+        self._map_fn = pool.map if pool is not None else None
         next_beat = 0.0
         try:
             while not self._stop.is_set():
@@ -263,6 +273,9 @@ class Sender:
                     if not self.queue and not self.pending:
                         self._idle.set()
         finally:
+            if pool is not None:
+                self._map_fn = None
+                pool.shutdown(wait=True)
             if self._link is not None:
                 self._link.close()
 
@@ -290,7 +303,7 @@ class Sender:
         if p.blob is not None:
             return True
         try:
-            blob = encode(DELTA_KIND, p.header.to_dict(), p.tensors, self.codec)
+            blob = encode(DELTA_KIND, p.header.to_dict(), p.tensors, self.codec, map_fn=self._map_fn)
         except ValueError as exc:
             if self._release(p.header.id) is not None:
                 self.stats.nonfinite += 1
