@@ -36,6 +36,8 @@ MB = 1e6
 # wall: elapsed time (what a caller waits); cpu: this process's CPU time, all its threads together
 # (on a machine shared with other work, the cost of one thread's work without the waiting)
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+# all: codec and merge; scaling: workers/tools/bench_scaling.py; load: workers/tools/bench_load.py
+TARGETS = ("codec", "merge", "all", "scaling", "load")
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,8 @@ class BenchConfig:
     clock: str = "wall"
 
     def __post_init__(self) -> None:
-        if self.what not in ("codec", "merge", "all"):
-            raise ValueError(f"bench target {self.what!r} not one of codec, merge, all")
+        if self.what not in TARGETS:
+            raise ValueError(f"bench target {self.what!r} not one of {', '.join(TARGETS)}")
         for name in ("size_mb", "merge_mb"):
             v = getattr(self, name)
             if not 0 < v <= 4096:
@@ -246,7 +248,9 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
     """Measure codec and merge throughput on this machine, beside its memcpy bandwidth."""
-    parser.add_argument("what", nargs="?", default="all", choices=("codec", "merge", "all"))
+    parser.add_argument("what", nargs="?", default="all", choices=TARGETS,
+                        help="all (default): codec and merge; scaling: encode/decode/fold at each thread count "
+                             "side by side (medians); load: a synthetic syncer round at large sizes")
     parser.add_argument("--size-mb", type=float, default=64.0,
                         help="fp32 MB for the codec bench (default 64: 16M values)")
     parser.add_argument("--merge-mb", type=float, default=4.0, help="fp32 MB per delta for the merge bench")
@@ -261,6 +265,11 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall time (default) or this process's CPU time (1 thread on a busy machine)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--params", type=int, default=100_000_000,
+                        help="load: values in the fragment (default 100M: about 5 GB of memory at M = 8)")
+    parser.add_argument("--deltas", type=int, default=8, help="load: deltas per round (M, default 8)")
+    parser.add_argument("--rounds", type=int, default=3, help="load: rounds per thread count (median)")
+    parser.add_argument("--version-dtype", choices=("fp32", "bf16"), default="fp32", help="load: versions' dtype")
 
     def handler(args: argparse.Namespace) -> int:
         try:
@@ -269,6 +278,19 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
         except ValueError as exc:
             parser.error(str(exc))
         results: dict[str, Any] = {"config": dataclasses.asdict(cfg)}
+        if cfg.what == "load":
+            from workers.tools.bench_load import LoadConfig, bench_load, print_load
+            try:
+                load = LoadConfig(args.params, args.deltas, args.rounds, cfg.threads, "int4", cfg.block_size,
+                                  cfg.zstd_level, args.version_dtype, cfg.seed)
+            except ValueError as exc:
+                parser.error(str(exc))
+            results["load"] = bench_load(load, CLOCKS[cfg.clock])
+            print_load(results["load"])
+        if cfg.what == "scaling":
+            from workers.tools.bench_scaling import bench_scaling, print_scaling
+            results["scaling"] = bench_scaling(cfg, CLOCKS[cfg.clock])
+            print_scaling(results["scaling"])
         if cfg.what in ("codec", "all"):
             results["codec"] = bench_codec(cfg, CLOCKS[cfg.clock])
             _print_codec(results["codec"])
