@@ -47,12 +47,14 @@ _END = object()
 @dataclass(frozen=True)
 class CommitMeta:
     """What the caller decides about a commit besides its inputs: its place in the log, the key
-    of its version object and the informative fields (quorum, grace wait, ``info``, round)."""
+    of its version object and the informative fields (round size, grace wait, ``info``, round).
+    ``round_size``: how many distinct learners the round counted, stored as the record's
+    historical ``quorum`` field (``CommitRecord.round_size``)."""
 
     seq: int
     epoch: int
     output_key: str = ""
-    quorum: int = 0
+    round_size: int = 0
     grace_wait_s: float = 0.0
     info: Mapping[str, Any] = field(default_factory=dict)
     round: int = -1
@@ -65,7 +67,7 @@ class CommitMeta:
     def of(cls, record: CommitRecord) -> "CommitMeta":
         """The metadata of a recorded commit (replay recomputes the rest)."""
         info = {k: v for k, v in record.info.items() if k != "norms"}
-        return cls(record.seq, record.epoch, record.output_key, record.quorum, record.grace_wait_s, info,
+        return cls(record.seq, record.epoch, record.output_key, record.round_size, record.grace_wait_s, info,
                    record.round)
 
 
@@ -134,7 +136,7 @@ def apply_commit(state: SyncerState, window: NormWindow | None, descriptor: RunD
         inputs, norms = _guard(inputs, window.history(fragment), window.cfg, state.fragments[fragment].params,
                                map_fn or map)
     res = fold(state, descriptor, fragment, inputs, seq=meta.seq, epoch=meta.epoch, output_key=meta.output_key,
-               quorum=meta.quorum, grace_wait_s=meta.grace_wait_s, info=dict(meta.info), round_id=meta.round,
+               quorum=meta.round_size, grace_wait_s=meta.grace_wait_s, info=dict(meta.info), round_id=meta.round,
                map_fn=map_fn)
     record = res.record
     if window is not None and record.kind == "merge":

@@ -244,6 +244,13 @@ class CommitRecord:
         if written is None:
             object.__setattr__(self, "info", _info_with_norms(self.info, norms))
 
+    @property
+    def round_size(self) -> int:
+        """How many distinct learners' deltas the commit's round counted (0 for init, fence and a
+        drop of rejected deltas only). Stored as ``quorum``, a historical name (docs/formats.md):
+        it is not the policy's quorum K; code reads it through this name."""
+        return self.quorum
+
     def with_norms(self, norms: tuple[float, ...] | None) -> "CommitRecord":
         """The same record with other ``norms`` (``info["norms"]`` follows; None removes them)."""
         info = {k: v for k, v in self.info.items() if k != "norms"}

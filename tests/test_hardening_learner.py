@@ -263,15 +263,15 @@ def test_a_crashed_receiver_thread_restarts_and_says_so(tmp_path, monkeypatch):
 
 
 def test_syncer_stats_are_running_aggregates_not_lists():
-    """Old code: SyncerStats.grace_waits and quorum_sizes were lists with one entry per commit."""
+    """Old code: SyncerStats.grace_waits and round_sizes were lists with one entry per commit."""
     import pickle
     from workers.syncer.syncer import SyncerStats
     s = SyncerStats()
     for i in range(20_000):
-        s.quorum_sizes.append(1 + i % 3)
+        s.round_sizes.append(1 + i % 3)
         s.grace_waits.append(0.5)
-    assert s.quorum_sizes.mean == pytest.approx(2.0, abs=1e-3) and s.grace_waits.mean == 0.5
-    assert len(pickle.dumps(s.quorum_sizes)) < 300 and len(pickle.dumps(s.grace_waits)) < 300
+    assert s.round_sizes.mean == pytest.approx(2.0, abs=1e-3) and s.grace_waits.mean == 0.5
+    assert len(pickle.dumps(s.round_sizes)) < 300 and len(pickle.dumps(s.grace_waits)) < 300
 
 
 def test_a_finite_loss_with_non_finite_gradients_is_skipped(tmp_path):

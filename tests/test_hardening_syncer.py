@@ -70,7 +70,7 @@ def _blob(desc, h: DeltaHeader, fill: float = 0.01, scheme: str = "int8", fragme
 def _offer(syncer: Syncer, blob: bytes, header: dict, checksum: str | None = None) -> None:
     """What the bus loop does with one ``delta`` message."""
     msg = Message("delta", {"header": header, "checksum": digest(blob) if checksum is None else checksum}, blob)
-    syncer._ingest_bus_delta(b"peer", msg)
+    syncer.ingest.bus_delta(b"peer", msg)
 
 
 def _merge_all(syncer: Syncer) -> None:
@@ -79,7 +79,7 @@ def _merge_all(syncer: Syncer) -> None:
         for p, pend in enumerate(syncer.pending):
             if pend:
                 merge = tuple(k for k, h in pend.items() if not h.reason)
-                syncer._merge(p, list(pend), Decision(merge, (), 0.0, None, None, "test"))
+                syncer.merge(p, list(pend), Decision(merge, (), 0.0, None, None, "test"))
         if not any(syncer.pending):
             return
 
@@ -275,11 +275,11 @@ def test_pending_deltas_are_bounded_and_the_excess_is_recorded(tmp_path):
         h = DeltaHeader("l0", 1, s, 0, 0, 1 + s, 100 * (1 + s), s)
         store.put_if_absent(spill_key(h.learner, h.incarnation, h.seq), _blob(desc, h))
         offered.append(h.id)
-    syncer._ingest_spill()
+    syncer.ingest.poll_inboxes()
     valid = [h for h in syncer.pending[0].values() if not h.reason]
     assert len(valid) <= 4 and syncer.stats.evicted == 21
     assert [h.header.seq for h in valid] == [21, 22, 23, 24]          # superseded ones went first
-    syncer._close_rounds()        # 21 rejected-for-overflow deltas force a drop commit (REJECTED_FLUSH)
+    syncer.close_rounds()        # 21 rejected-for-overflow deltas force a drop commit (REJECTED_FLUSH)
     _close(syncer)
     assert len(syncer.pending[0]) <= 4
     rec = _recorded(store)

@@ -46,9 +46,9 @@ def _spill(store, desc, seq: int) -> DeltaHeader:
 
 def _merge_pending(syncer: Syncer) -> None:
     """Close fragment 0's round now with everything it holds (the policy is tested apart)."""
-    syncer._ingest_spill()
+    syncer.ingest.poll_inboxes()
     pend = syncer.pending[0]
-    syncer._merge(0, list(pend), Decision(tuple(k for k, h in pend.items() if not h.reason), (), 0.0, None, None,
+    syncer.merge(0, list(pend), Decision(tuple(k for k, h in pend.items() if not h.reason), (), 0.0, None, None,
                                           "test"))
 
 

@@ -1,68 +1,106 @@
-"""The syncer's ingest half (SPEC §7, docs/protocol.md): deltas from the bus and from the spill
-inbox, checked and admitted to the per-fragment pending sets that rounds are made of.
+"""The syncer's inbox (SPEC §7, docs/protocol.md): deltas from the bus and from the spill inboxes,
+checked and admitted to the per-fragment pending sets that rounds are made of.
 
-A mixin of ``Syncer`` (workers/syncer/syncer.py), split out so each file reads top to bottom: everything
-here runs on the syncer's one loop thread and uses its state (``pending``, ``state``, ``bus``,
-``store``, ``stats``, ``events``). A bus delta is acked ``durable`` only after it is in the inbox.
+:class:`Ingest` owns the pending sets, the inbox keys it refused (``bad``) and the refusal counts
+since the last commit; it is handed everything else it uses in its constructor: the store and
+region inboxes, the run's descriptor and key list, the round book (a delta or heartbeat is a sign
+of life and a pace sample, workers/syncer/rounds.py) and a view of the merged high-water marks,
+which the committer owns (workers/syncer/committer.py). Everything here runs on the syncer's one
+loop thread. A bus delta is acked ``durable`` only after it is in the inbox.
+
+What cannot be attributed to a listed learner (undecodable, oversized, unknown learner or
+fragment, peer mismatch) is refused here (:class:`~workers.syncer.records.Refusal`): counted,
+logged, left in the inbox as evidence. What can is admitted - possibly held out of every quorum
+with a reason - and is named in the next commit of its fragment, merged or dropped.
 """
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
+from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
+from pipeline.commit import PENDING_OVERFLOW
 from pipeline.envelope import digest
 from pipeline.errors import FormatError
-from pipeline.types import DeltaHeader
-from storage.errors import AlreadyExists, NotFound, StoreError
-from pipeline.commit import PENDING_OVERFLOW
 from pipeline.fold import DropReason
-from storage.layout import SPILL_PREFIX, delta_key, parse_spill_key, quarantine_key, spill_key
-from workers.bus.bus import Message
-from workers.common.deltas import UNKNOWN_LEARNER, Opened, open_stored
+from pipeline.types import DeltaHeader, RunDescriptor
+from storage.errors import AlreadyExists, NotFound, StoreError
+from storage.layout import SPILL_PREFIX, parse_spill_key, spill_key
+from storage.store import ObjectStore
+from workers.bus.bus import Message, SyncerBus
+from workers.bus.keys import Roster
+from workers.common.deltas import UNKNOWN_LEARNER, Opened, max_delta_bytes, open_stored
+from workers.syncer.records import BELOW_HIGH_WATER, Held, InboxRef, PendingKey, Refusal, Source
+from workers.syncer.rounds import RoundBook
 
-BELOW_HIGH_WATER = "below-high-water"   # held out of the quorum; the fold records the reason
-
-
-@dataclass(frozen=True)
-class Quarantined:
-    """The pending-set key of a rejected delta: its content digest, never the id it claims (which
-    its real owner may still need); it is persisted under ``quarantine/<sha256>``."""
-
-    sha256: str
+HighWater = Callable[[int, str], Sequence[int] | None]   # (fragment, learner) -> merged (incarnation, seq)
 
 
 @dataclass
-class _Held:
-    header: DeltaHeader
-    blob: bytes
-    inbox_key: str         # "" when it is held in memory only
-    arrived_at: float
-    source: str            # "bus" | "spill"
-    opened: Opened | None = None   # the verdict on these bytes (workers/common/deltas.py), reused at merge
-    pkey: str | Quarantined = ""   # its key in the pending set: the delta id, or Quarantined (below)
-    hold: str = ""                 # why the syncer keeps it out of every quorum (issue 11 items 5, 13)
-    inbox_store: object = None     # the region store whose inbox holds it (None: the home store)
-
-    @property
-    def reason(self) -> str:
-        """Why it will be dropped or kept out of the quorum ("" = a candidate for merging)."""
-        return (self.opened.reason if self.opened is not None else "") or self.hold
-
-    def __post_init__(self) -> None:
-        # Rejected deltas are keyed by content, so a forgery never shadows the real delta's id.
-        self.pkey = Quarantined(digest(self.blob)) if self.reason else self.header.id
-
-    @property
-    def stored_key(self) -> str:
-        """Where the delta is persisted before the commit that names it."""
-        if isinstance(self.pkey, Quarantined):
-            return quarantine_key(self.pkey.sha256)
-        return delta_key(self.header.learner, self.header.incarnation, self.header.seq)
+class IngestStats:
+    duplicates: int = 0
+    rejected: int = 0              # refused at ingest (bad message / header / unknown fragment)
+    rejections: Counter = dataclasses.field(default_factory=Counter)   # Refusal -> count (never in a commit)
+    from_bus: int = 0
+    from_spill: int = 0
+    evicted: int = 0               # dropped "pending-overflow" while a quorum was not met (issue 11 item 5)
 
 
+class Ingest:
+    """``inboxes``: every region's store whose inbox is read (issue 14; None: ``store`` alone).
+    ``wake_members``: called when an inbox holds a delta of an unlisted learner (the membership
+    records are re-read soon). ``io``: runs the inbox clean-up after a commit."""
 
-class SyncerIngest:
-    def _ingest_bus(self, timeout_s: float) -> None:
+    def __init__(self, store: ObjectStore, descriptor: RunDescriptor, roster: Roster | None, rounds: RoundBook,
+                 high_water: HighWater, events, clock: Callable[[], float], sleep: Callable[[float], None],
+                 io: Executor, *, max_pending: int, max_per_poll: int,
+                 inboxes: Sequence[ObjectStore] | None = None, wake_members: Callable[[], None] | None = None):
+        self.store, self.descriptor, self.roster, self.rounds = store, descriptor, roster, rounds
+        self.high_water, self.events, self.clock, self.sleep, self.io = high_water, events, clock, sleep, io
+        self.max_pending, self.max_per_poll = max_pending, max_per_poll
+        self.inboxes = list(inboxes) if inboxes else [store]
+        self.wake_members = wake_members
+        self.max_delta = max_delta_bytes(descriptor)
+        self.bus: SyncerBus | None = None
+        self.pending: list[dict[PendingKey, Held]] = [{} for _ in range(descriptor.num_fragments)]
+        self.bad: set[str] = set()          # inbox keys refused: never read again
+        self.unknown: set[str] = set()      # refused for an unlisted learner: read again when members join
+        self.since_commit: Counter = Counter()   # Refusal -> count since the last commit, for its info
+        self.stats = IngestStats()
+
+    def attach(self, bus: SyncerBus | None) -> None:
+        """The bus, once open (acks go back on it)."""
+        self.bus = bus
+
+    # -- refusals ----------------------------------------------------------------------------------
+    def refuse(self, why: Refusal, detail: str, header: DeltaHeader | None = None, ident: bytes | None = None,
+               delta: str = "") -> None:
+        """Refused at ingest (never in a round): counted by ``why``, logged with the detail, and
+        answered with a ``rejected`` ack when it came from a peer and names a delta."""
+        self.stats.rejected += 1
+        self.stats.rejections[why] += 1
+        self.since_commit[why] += 1
+        self.events.emit("delta-rejected", delta=delta or (header.id if header else ""), reason=why.value,
+                         detail=detail)
+        if ident is not None and self.bus is not None and (delta or header):
+            self.bus.send_to(ident, Message("ack", {"delta_id": delta or header.id, "status": "rejected",
+                                                    "reason": detail}))
+
+    def rejected_since_commit(self) -> dict[str, int]:
+        """Refusal counts since the last commit, by category, sorted (a commit's ``info["rejected"]``)."""
+        return {why.value: n for why, n in sorted(self.since_commit.items(), key=lambda kv: kv[0].value)}
+
+    def members_added(self) -> None:
+        """New learners were listed: their refused inbox objects are read again."""
+        self.bad -= self.unknown
+        self.unknown.clear()
+
+    # -- the bus -----------------------------------------------------------------------------------
+    def poll_bus(self, timeout_s: float) -> None:
+        """Handle what the bus holds, waiting up to ``timeout_s`` for the first message (just sleep
+        when there is no bus)."""
         if self.bus is None:
             self.sleep(timeout_s)
             return
@@ -73,14 +111,14 @@ class SyncerIngest:
         while got is not None:
             ident, msg = got
             if isinstance(msg, FormatError):
-                self._reject(None, ident, "", str(msg), "bad-message")
+                self.refuse(Refusal.BAD_MESSAGE, str(msg), ident=ident)
             elif msg.peer is not None and msg.fields.get("learner", msg.peer) != msg.peer:
-                self._reject(None, None, "", f"peer {msg.peer} sent a {msg.type} as {msg.fields.get('learner')!r}",
-                             "peer-mismatch")
+                self.refuse(Refusal.PEER_MISMATCH,
+                            f"peer {msg.peer} sent a {msg.type} as {msg.fields.get('learner')!r}")
             elif msg.type == "heartbeat":
                 self._heartbeat(msg.fields)
             elif msg.type == "delta":
-                self._ingest_bus_delta(ident, msg)
+                self.bus_delta(ident, msg)
             got = self.bus.recv(0) if self.clock() < until else None
 
     def _heartbeat(self, f: dict) -> None:
@@ -89,19 +127,13 @@ class SyncerIngest:
                 and 0 <= st < 3600:
             self.rounds.heartbeat(learner, float(st), self.clock())
 
-    def _reject(self, header: DeltaHeader | None, ident: bytes | None, delta: str, reason: str,
-                category: str) -> None:
-        """Refused at ingest (never in a round): counted by ``category``, logged with the detail."""
-        self.stats.rejected += 1
-        self.stats.rejections[category] += 1
-        self._since_commit[category] += 1
-        self.events.emit("delta-rejected", delta=delta or (header.id if header else ""), reason=category,
-                         detail=reason)
-        if ident is not None and self.bus is not None and (delta or header):
-            self.bus.send_to(ident, Message("ack", {"delta_id": delta or header.id, "status": "rejected",
-                                                    "reason": reason}))
+    def _ack(self, ident: bytes, delta_id: str, opened: Opened) -> None:
+        if self.bus is not None:
+            self.bus.send_to(ident, Message("ack", {"delta_id": delta_id, "status": "rejected" if opened.reason
+                                                    else "durable", "reason": opened.reason}))
 
-    def _ingest_bus_delta(self, ident: bytes, msg: Message) -> None:
+    def _open_bus_delta(self, ident: bytes, msg: Message) -> tuple[Opened, str] | None:
+        """The delta a bus message carries, opened, and its spill key; None when refused."""
         blob = msg.blob or b""
         claimed = msg.fields.get("header", {})
         claimed_id = ""
@@ -111,31 +143,39 @@ class SyncerIngest:
             except FormatError:
                 pass
         if digest(blob) != msg.fields.get("checksum"):
-            return self._reject(None, ident, claimed_id, "checksum of the delta frame does not match", "bad-checksum")
+            return self.refuse(Refusal.BAD_CHECKSUM, "checksum of the delta frame does not match", None, ident,
+                               claimed_id)
         try:
             opened = open_stored(blob, self.descriptor, self.roster, f"bus delta {claimed_id}")
         except FormatError as exc:
-            return self._reject(None, ident, claimed_id, str(exc), "undecodable")
+            return self.refuse(Refusal.UNDECODABLE, str(exc), None, ident, claimed_id)
         header = opened.header
         if header.id != claimed_id:
-            return self._reject(header, ident, claimed_id, f"message header {claimed_id} != blob header {header.id}",
-                                "header-mismatch")
+            return self.refuse(Refusal.HEADER_MISMATCH, f"message header {claimed_id} != blob header {header.id}",
+                               header, ident, claimed_id)
         if msg.peer is not None and header.learner != msg.peer:
-            return self._reject(header, ident, claimed_id, f"peer {msg.peer} sent a delta of {header.learner}",
-                                "peer-mismatch")
+            return self.refuse(Refusal.PEER_MISMATCH, f"peer {msg.peer} sent a delta of {header.learner}",
+                               header, ident, claimed_id)
         if opened.reason == UNKNOWN_LEARNER:
-            return self._reject(header, ident, header.id, f"learner {header.learner} is not listed", "unknown-learner")
+            return self.refuse(Refusal.UNKNOWN_LEARNER, f"learner {header.learner} is not listed", header, ident,
+                               header.id)
         try:
-            key = spill_key(header.learner, header.incarnation, header.seq)
+            return opened, spill_key(header.learner, header.incarnation, header.seq)
         except ValueError as exc:    # a valid header whose numbers do not fit the run's keys
-            return self._reject(header, ident, header.id, str(exc), "bad-header")
-        held = self._admit(header, blob, key, "bus", opened)
-        status = "rejected" if opened.reason else "durable"
+            return self.refuse(Refusal.BAD_HEADER, str(exc), header, ident, header.id)
+
+    def bus_delta(self, ident: bytes, msg: Message) -> None:
+        """One ``delta`` message: open and check it, admit it, write it to the home inbox, ack it."""
+        got = self._open_bus_delta(ident, msg)
+        if got is None:
+            return
+        opened, key = got
+        header, blob = opened.header, msg.blob or b""
+        held = self.admit(header, blob, InboxRef(key), Source.BUS, opened)
         if held is None:
-            if self.bus is not None and header.fragment < self.descriptor.num_fragments:
+            if header.fragment < self.descriptor.num_fragments:
                 # Already merged: durable as can be. Ack so the learner forgets it instead of spilling it.
-                self.bus.send_to(ident, Message("ack", {"delta_id": header.id, "status": status,
-                                                        "reason": opened.reason}))
+                self._ack(ident, header.id, opened)
             return
         try:
             self.store.put_if_absent(key, blob)
@@ -147,7 +187,7 @@ class SyncerIngest:
             if stored != blob:
                 # Other bytes under this id: the inbox object is judged on its own when the inbox is
                 # listed; this copy stays in memory only (not durable, so not acked).
-                held.inbox_key = ""
+                held.inbox = None
                 self.events.emit("inbox-conflict", delta=header.id, key=key)
                 return
         except StoreError as exc:
@@ -157,54 +197,54 @@ class SyncerIngest:
             self.events.emit("ingest-store-error", delta=header.id, error=str(exc))
             return
         self.stats.from_bus += 1
-        if self.bus is not None:
-            self.bus.send_to(ident, Message("ack", {"delta_id": header.id, "status": status, "reason": opened.reason}))
+        self._ack(ident, header.id, opened)
 
-    def _admit(self, header: DeltaHeader, blob: bytes, key: str, source: str,
-               opened: Opened | None = None, inbox_store=None) -> _Held | None:
-        """Place a delta in its fragment's pending set; None (and a clean-up) when it is not new."""
+    # -- admission ---------------------------------------------------------------------------------
+    def admit(self, header: DeltaHeader, blob: bytes, inbox: InboxRef, source: Source,
+              opened: Opened | None = None) -> Held | None:
+        """Place a delta in its fragment's pending set; None (and a clean-up) when it is not new.
+        A bus delta already held comes back as the held entry (its inbox copy is checked again)."""
         if not 0 <= header.fragment < self.descriptor.num_fragments:
-            self._reject(header, None, header.id, f"unknown fragment {header.fragment}", "unknown-fragment")
-            if source == "spill":
-                self.bad_inbox.add(key)
+            self.refuse(Refusal.UNKNOWN_FRAGMENT, f"unknown fragment {header.fragment}", header, None, header.id)
+            if source is Source.SPILL:
+                self.bad.add(inbox.key)
             return None
-        hw = self.state.high_water[header.fragment].get(header.learner)
+        hw = self.high_water(header.fragment, header.learner)
         below = hw is not None and header.order < tuple(hw) and not (opened is not None and opened.reason)
         # Anything *below* the mark is held out of every quorum (issue 11 item 13) and goes to the
         # next commit, whose fold records why ("duplicate", or "stale-incarnation" when a newer life
         # of the learner was merged): it may have been merged before, or overtaken, or persisted by a
         # syncer fenced before its commit - a copy alone proves nothing, and nothing vanishes unrecorded.
-        held = _Held(header, blob, key, self.clock(), source, opened, hold=BELOW_HIGH_WATER if below else "",
-                     inbox_store=inbox_store)
+        held = Held(header, blob, inbox, self.clock(), source, opened, hold=BELOW_HIGH_WATER if below else None)
         pend = self.pending[header.fragment]
-        if not held.reason and hw is not None and header.order == tuple(hw):
+        if held.candidate and hw is not None and header.order == tuple(hw):
             # Exactly the newest merged delta of its learner: merged for certain, tidy the inbox.
             self.stats.duplicates += 1
-            if source == "spill":
-                self._delete(key, inbox_store)
+            if source is Source.SPILL:
+                delete_quietly(inbox, self.store)
             return None
         if held.pkey in pend:
             self.stats.duplicates += 1
-            if source == "spill" and pend[held.pkey].blob != blob:
-                self.bad_inbox.add(key)     # other bytes under a held id: evidence, never merged
-                self.events.emit("inbox-conflict", delta=header.id, key=key)
-            return pend[held.pkey] if source == "bus" else None
+            if source is Source.SPILL and pend[held.pkey].blob != blob:
+                self.bad.add(inbox.key)     # other bytes under a held id: evidence, never merged
+                self.events.emit("inbox-conflict", delta=header.id, key=inbox.key)
+            return pend[held.pkey] if source is Source.BUS else None
         pend[held.pkey] = held
-        if not held.reason:
+        if held.candidate:
             self.rounds.delta_arrived(header.learner, header.learner_step, held.arrived_at)
         return self._bound_pending(header.fragment).get(held.pkey, held)
 
-    def _bound_pending(self, p: int) -> dict[str, _Held]:
-        """Keep at most ``cfg.max_pending`` candidates of fragment ``p`` (issue 11 item 5): while its
+    def _bound_pending(self, p: int) -> dict[PendingKey, Held]:
+        """Keep at most ``max_pending`` candidates of fragment ``p`` (issue 11 item 5): while its
         quorum is not met they would pile up without bound. The excess - superseded deltas first (an
         older delta of the same learner life on the same base, whose progress a newer one holds),
         then the oldest arrivals - is dropped with reason ``pending-overflow: ...`` in the next commit
         (rejected deltas are bounded by their own flush, REJECTED_FLUSH in workers/syncer/syncer.py).
         Returns the evicted entries by their former pending key (they are re-keyed by content)."""
         pend = self.pending[p]
-        valid = [h for h in pend.values() if not h.reason]
-        excess = len(valid) - self.cfg.max_pending
-        moved: dict[str, _Held] = {}
+        valid = [h for h in pend.values() if h.candidate]
+        excess = len(valid) - self.max_pending
+        moved: dict[PendingKey, Held] = {}
         if excess <= 0:
             return moved
         newest: dict[tuple, int] = {}
@@ -212,30 +252,30 @@ class SyncerIngest:
             lineage = (h.header.learner, h.header.incarnation, h.header.base_version)
             newest[lineage] = max(newest.get(lineage, -1), h.header.seq)
 
-        def superseded(h: _Held) -> bool:
+        def superseded(h: Held) -> bool:
             return h.header.seq < newest[(h.header.learner, h.header.incarnation, h.header.base_version)]
         for h in sorted(valid, key=lambda h: (not superseded(h), h.arrived_at, h.header.id))[:excess]:
-            reason = str(DropReason(PENDING_OVERFLOW, "superseded" if superseded(h) else "oldest"))
-            opened = dataclasses.replace(h.opened, reason=reason) if h.opened is not None else \
-                Opened(h.header, h.blob, reason)
+            reason = DropReason(PENDING_OVERFLOW, "superseded" if superseded(h) else "oldest")
+            opened = dataclasses.replace(h.opened, reason=str(reason)) if h.opened is not None else \
+                Opened(h.header, h.blob, str(reason))
             pend.pop(h.pkey, None)
-            evicted = _Held(h.header, h.blob, h.inbox_key, h.arrived_at, h.source, opened, hold=reason,
-                            inbox_store=h.inbox_store)
+            evicted = Held(h.header, h.blob, h.inbox, h.arrived_at, h.source, opened, hold=reason)
             moved[h.pkey] = pend.setdefault(evicted.pkey, evicted)
             self.stats.evicted += 1
-            self.events.emit("delta-evicted", delta=h.header.id, fragment=p, reason=reason,
-                             pending=len(valid), limit=self.cfg.max_pending)
+            self.events.emit("delta-evicted", delta=h.header.id, fragment=p, reason=str(reason),
+                             pending=len(valid), limit=self.max_pending)
         return moved
 
-    def _ingest_spill(self) -> None:
+    # -- the spill inboxes ---------------------------------------------------------------------------
+    def poll_inboxes(self) -> None:
         """Every region's inbox (issue 14; just the home store's in a single-region run). A region
         that fails is reported and skipped: the others are still read. Keys are compared across
         regions: the same spill key in two regions is the same delta id (learner/incarnation/seq)."""
-        known = {h.inbox_key for pend in self.pending for h in pend.values()} | self.bad_inbox
-        for store in getattr(self, "inboxes", None) or [self.store]:
-            self._ingest_inbox(store, known)
+        known = {h.inbox_key for pend in self.pending for h in pend.values()} | self.bad
+        for store in self.inboxes:
+            self._poll_inbox(store, known)
 
-    def _ingest_inbox(self, store, known: set[str]) -> None:
+    def _poll_inbox(self, store: ObjectStore, known: set[str]) -> None:
         home = store is self.store
         try:
             keys = store.list(SPILL_PREFIX)
@@ -246,45 +286,79 @@ class SyncerIngest:
         for key in keys:
             if key in known:
                 continue
-            if n >= self.cfg.max_ingest_per_poll:
+            if n >= self.max_per_poll:
                 break
             n += 1
             try:
-                named = parse_spill_key(key)
-                size = store.head(key).size
-                if size > self.max_delta:   # checked before reading: a planted huge object must not exhaust memory
-                    self._reject(None, None, key, f"{key}: {size} bytes exceeds the run's delta size limit "
-                                                  f"{self.max_delta}", "oversize")
-                    self.bad_inbox.add(key)
-                    continue
-                blob = store.get(key)
-                opened = open_stored(blob, self.descriptor, self.roster, key)
-                if (opened.header.learner, opened.header.incarnation, opened.header.seq) != tuple(named):
-                    raise FormatError(f"{key}: holds delta {opened.header.id}, not the one its key names")
-            except NotFound:
-                continue
-            except (FormatError, ValueError) as exc:
-                # A damaged or foreign object in the inbox: logged once and left untouched (never
-                # deleted: it is evidence), and kept out of every round.
-                self._reject(None, None, key, str(exc), "undecodable")
-                self.bad_inbox.add(key)
-                continue
+                got = self._read_inbox_object(store, key)
             except StoreError as exc:
                 self.events.emit("store-error", op="read-inbox", key=key, error=str(exc), store=store.uri)
                 return
-            if opened.reason == UNKNOWN_LEARNER:
-                self._reject(opened.header, None, key, f"learner {opened.header.learner} is not listed",
-                             "unknown-learner")
-                self.bad_inbox.add(key)
-                self.unknown_inbox.add(key)
-                self.gate.soon()
+            if got is None:
                 continue
-            if self._admit(opened.header, blob, key, "spill", opened, None if home else store) is not None:
+            opened, blob = got
+            if opened.reason == UNKNOWN_LEARNER:
+                self.refuse(Refusal.UNKNOWN_LEARNER, f"learner {opened.header.learner} is not listed",
+                            opened.header, delta=key)
+                self.bad.add(key)
+                self.unknown.add(key)
+                if self.wake_members is not None:
+                    self.wake_members()
+                continue
+            if self.admit(opened.header, blob, InboxRef(key, None if home else store), Source.SPILL,
+                          opened) is not None:
                 self.stats.from_spill += 1
 
-    def _delete(self, key: str, store=None) -> None:
+    def _read_inbox_object(self, store: ObjectStore, key: str) -> tuple[Opened, bytes] | None:
+        """The inbox object ``key``, opened and checked against the id its key names, and its bytes;
+        None when it is refused (or gone). StoreError: the store failed (the caller stops listing it)."""
         try:
-            (store if store is not None else self.store).delete(key)
-        except StoreError:
-            pass   # best effort: a leftover inbox object is recognised as a duplicate next time
+            named = parse_spill_key(key)
+            size = store.head(key).size
+            if size > self.max_delta:   # checked before reading: a planted huge object must not exhaust memory
+                self.refuse(Refusal.OVERSIZE, f"{key}: {size} bytes exceeds the run's delta size limit "
+                                              f"{self.max_delta}", delta=key)
+                self.bad.add(key)
+                return None
+            blob = store.get(key)
+            opened = open_stored(blob, self.descriptor, self.roster, key)
+            if (opened.header.learner, opened.header.incarnation, opened.header.seq) != tuple(named):
+                raise FormatError(f"{key}: holds delta {opened.header.id}, not the one its key names")
+            return opened, blob
+        except NotFound:
+            return None
+        except (FormatError, ValueError) as exc:
+            # A damaged or foreign object in the inbox: logged once and left untouched (never
+            # deleted: it is evidence), and kept out of every round.
+            self.refuse(Refusal.UNDECODABLE, str(exc), delta=key)
+            self.bad.add(key)
+            return None
 
+    # -- after a commit ------------------------------------------------------------------------------
+    def committed(self, p: int, held: Sequence[Held]) -> None:
+        """A commit named ``held`` (fragment ``p``): forget them, tidy their inbox objects in the
+        background, and start counting refusals for the next commit afresh."""
+        self.since_commit.clear()
+        for h in held:
+            self.pending[p].pop(h.pkey, None)
+            if h.inbox is not None:
+                self.io.submit(delete_quietly, h.inbox, self.store)
+
+    def reused_id(self, p: int, key: str, held: Sequence[Held]) -> None:
+        """A candidate's permanent key ``key`` already holds other bytes (a learner reused a delta id):
+        that copy is refused (left in the inbox as evidence); the round is decided again without it."""
+        for h in held:
+            if h.candidate and h.stored_key == key:
+                self.pending[p].pop(h.pkey, None)
+                self.refuse(Refusal.ID_REUSED, f"{key} holds other bytes", h.header, None, h.header.id)
+                if h.inbox is not None:
+                    self.bad.add(h.inbox.key)
+
+
+def delete_quietly(inbox: InboxRef, home: ObjectStore | None = None) -> None:
+    """Delete an inbox object (from ``inbox.store``, else ``home``), best effort: a leftover one is
+    recognised as a duplicate next time."""
+    try:
+        (inbox.store if inbox.store is not None else home).delete(inbox.key)
+    except StoreError:
+        pass

@@ -2,6 +2,15 @@
 policy, decides each commit with ``pipeline.commit.apply_commit`` (norm guard, fold, norm window:
 the very function replay and recovery verify with), commits versions to the log, announces them.
 
+:class:`Syncer` wires three parts that each own their state, and runs the loop:
+
+* :class:`~workers.syncer.ingest.Ingest` - the bus and the spill inboxes, admission, the pending
+  sets and the refusal counts (workers/syncer/ingest.py);
+* :class:`~workers.syncer.rounds.RoundBook` - the global step, the open rounds and the learners'
+  pace (workers/syncer/rounds.py);
+* :class:`~workers.syncer.committer.Committer` - the state, the norm window, the epoch and the log:
+  decide, persist, append, announce, checkpoint (workers/syncer/committer.py).
+
 One thread runs the loop below; the bus sockets and the pending sets belong to it. Storage is
 the truth: a delta is acked only after it is in the inbox (``spill_key``), every commit names
 inputs persisted under their permanent ``delta_key``, and a refused append (``Fenced``) stops this
@@ -26,44 +35,35 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
-from pipeline.commit import Commit, CommitMeta, apply_commit, initial_window
-from pipeline.envelope import digest
+from pipeline.commit import CommitMeta
 from pipeline.errors import FormatError
-from pipeline.fold import DropReason, SyncerState, fold_fence
+from pipeline.fold import SyncerState, fold_fence
+from pipeline.guard import NormWindow
 from pipeline.policy import Decision, Ewma, Pending, Timing, decide, late_deadline
 from pipeline.types import CommitRecord, RunDescriptor
-from storage.checkpoints import write_checkpoint
-from storage.errors import AlreadyExists, Fenced, StoreError
-from storage.layout import CLOCK_KEY, delta_key, read_descriptor, version_key
+from storage.errors import StoreError
+from storage.layout import CLOCK_KEY, read_descriptor
 from storage.log import CommitLog, claim_epoch
 from storage.probe import probe_conditional_writes
 from storage.store import ObjectStore, open_store
 from workers.bus.bus import HEAD_MAX_BYTES, BusConfig, Message, SyncerBus
-from workers.common.deltas import max_delta_bytes, round_input
-from workers.common.aggregate import RunningMean
-from workers.common.events import EventLog
-from workers.syncer.gc import RetentionConfig, SyncerRetention
 from workers.bus.keys import Gate, KeyRing, Roster, check_syncer_keys
+from workers.bus.signing import sign_commit
+from workers.common.aggregate import RunningMean
+from workers.common.deltas import max_delta_bytes, round_input
+from workers.common.events import EventLog
+from workers.syncer.committer import Committer, CommitterConfig, KeyConflict
+from workers.syncer.gc import RetentionConfig, SyncerRetention
+from workers.syncer.ingest import Ingest
+from workers.syncer.records import Held, PendingKey
 from workers.syncer.recovery import Recovery, recover_state, republish_damaged
 from workers.syncer.replicate import replication
-from workers.tools.replay import trusted_commits
 from workers.syncer.rounds import OpenRound, RoundBook
-from workers.bus.signing import seal_checkpoint, sign_commit
-from workers.syncer.ingest import Quarantined, SyncerIngest, _Held
-from workers.common.versions import encode_version
+from workers.tools.replay import trusted_commits
 
 REJECTED_FLUSH = 16                   # rejected deltas of one fragment that force a drop commit
-
-
-class _KeyConflict(Exception):
-    """A delta's permanent key already holds other bytes (a learner reused an id)."""
-
-    def __init__(self, key: str):
-        super().__init__(key)
-        self.key = key
-
 
 @dataclass(frozen=True)
 class SyncerConfig:
@@ -94,6 +94,9 @@ class SyncerConfig:
 
 @dataclass
 class SyncerStats:
+    """What the syncer did, for tests and its summary: a snapshot of its parts' counters
+    (``Syncer.stats``); ingest refusals by category value."""
+
     commits: int = 0
     merged: int = 0
     dropped: int = 0
@@ -106,10 +109,10 @@ class SyncerStats:
     evicted: int = 0           # dropped "pending-overflow" while a quorum was not met (issue 11 item 5)
     # running aggregates, not one entry per commit (issue 11 item 6)
     grace_waits: RunningMean = field(default_factory=RunningMean)
-    quorum_sizes: RunningMean = field(default_factory=RunningMean)
+    round_sizes: RunningMean = field(default_factory=RunningMean)   # learners counted per commit
 
 
-class Syncer(SyncerIngest):
+class Syncer:
     """``before_commit``: called with each commit record right before every attempt to append it,
     when its inputs and version object are already stored - the one point where a crash leaves data
     no commit names. Production passes None; fault injection passes a hook from outside
@@ -125,40 +128,68 @@ class Syncer(SyncerIngest):
         self.events = events or EventLog(None, "syncer", cfg.syncer_id)
         self.clock, self.wall, self.sleep = clock, wall, sleep   # injected: tests drive time (style guide)
         self.descriptor: RunDescriptor = read_descriptor(self.store)
+        self.policy = self.descriptor.policy
         self.security = check_syncer_keys(self.descriptor, keys)
         self.signer = keys.own.signer() if keys is not None else None
         self.curve = keys.own.curve_keys() if keys is not None else None
         self.gate = None if self.security is None else \
             Gate(Roster(self.descriptor, self.security), cfg.members_poll_s, clock)
         self.roster = self.gate.roster if self.gate is not None else None
-        self.max_delta = max_delta_bytes(self.descriptor)
         # Bus messages above the largest delta this run can produce are dropped by libzmq unread.
-        self.bus_cfg = None if bus is None else dataclasses.replace(
-            bus, max_message_bytes=max(HEAD_MAX_BYTES, min(bus.max_message_bytes, self.max_delta)))
-        self.window = initial_window(self.descriptor)   # the norm guard's; recovery rebuilds it from the log
-        self.log = CommitLog(self.store)
-        self.policy = self.descriptor.policy
-        self.pending: list[dict[str, _Held]] = [{} for _ in range(self.descriptor.num_fragments)]
-        self.quorum_met: list[float | None] = [None] * self.descriptor.num_fragments
-        # The global step, open rounds and the learners' pace (syncer-driven rounds, SPEC §2-4).
-        self.rounds = RoundBook(self.descriptor, cfg.live_timeout_s, cfg.initial_step_s)
-        self.sync_time = Ewma(0.2)
-        self.stats = SyncerStats()
-        self.state: SyncerState | None = None
-        self.epoch = -1
+        self.bus_cfg = None if bus is None else dataclasses.replace(bus, max_message_bytes=max(
+            HEAD_MAX_BYTES, min(bus.max_message_bytes, max_delta_bytes(self.descriptor))))
         self.bus: SyncerBus | None = None
-        self.fenced = False
-        self.bad_inbox: set[str] = set()
-        self.unknown_inbox: set[str] = set()     # refused for an unlisted learner: retried when members join
-        self._since_commit: Counter = Counter()  # ingest refusals since the last commit, for its info
+        self.sync_time = Ewma(0.2)
         # Object writes of one commit are independent until the commit itself: do them in parallel
         # (each is an fsync or an HTTP round trip), and tidy the inbox in the background.
         self.io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="syncer-io")
         self.retention = SyncerRetention(self.store, cfg.retention, self.events, self.io)
-        self.before_commit = before_commit
         # Issue 14: ingest every region's inbox; copy each commit to the other regions (``regions``:
         # stores by name that override the descriptor's, e.g. wrapped in tests).
-        self.inboxes, self.replicator = replication(self.store, self.descriptor, self.events, regions)
+        inboxes, self.replicator = replication(self.store, self.descriptor, self.events, regions)
+        # The global step, open rounds and the learners' pace (syncer-driven rounds, SPEC §2-4).
+        self.rounds = RoundBook(self.descriptor, cfg.live_timeout_s, cfg.initial_step_s)
+        self.committer = Committer(
+            self.store, self.descriptor, CommitterConfig(cfg.retry_s, cfg.max_retry_s, cfg.checkpoint_every),
+            self.events, self.io, sleep, signer=self.signer, announce=self._announce, on_retry=self._hear_bus,
+            after_checkpoint=self.retention.after_checkpoint, before_commit=before_commit,
+            noted=self.replicator.committed if self.replicator is not None else None)
+        self.ingest = Ingest(self.store, self.descriptor, self.roster, self.rounds, self.committer.high_water,
+                             self.events, clock, sleep, self.io, max_pending=cfg.max_pending,
+                             max_per_poll=cfg.max_ingest_per_poll, inboxes=inboxes,
+                             wake_members=self.gate.soon if self.gate is not None else None)
+
+    # -- the parts' state, read where tests, metrics and tools read it ------------------------------
+    @property
+    def state(self) -> SyncerState | None:
+        return self.committer.state
+
+    @property
+    def window(self) -> NormWindow | None:
+        return self.committer.window
+
+    @property
+    def epoch(self) -> int:
+        return self.committer.epoch
+
+    @property
+    def log(self) -> CommitLog:
+        return self.committer.log
+
+    @property
+    def fenced(self) -> bool:
+        return self.committer.fenced
+
+    @property
+    def pending(self) -> list[dict[PendingKey, Held]]:
+        return self.ingest.pending
+
+    @property
+    def stats(self) -> SyncerStats:
+        i, c = self.ingest.stats, self.committer.stats
+        return SyncerStats(c.commits, c.merged, c.dropped, i.duplicates, i.rejected,
+                           Counter({why.value: n for why, n in i.rejections.items()}), c.drops, i.from_bus,
+                           i.from_spill, i.evicted, c.grace_waits, c.round_sizes)
 
     # -- start-up --------------------------------------------------------------------------------
     def recover(self) -> None:
@@ -172,17 +203,15 @@ class Syncer(SyncerIngest):
         before = recover_state(self.store, self.descriptor, CommitLog(self.store).tail(), roster=self.roster,
                                finish=False)
         sign = None if self.signer is None else (lambda r: sign_commit(r, self.signer, self.descriptor.run_id))
-        self.epoch, fence_seq, self.log = claim_epoch(self.store, self.cfg.syncer_id, sign=sign,
-                                                      info=before.fence_info(),
-                                                      trusted=trusted_commits(self.descriptor))
+        epoch, fence_seq, log = claim_epoch(self.store, self.cfg.syncer_id, sign=sign, info=before.fence_info(),
+                                            trusted=trusted_commits(self.descriptor))
         rs = recover_state(self.store, self.descriptor, fence_seq - 1, roster=self.roster, start=before)
-        self.state = fold_fence(rs.state, fence_seq, self.epoch).state
-        self.window = rs.window
+        self.committer.begin(epoch, log, fold_fence(rs.state, fence_seq, epoch).state, rs.window)
         self._report_recovery(rs)
         # Round ids are global steps: a new syncer goes on after the newest round in the log, so
         # that (epoch, round) orders every opening learners ever heard.
         self.rounds.clock.step = self._last_round(fence_seq - 1) + 1
-        self.events.emit("syncer-recovered", epoch=self.epoch, fence_seq=fence_seq,
+        self.events.emit("syncer-recovered", epoch=epoch, fence_seq=fence_seq,
                          replayed=before.stats.commits + rs.stats.commits, from_checkpoint=before.stats.from_checkpoint,
                          salvaged=len(rs.notes), seconds=round(self.clock() - t0, 3))
 
@@ -192,7 +221,7 @@ class Syncer(SyncerIngest):
         for note in rs.notes:
             self.events.emit("recovery-salvaged", detail=note)
         if rs.salvaged or rs.gaps:
-            self._checkpoint()
+            self.committer.checkpoint()
         for note in republish_damaged(self.store, self.descriptor, self.state, self.signer):
             self.events.emit("version-republished", detail=note)
 
@@ -214,8 +243,18 @@ class Syncer(SyncerIngest):
         if self.bus_cfg is not None:
             auth = self.roster.learner_of_curve if self.roster is not None else None
             self.bus = SyncerBus(self.bus_cfg, curve=self.curve, authorize=auth, denied=self._on_denied)
+            self.ingest.attach(self.bus)
             self.events.emit("syncer-bus", ingest=self.bus.ingest_endpoint, announce=self.bus.announce_endpoint,
                              curve=self.curve is not None, max_message_bytes=self.bus_cfg.max_message_bytes)
+
+    def _announce(self, msg: Message) -> None:
+        if self.bus is not None:
+            self.bus.announce(msg)
+
+    def _hear_bus(self) -> None:
+        """While a commit waits for the store: keep hearing heartbeats (new deltas wait in pending)."""
+        if self.bus is not None:
+            self.ingest.poll_bus(0)
 
     def _on_denied(self, key: str) -> None:
         """ZAP thread: an unlisted CURVE key tried to connect (logged at its 1st, 2nd, 4th... try)."""
@@ -231,8 +270,7 @@ class Syncer(SyncerIngest):
             self.events.emit("member-refused", error=note)
         if added:
             self.events.emit("members-added", learners=added)
-            self.bad_inbox -= self.unknown_inbox     # their spilled deltas are read again
-            self.unknown_inbox.clear()
+            self.ingest.members_added()     # their spilled deltas are read again
 
     # -- main loop -------------------------------------------------------------------------------
     def run(self, should_stop: Callable[[], bool] = lambda: False) -> int:
@@ -249,22 +287,22 @@ class Syncer(SyncerIngest):
             while not should_stop() and not self.fenced:
                 now = self.clock()
                 if now >= next_fence_check:
-                    self._check_fenced()
+                    self.committer.check_fenced()
                     next_fence_check = self.clock() + self.cfg.fence_check_s
                     if self.fenced:
                         break
                 self._refresh_members()
                 if now >= next_spill:
-                    self._ingest_spill()
+                    self.ingest.poll_inboxes()
                     next_spill = self.clock() + self.cfg.spill_poll_s
                 if self.bus is not None and now >= next_beat:
                     self.bus.announce(Message("syncer-heartbeat", {"epoch": self.epoch, "tail": self.state.last_seq}))
                     next_beat = now + self.cfg.heartbeat_s
                 self._tick_rounds()
-                wait = self._close_rounds()
+                wait = self.close_rounds()
                 timeout = min(wait if wait is not None else 1.0, max(0.0, next_spill - self.clock()), 0.2,
                               self.rounds.clock.wait_s(self.clock()))
-                self._ingest_bus(timeout)
+                self.ingest.poll_bus(timeout)
         finally:
             if self.bus is not None:
                 self.bus.close()
@@ -273,17 +311,6 @@ class Syncer(SyncerIngest):
                 self.replicator.stop(self.replicator.cfg.drain_s)
             self.events.emit("syncer-stop", fenced=self.fenced, **self.summary())
         return 3 if self.fenced else 0
-
-    def _check_fenced(self) -> None:
-        """An idle syncer learns that a newer epoch took over from the log's tail (issue 11 item 8):
-        an active one learns it from its next append; an idle one would otherwise run forever."""
-        try:
-            self.log.check_fenced()
-        except Fenced as exc:
-            self.fenced = True
-            self.events.emit("syncer-fenced", seq=self.state.last_seq, epoch=self.epoch, error=str(exc))
-        except (StoreError, FormatError) as exc:     # unreachable or a damaged tail: ask again later
-            self.events.emit("store-error", op="check-fenced", error=str(exc))
 
     # -- rounds ----------------------------------------------------------------------------------
     def _timing(self) -> Timing:
@@ -299,8 +326,7 @@ class Syncer(SyncerIngest):
         if self.descriptor.schedule.driver != "syncer" or self.fenced:
             return
         for r, p in self.rounds.tick(self.clock()):
-            if self.bus is not None:
-                self.bus.announce(Message("round", {"epoch": self.epoch, "round": r, "fragment": p}))
+            self._announce(Message("round", {"epoch": self.epoch, "round": r, "fragment": p}))
         rec = self.rounds.clock_record(self.epoch, self.wall())
         if rec is not None:
             self.io.submit(self._put_clock, rec.to_bytes())
@@ -313,159 +339,95 @@ class Syncer(SyncerIngest):
         except StoreError as exc:   # advisory: learners with a bus do not need it
             self.events.emit("store-error", op="round-clock", error=str(exc))
 
-    def _close_rounds(self) -> float | None:
+    def _decide_round(self, p: int, candidates: Sequence[Held], timing: Timing, live: int | None,
+                      waits: list[float]) -> Decision:
+        """What fragment ``p``'s round should do now with its candidates (pipeline/policy.py); in a
+        syncer-driven run, answers that found no open round wait for the next one, until they expire."""
+        syncer_driven = self.descriptor.schedule.driver == "syncer"
+        items = [Pending(h.header.id, h.header.learner, h.header.order, h.arrived_at, h.header.c_steps,
+                         h.header.c_tokens, h.header.round) for h in candidates]
+        opened = self.rounds.open[p]
+        if syncer_driven and opened is None:
+            d = Decision((), (), None, None, None, "no-round")   # late answers wait for p's next round
+        else:
+            d = decide(items, self.clock(), self.policy, timing, live,
+                       round_id=opened.round if syncer_driven else None)
+        if syncer_driven and not d.merge and items:
+            due = late_deadline(min(i.arrived_at for i in items), timing.step_time_s or self.cfg.initial_step_s,
+                                self.descriptor.schedule.sync_every)
+            if self.clock() >= due:
+                d = Decision(tuple(i.delta_id for i in items), (), 0.0, None, None, "late-expired")
+            else:
+                waits.append(due - self.clock())
+        return d
+
+    def close_rounds(self) -> float | None:
         """Merge every fragment whose round may close; return the shortest wait for the others.
         Rejected deltas never count toward a quorum; they join the next commit of their fragment,
         or force a drop commit when nothing else is pending (or too many have piled up)."""
-        waits = []
+        waits: list[float] = []
         timing = self._timing()
         live = self._live_count()
-        syncer_driven = self.descriptor.schedule.driver == "syncer"
         for p, pend in enumerate(self.pending):
             if not pend or self.fenced:
                 continue
-            valid = [h for h in pend.values() if not h.reason]
-            rejected = [h.pkey for h in pend.values() if h.reason]
-            items = [Pending(h.header.id, h.header.learner, h.header.order, h.arrived_at, h.header.c_steps,
-                             h.header.c_tokens, h.header.round) for h in valid]
-            opened = self.rounds.open[p]
-            if syncer_driven and opened is None:
-                d = Decision((), (), None, None, None, "no-round")   # late answers wait for p's next round
-            else:
-                d = decide(items, self.clock(), self.policy, timing, live,
-                           round_id=opened.round if syncer_driven else None)
-            if syncer_driven and not d.merge and items:
-                due = late_deadline(min(i.arrived_at for i in items), timing.step_time_s or self.cfg.initial_step_s,
-                                    self.descriptor.schedule.sync_every)
-                if self.clock() >= due:
-                    d = Decision(tuple(i.delta_id for i in items), (), 0.0, None, None, "late-expired")
-                else:
-                    waits.append(due - self.clock())
+            valid = [h for h in pend.values() if h.candidate]
+            rejected = [h.pkey for h in pend.values() if not h.candidate]
+            d = self._decide_round(p, valid, timing, live, waits)
             if d.merge:
-                self._merge(p, list(d.merge) + list(d.superseded) + rejected, d)
+                self.merge(p, list(d.merge) + list(d.superseded) + rejected, d)
             elif rejected and (not valid or len(rejected) >= REJECTED_FLUSH):
-                self._merge(p, rejected, Decision((), (), None, None, None, "rejected-only"))
+                self.merge(p, rejected, Decision((), (), None, None, None, "rejected-only"))
             elif d.wait_s is not None:
                 waits.append(d.wait_s)
         return min(waits) if waits else None
 
-    def _commit_meta(self, p: int, held: list[_Held], decision: Decision, t0: float,
+    # -- commits ---------------------------------------------------------------------------------
+    def _commit_meta(self, p: int, held: list[Held], decision: Decision, t0: float,
                      opened: OpenRound | None) -> CommitMeta:
         """What this syncer decides about a commit besides its inputs (seq, keys, timings, info);
         ``opened``: the round it closes (None: none, e.g. a drop of rejected deltas only)."""
         grace = max(0.0, t0 - decision.quorum_met_at) if decision.quorum_met_at is not None else 0.0
         info = {"syncer": self.cfg.syncer_id, "decided": decision.reason, "live": self._live_count() or 0,
                 "committed_at": round(self.wall(), 4)}
-        if self._since_commit:
-            info["rejected"] = dict(sorted(self._since_commit.items()))   # ingest refusals since the last commit
-        return CommitMeta(seq=self.state.last_seq + 1, epoch=self.epoch,
-                          output_key=version_key(p, self.state.fragments[p].version + 1, self.epoch),
-                          quorum=len(set(h.header.learner for h in held if not h.reason)),
+        rejected = self.ingest.rejected_since_commit()
+        if rejected:
+            info["rejected"] = rejected   # ingest refusals since the last commit
+        return CommitMeta(seq=self.state.last_seq + 1, epoch=self.epoch, output_key=self.committer.next_version_key(p),
+                          round_size=len(set(h.header.learner for h in held if h.candidate)),
                           grace_wait_s=round(grace, 4), info=info, round=opened.round if opened is not None else -1)
 
-    def _merge(self, p: int, keys: list[str | Quarantined], decision: Decision) -> None:
+    def merge(self, p: int, keys: Sequence[PendingKey], decision: Decision) -> None:
+        """Commit fragment ``p``'s round of the pending deltas ``keys`` as ``decision`` decided it
+        (the policy is ``close_rounds``'s; tests call this directly)."""
         t0 = self.clock()
         held = [self.pending[p][k] for k in keys if k in self.pending[p]]
         inputs = [round_input(h.blob, h.stored_key, self.descriptor, self.roster, h.opened) for h in held]
         opened = self.rounds.open[p] if decision.merge else None
-        commit = apply_commit(self.state, self.window, self.descriptor, p, inputs,
-                              self._commit_meta(p, held, decision, t0, opened))
-        if self.signer is not None:
-            commit = dataclasses.replace(commit, record=sign_commit(commit.record, self.signer,
-                                                                    self.descriptor.run_id))
-        rec = commit.record
+        commit = self.committer.decide(p, inputs, self._commit_meta(p, held, decision, t0, opened))
         try:
-            if not self._persist_and_commit(commit, held, inputs):
+            if not self.committer.persist(commit, [(inp.key, h.blob) for inp, h in zip(inputs, held)]):
                 return
-        except _KeyConflict as exc:
+        except KeyConflict as exc:
             # A learner reused a delta id with other bytes: that copy is refused (left in the inbox as
             # evidence) and the round is decided again without it.
-            for h in held:
-                if delta_key(h.header.learner, h.header.incarnation, h.header.seq) == exc.key and not h.reason:
-                    self.pending[p].pop(h.pkey, None)
-                    self._reject(h.header, None, h.header.id, f"{exc.key} holds other bytes", "id-reused")
-                    if h.inbox_key:
-                        self.bad_inbox.add(h.inbox_key)
+            self.ingest.reused_id(p, exc.key, held)
             return
-        self.state, self.window = commit.state, commit.window
+        self.committer.adopt(commit)
         if opened is not None:
             self.rounds.close(p)
-        self._since_commit.clear()
-        for h in held:
-            self.pending[p].pop(h.pkey, None)
-            if h.inbox_key:
-                self.io.submit(self._delete, h.inbox_key, h.inbox_store)
-        self.stats.commits += 1
-        self.stats.merged += len(rec.inputs)
-        self.stats.dropped += len(rec.dropped)
-        self.stats.drops.update(DropReason.parse(d.reason).category for d in rec.dropped)
-        self.stats.quorum_sizes.append(rec.quorum)
-        self.stats.grace_waits.append(rec.grace_wait_s)
+        self.ingest.committed(p, held)
         self.sync_time = self.sync_time.update(self.clock() - t0)
-        if rec.kind == "merge" and self.bus is not None:
-            self.bus.announce(Message("version", {"seq": rec.seq, "fragment": p, "version": rec.version,
-                                                  "key": rec.output_key, "checksum": rec.output_checksum,
-                                                  "epoch": self.epoch, "round": rec.round}))
-        self.io.submit(self.log.write_hint, rec.seq, self.epoch)
-        if self.replicator is not None:
-            self.replicator.committed(rec.seq, self.epoch)
+        rec = commit.record
+        self.committer.publish(rec)
         self.events.emit("commit", seq=rec.seq, kind=rec.kind, fragment=p, version=rec.version,
                          inputs=[i.delta_id for i in rec.inputs], weights=[round(i.weight, 4) for i in rec.inputs],
                          staleness=[i.staleness for i in rec.inputs],
-                         dropped=[[d.delta_id, d.reason] for d in rec.dropped], quorum=rec.quorum, round=rec.round,
+                         dropped=[[d.delta_id, d.reason] for d in rec.dropped], quorum=rec.round_size, round=rec.round,
                          grace_s=rec.grace_wait_s, reason=decision.reason, rejected=rec.info.get("rejected", {}),
                          tokens=sum(i.c_tokens for i in rec.inputs), sync_s=round(self.clock() - t0, 4))
-        if rec.seq % self.cfg.checkpoint_every == 0:
-            self._checkpoint()
-
-    def _persist_and_commit(self, res: Commit, held: list[_Held], inputs) -> bool:
-        """Inputs, then the version blob, then the commit (data before the commit that names it).
-        Retries while the store is unavailable; False when fenced."""
-        rec = res.record
-        blobs = [(inp.key, h.blob) for inp, h in zip(inputs, held)]
-        if res.published is not None:
-            blobs.append((rec.output_key, encode_version(self.descriptor, rec.fragment, rec.version, rec.seq,
-                                                         self.epoch, res.published, self.signer, rec.output_checksum)))
-        backoff = self.cfg.retry_s
-        while True:
-            try:
-                for _ in self.io.map(lambda kb: self._put_same(*kb), blobs):
-                    pass
-                if self.before_commit is not None:
-                    self.before_commit(rec)
-                self.log.append(rec, hint=False)   # the advisory head hint follows off the latency path
-                return True
-            except Fenced as exc:
-                self.fenced = True
-                self.events.emit("syncer-fenced", seq=rec.seq, epoch=self.epoch, error=str(exc))
-                return False
-            except StoreError as exc:
-                if not exc.retryable:
-                    raise
-                self.events.emit("store-error", op="commit", seq=rec.seq, error=str(exc), retry_in_s=backoff)
-                self.sleep(backoff)
-                backoff = min(backoff * 2, self.cfg.max_retry_s)
-                if self.bus is not None:
-                    self._ingest_bus(0)   # keep hearing heartbeats; new deltas wait in pending
-
-    def _put_same(self, key: str, blob: bytes) -> None:
-        """Create ``key``; if it exists it must hold these very bytes (a retry, or the learner's spill)."""
-        try:
-            self.store.put_if_absent(key, blob)
-        except AlreadyExists:
-            if digest(self.store.get(key)) != digest(blob):
-                raise _KeyConflict(key) from None
-
-    def _checkpoint(self) -> None:
-        try:
-            payload = self.state.to_bytes()
-            if self.signer is not None:   # a restored state decides every later merge: only our own is trusted
-                payload = seal_checkpoint(payload, self.state.last_seq, self.signer, self.descriptor.run_id)
-            write_checkpoint(self.store, self.state.last_seq, payload)
-            self.events.emit("checkpoint", seq=self.state.last_seq)
-            self.retention.after_checkpoint(self.state.last_seq)   # in the background; never blocks merging
-        except StoreError as exc:
-            self.events.emit("store-error", op="checkpoint", error=str(exc))
+        if self.committer.checkpoint_due(rec.seq):
+            self.committer.checkpoint()
 
     def summary(self) -> dict:
         s = self.stats
@@ -473,7 +435,7 @@ class Syncer(SyncerIngest):
                 "duplicates": s.duplicates, "rejected": s.rejected, "from_bus": s.from_bus,
                 "from_spill": s.from_spill, "evicted": s.evicted, "last_seq": self.state.last_seq if self.state else -1,
                 "versions": [f.version for f in self.state.fragments] if self.state else [],
-                "mean_quorum": s.quorum_sizes.mean, "mean_grace_s": s.grace_waits.mean,
+                "mean_quorum": s.round_sizes.mean, "mean_grace_s": s.grace_waits.mean,
                 "retention_deleted": self.retention.deleted,
                 "security": "signed" if self.security is not None else "off",
                 "rejections": dict(sorted((s.rejections + Counter(

@@ -1,0 +1,194 @@
+"""The syncer's committer (SPEC §4 'commit the new version, then tell learners', §7): decides a
+commit with ``pipeline.commit.apply_commit`` (the very function replay and recovery verify with),
+persists its data, appends it to the log, announces it, and checkpoints the state.
+
+:class:`Committer` owns the syncer state, the norm window, the epoch and the log handle it appends
+with (all set by :meth:`Committer.begin` after recovery), whether this syncer was fenced, and the
+commit statistics. Storage is the truth: every commit names inputs persisted under their
+permanent ``delta_key`` (or ``quarantine/<sha256>``) and the version object it publishes, written
+*before* the commit (data before the commit that names it); a refused append (``Fenced``) stops
+this syncer because a newer epoch owns the run. Runs on the syncer's loop thread; object writes
+of one commit go in parallel on the shared ``io`` pool.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from pipeline.commit import Commit, CommitMeta, apply_commit, initial_window
+from pipeline.envelope import digest
+from pipeline.errors import FormatError
+from pipeline.fold import DropReason, RoundInput, SyncerState
+from pipeline.guard import NormWindow
+from pipeline.types import CommitRecord, RunDescriptor
+from storage.checkpoints import write_checkpoint
+from storage.errors import AlreadyExists, Fenced, StoreError
+from storage.layout import version_key
+from storage.log import CommitLog
+from storage.store import ObjectStore
+from workers.bus.bus import Message
+from workers.bus.signing import seal_checkpoint, sign_commit
+from workers.common.aggregate import RunningMean
+from workers.common.versions import encode_version
+
+
+class KeyConflict(Exception):
+    """A delta's permanent key already holds other bytes (a learner reused an id)."""
+
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+@dataclass
+class CommitStats:
+    commits: int = 0
+    merged: int = 0
+    dropped: int = 0
+    drops: Counter = field(default_factory=Counter)   # recorded drops by category (in commits)
+    # running aggregates, not one entry per commit (issue 11 item 6)
+    grace_waits: RunningMean = field(default_factory=RunningMean)
+    round_sizes: RunningMean = field(default_factory=RunningMean)   # learners merged per commit
+
+
+@dataclass(frozen=True)
+class CommitterConfig:
+    retry_s: float = 0.5          # first backoff when the store is unavailable
+    max_retry_s: float = 5.0
+    checkpoint_every: int = 25    # commits between checkpoints
+
+
+class Committer:
+    """``signer``: the syncer's key (None: an unsigned run). ``announce``: sends a message to the
+    learners (a no-op without a bus). ``on_retry``: called between attempts while the store is
+    unavailable (the syncer keeps hearing heartbeats). ``after_checkpoint``: retention, in the
+    background. ``noted``: tells the replicator a commit is in the log (None: one region).
+    ``before_commit``: the test-only fault hook (infra/chaos/faulty_syncer.py), None in production."""
+
+    def __init__(self, store: ObjectStore, descriptor: RunDescriptor, cfg: CommitterConfig, events, io: Executor,
+                 sleep: Callable[[float], None], *, signer=None, announce: Callable[[Message], None],
+                 on_retry: Callable[[], None], after_checkpoint: Callable[[int], None],
+                 noted: Callable[[int, int], None] | None = None,
+                 before_commit: Callable[[CommitRecord], None] | None = None):
+        self.store, self.descriptor, self.cfg, self.events, self.io, self.sleep = \
+            store, descriptor, cfg, events, io, sleep
+        self.signer, self.announce, self.on_retry = signer, announce, on_retry
+        self.after_checkpoint, self.noted, self.before_commit = after_checkpoint, noted, before_commit
+        self.state: SyncerState | None = None
+        self.window: NormWindow | None = initial_window(descriptor)   # the norm guard's; recovery rebuilds it
+        self.log = CommitLog(store)
+        self.epoch = -1
+        self.fenced = False
+        self.stats = CommitStats()
+
+    def begin(self, epoch: int, log: CommitLog, state: SyncerState, window: NormWindow | None) -> None:
+        """Take over the run at ``epoch`` (claimed with ``log``) from the recovered state and window."""
+        self.epoch, self.log, self.state, self.window = epoch, log, state, window
+
+    def high_water(self, fragment: int, learner: str) -> list[int] | None:
+        """The newest merged (incarnation, seq) of ``learner`` on ``fragment`` (None: none yet)."""
+        return self.state.high_water[fragment].get(learner)
+
+    def next_version_key(self, fragment: int) -> str:
+        return version_key(fragment, self.state.fragments[fragment].version + 1, self.epoch)
+
+    # -- one commit --------------------------------------------------------------------------------
+    def decide(self, fragment: int, inputs: Sequence[RoundInput], meta: CommitMeta) -> Commit:
+        """The commit of ``inputs`` (pure: nothing is stored or changed), signed in a signed run."""
+        commit = apply_commit(self.state, self.window, self.descriptor, fragment, inputs, meta)
+        if self.signer is not None:
+            commit = dataclasses.replace(commit, record=sign_commit(commit.record, self.signer,
+                                                                    self.descriptor.run_id))
+        return commit
+
+    def persist(self, commit: Commit, inputs: Sequence[tuple[str, bytes]]) -> bool:
+        """Inputs (``(key, bytes)``), then the version blob, then the commit (data before the commit
+        that names it). Retries while the store is unavailable; False when fenced; KeyConflict
+        when an input's key holds other bytes (nothing was appended)."""
+        rec = commit.record
+        blobs = list(inputs)
+        if commit.published is not None:
+            blobs.append((rec.output_key, encode_version(self.descriptor, rec.fragment, rec.version, rec.seq,
+                                                         self.epoch, commit.published, self.signer,
+                                                         rec.output_checksum)))
+        backoff = self.cfg.retry_s
+        while True:
+            try:
+                for _ in self.io.map(lambda kb: self._put_same(*kb), blobs):
+                    pass
+                if self.before_commit is not None:
+                    self.before_commit(rec)
+                self.log.append(rec, hint=False)   # the advisory head hint follows off the latency path
+                return True
+            except Fenced as exc:
+                self._fenced(rec.seq, exc)
+                return False
+            except StoreError as exc:
+                if not exc.retryable:
+                    raise
+                self.events.emit("store-error", op="commit", seq=rec.seq, error=str(exc), retry_in_s=backoff)
+                self.sleep(backoff)
+                backoff = min(backoff * 2, self.cfg.max_retry_s)
+                self.on_retry()
+
+    def _put_same(self, key: str, blob: bytes) -> None:
+        """Create ``key``; if it exists it must hold these very bytes (a retry, or the learner's spill)."""
+        try:
+            self.store.put_if_absent(key, blob)
+        except AlreadyExists:
+            if digest(self.store.get(key)) != digest(blob):
+                raise KeyConflict(key) from None
+
+    def adopt(self, commit: Commit) -> None:
+        """The appended commit's state and window become this syncer's; counted."""
+        self.state, self.window = commit.state, commit.window
+        rec, s = commit.record, self.stats
+        s.commits += 1
+        s.merged += len(rec.inputs)
+        s.dropped += len(rec.dropped)
+        s.drops.update(DropReason.parse(d.reason).category for d in rec.dropped)
+        s.round_sizes.append(rec.round_size)
+        s.grace_waits.append(rec.grace_wait_s)
+
+    def publish(self, rec: CommitRecord) -> None:
+        """Tell the learners about a new version (SPEC §4), write the log's head hint in the
+        background and note the commit for replication to other regions (issue 14)."""
+        if rec.kind == "merge":
+            self.announce(Message("version", {"seq": rec.seq, "fragment": rec.fragment, "version": rec.version,
+                                              "key": rec.output_key, "checksum": rec.output_checksum,
+                                              "epoch": self.epoch, "round": rec.round}))
+        self.io.submit(self.log.write_hint, rec.seq, self.epoch)
+        if self.noted is not None:
+            self.noted(rec.seq, self.epoch)
+
+    # -- checkpoints and fencing -------------------------------------------------------------------
+    def checkpoint_due(self, seq: int) -> bool:
+        return seq % self.cfg.checkpoint_every == 0
+
+    def checkpoint(self) -> None:
+        try:
+            payload = self.state.to_bytes()
+            if self.signer is not None:   # a restored state decides every later merge: only our own is trusted
+                payload = seal_checkpoint(payload, self.state.last_seq, self.signer, self.descriptor.run_id)
+            write_checkpoint(self.store, self.state.last_seq, payload)
+            self.events.emit("checkpoint", seq=self.state.last_seq)
+            self.after_checkpoint(self.state.last_seq)   # in the background; never blocks merging
+        except StoreError as exc:
+            self.events.emit("store-error", op="checkpoint", error=str(exc))
+
+    def check_fenced(self) -> None:
+        """An idle syncer learns that a newer epoch took over from the log's tail (issue 11 item 8):
+        an active one learns it from its next append; an idle one would otherwise run forever."""
+        try:
+            self.log.check_fenced()
+        except Fenced as exc:
+            self._fenced(self.state.last_seq, exc)
+        except (StoreError, FormatError) as exc:     # unreachable or a damaged tail: ask again later
+            self.events.emit("store-error", op="check-fenced", error=str(exc))
+
+    def _fenced(self, seq: int, exc: Fenced) -> None:
+        self.fenced = True
+        self.events.emit("syncer-fenced", seq=seq, epoch=self.epoch, error=str(exc))
