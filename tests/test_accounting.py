@@ -1,4 +1,4 @@
-"""Store accounting (storage/accounting.py) and the price table and cost estimate (infra/prices.py)."""
+"""Store accounting (storage/accounting.py) and the price table and cost estimate (workers/tools/cost.py)."""
 from __future__ import annotations
 
 import json
@@ -7,11 +7,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from infra.prices import (DEFAULT_PRICES, GB, MONTH_S, PriceTable, estimate_monthly_cost, load_prices,
-                          prices_from_dict)
 from storage.accounting import CountingStore, StoreCounters
 from storage.errors import AlreadyExists, NotFound
 from storage.local import LocalStore
+from workers.tools.cost import (DEFAULT_PRICES, GB, MONTH_S, PriceTable, estimate_monthly_cost, load_prices,
+                                prices_from_dict)
 
 
 def test_counts_and_bytes_are_exact_for_a_sequence_of_local_operations(tmp_path):
