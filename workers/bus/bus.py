@@ -13,10 +13,15 @@ Security (issue "Security", docs/security.md): with ``CurveKeys`` every socket u
 maps to a learner id; libzmq then stamps each message with that id (``User-Id``), which becomes
 ``Message.peer``. Learners pin the syncer's public key. Learner-side sockets only ever receive
 small records, so their size limit is the head limit.
+
+Accounting (issue 14, docs/regions.md "Request and byte accounting"): every socket adds the
+messages and frame bytes it sends and receives to ``BusConfig.counters`` (a ``BusCounters``; a
+private one when None), so a process can report its bus traffic per link.
 """
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -78,6 +83,34 @@ class CurveKeys:
     server_public: bytes | None = None
 
 
+class BusCounters:
+    """Messages and payload bytes (every frame a peer receives; not the ROUTER's local routing id,
+    nor ZMTP framing, CURVE's 16-byte boxes or TCP overhead) this process's bus sockets sent and
+    received. Thread-safe: a learner's sender and receiver threads add to one object."""
+
+    FIELDS = ("sent_msgs", "sent_bytes", "recv_msgs", "recv_bytes")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(self.FIELDS, 0)
+
+    def sent(self, frames: list) -> None:
+        self._add("sent", frames)
+
+    def received(self, frames: list) -> None:
+        self._add("recv", frames)
+
+    def _add(self, way: str, frames: list) -> None:
+        n = sum(len(f) for f in frames)
+        with self._lock:
+            self._counts[f"{way}_msgs"] += 1
+            self._counts[f"{way}_bytes"] += n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+
 @dataclass(frozen=True)
 class BusConfig:
     """Endpoints and limits. ``max_message_bytes`` bounds every received message."""
@@ -87,6 +120,8 @@ class BusConfig:
     max_message_bytes: int = 64 << 20
     send_hwm: int = 64
     linger_ms: int = 0
+    # Where the sockets made from this config count their traffic (None: each socket its own).
+    counters: BusCounters | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("ingest", "announce"):
@@ -150,6 +185,7 @@ class SyncerBus:
     def __init__(self, cfg: BusConfig, ctx: zmq.Context | None = None, curve: CurveKeys | None = None,
                  authorize: Callable[[str], str | None] | None = None, denied: Callable[[str], None] | None = None):
         self.cfg = cfg
+        self.counters = cfg.counters if cfg.counters is not None else BusCounters()
         self.zap: _Zap | None = None
         self._own_ctx = curve is not None and ctx is None
         self.ctx = zmq.Context() if self._own_ctx else (ctx or zmq.Context.instance())
@@ -182,6 +218,7 @@ class SyncerBus:
             return None
         frames = self.router.recv_multipart(copy=False)
         ident, body = frames[0].bytes, frames[1:]
+        self.counters.received(body)       # frame 0 is the routing id libzmq adds here, not traffic
         peer = None
         if self.zap is not None:
             try:
@@ -197,13 +234,17 @@ class SyncerBus:
 
     def send_to(self, ident: bytes, msg: Message) -> None:
         try:
-            self.router.send_multipart([ident, *encode_message(msg)], flags=zmq.NOBLOCK)
+            frames = encode_message(msg)
+            self.router.send_multipart([ident, *frames], flags=zmq.NOBLOCK)
+            self.counters.sent(frames)
         except zmq.Again:
             pass  # learner not reading: it will resend or spill; acks are optimisations
 
     def announce(self, msg: Message) -> None:
         try:
-            self.pub.send_multipart(encode_message(msg), flags=zmq.NOBLOCK)
+            frames = encode_message(msg)
+            self.pub.send_multipart(frames, flags=zmq.NOBLOCK)
+            self.counters.sent(frames)     # once, however many subscribers get a copy
         except zmq.Again:
             pass  # PUB drops past the high-water mark anyway; learners also poll storage
 
@@ -222,6 +263,7 @@ class LearnerLink:
     def __init__(self, cfg: BusConfig, identity: bytes, ctx: zmq.Context | None = None,
                  curve: CurveKeys | None = None, wake_fd: int | None = None):
         self.cfg = cfg
+        self.counters = cfg.counters if cfg.counters is not None else BusCounters()
         self.wake_fd = wake_fd      # a pipe the training thread writes to: recv() returns at once
         self.ctx = ctx or zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -238,7 +280,9 @@ class LearnerLink:
     def send(self, msg: Message) -> bool:
         """Queue ``msg``; False when it would block (not connected or high-water mark)."""
         try:
-            self.sock.send_multipart(encode_message(msg), flags=zmq.NOBLOCK)
+            frames = encode_message(msg)
+            self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            self.counters.sent(frames)
             return True
         except zmq.Again:
             return False
@@ -250,6 +294,7 @@ class LearnerLink:
         if self.sock not in ready:
             return None
         frames = self.sock.recv_multipart()
+        self.counters.received(frames)
         try:
             return decode_message(frames, HEAD_MAX_BYTES)
         except FormatError:
@@ -264,6 +309,7 @@ class AnnounceListener:
 
     def __init__(self, cfg: BusConfig, ctx: zmq.Context | None = None, curve: CurveKeys | None = None):
         self.ctx = ctx or zmq.Context.instance()
+        self.counters = cfg.counters if cfg.counters is not None else BusCounters()
         self.sock = self.ctx.socket(zmq.SUB)
         _limit(self.sock, cfg, 2 * HEAD_MAX_BYTES)    # it only receives announcements
         _curve_client(self.sock, curve)
@@ -275,8 +321,10 @@ class AnnounceListener:
     def recv(self, timeout_s: float) -> Message | None:
         if not self.poller.poll(max(0, int(timeout_s * 1000))):
             return None
+        frames = self.sock.recv_multipart()
+        self.counters.received(frames)
         try:
-            return decode_message(self.sock.recv_multipart(), HEAD_MAX_BYTES)
+            return decode_message(frames, HEAD_MAX_BYTES)
         except FormatError:
             return None
 
