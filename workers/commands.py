@@ -35,10 +35,11 @@ from pipeline.types import CommitRecord
 from storage.layout import read_descriptor
 from storage.regions import learner_region_store
 from storage.store import open_store
-from workers.bus.bus import BusConfig
+from workers.bus.bus import BusConfig, BusCounters
 from workers.common.events import EventLog
 from workers.bus.keys import SYNCER, KeyRing, key_paths, load_identity, load_public
 from workers.common.metrics import add_metrics_args, start_metrics
+from workers.common.traffic import SINGLE_REGION, SyncerTraffic, TrafficMeter, counted
 from workers.syncer.syncer import Syncer, SyncerConfig
 
 
@@ -98,7 +99,7 @@ def _keyring(args, store, role: str, ident: str) -> KeyRing | None:
 
 
 def _bus(args) -> BusConfig | None:
-    return None if args.no_bus else BusConfig(args.ingest, args.announce)
+    return None if args.no_bus else BusConfig(args.ingest, args.announce, counters=BusCounters())
 
 
 def _events(args, role: str, ident: str) -> EventLog:
@@ -135,10 +136,13 @@ def configure_syncer(parser: argparse.ArgumentParser,
         flag = _stop_flag()
         events = _events(args, "syncer", args.id)
         store, metrics = start_metrics(args, events, "syncer", args.id, store)   # (store, None) without the flag
+        store = counted(store)     # issue 14: its requests are reported in accounting events
+        bus = _bus(args)
         syncer = Syncer(store, SyncerConfig(syncer_id=args.id, checkpoint_every=args.checkpoint_every,
                                             retention=retention),
-                        bus=_bus(args), events=events, keys=keys,
+                        bus=bus, events=events, keys=keys,
                         before_commit=before_commit(args, events) if before_commit is not None else None)
+        _meter_syncer(syncer, store, bus, events)
         if metrics is not None:
             metrics.watch_syncer(syncer)
         try:
@@ -147,6 +151,17 @@ def configure_syncer(parser: argparse.ArgumentParser,
             if metrics is not None:
                 metrics.close()
     return handler
+
+
+def _meter_syncer(syncer: Syncer, store, bus: BusConfig | None, events: EventLog) -> None:
+    """The syncer's ``accounting`` events (workers/common/traffic.py): its home store and, through
+    the replicator's counted stores, every other region's (ingest and replication)."""
+    desc = syncer.descriptor
+    home = desc.regions.home if desc.regions is not None else SINGLE_REGION
+    stores = {home: store, **({r.name: r.store for r in syncer.replicator.regions} if syncer.replicator else {})}
+    meter = TrafficMeter(events, home, home, stores, bus.counters if bus is not None else None)
+    events.subscribe(SyncerTraffic(meter, desc.num_fragments,
+                                   lambda: {"life": syncer.epoch, "commits": syncer.stats.commits}))
 
 
 def configure_learner(parser: argparse.ArgumentParser):

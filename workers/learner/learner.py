@@ -22,6 +22,7 @@ applies only versions the syncer signed. An unsigned run refuses keys, a signed 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -38,13 +39,14 @@ from storage.layout import read_descriptor
 from storage.log import claim_incarnation
 from storage.regions import learner_region_store
 from storage.store import ObjectStore, open_store
-from workers.bus.bus import BusConfig
+from workers.bus.bus import BusConfig, BusCounters
 from workers.common.events import EventLog
 from workers.bus.keys import KeyRing, Roster
 from workers.learner.nonfinite import NonFiniteGuard
 from workers.learner.receiver import Receiver
 from workers.learner.sender import Sender, SenderConfig, SenderStats
 from workers.bus.signing import seal_delta
+from workers.common.traffic import TrafficMeter, counted, region_names
 from workers.common.versions import VersionTracker
 
 
@@ -77,7 +79,9 @@ class Learner:
         self.store = open_store(store, create=False) if isinstance(store, str) else store   # never a new empty dir
         self.id = check_learner_id(learner_id)
         self.cfg = config
-        self.bus = bus
+        # Issue 14: the bus sockets count into one BusCounters this learner reports (workers/common/traffic.py).
+        self.bus = bus if bus is None or bus.counters is not None else dataclasses.replace(bus, counters=BusCounters())
+        self.traffic: TrafficMeter | None = None
         self.events = events or EventLog(None, "learner", learner_id)
         # Later lives of the same learner id order after earlier ones: start() claims the next
         # incarnation from storage (create-if-absent), never from a clock (issue 11 item 13).
@@ -110,8 +114,11 @@ class Learner:
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "Learner":
-        self.store = learner_region_store(self.store, self.region)
+        self.store = counted(learner_region_store(self.store, self.region))   # every request it makes, counted
         d = self.descriptor = read_descriptor(self.store)
+        here, home = region_names(d, self.store, self.region)
+        self.traffic = TrafficMeter(self.events, here, home, {here: self.store},
+                                    self.bus.counters if self.bus is not None else None, clock=self.clock)
         if d.schedule.driver != "syncer":
             raise ValueError(f"run {d.run_id} was created before syncer-driven rounds (driver {d.schedule.driver!r}): "
                              "its log still replays, but learners of this version cannot train it; create a new run")
@@ -154,6 +161,7 @@ class Learner:
             self.sender.stop()
         if self.receiver is not None:
             self.receiver.stop()
+        self._report_traffic(final=True)
         self.events.emit("learner-stop", step=self.step_count, tokens=self.tokens, drained=drained,
                          **self.stats())
         return drained
@@ -280,6 +288,8 @@ class Learner:
         self.step_count += 1
         if self.step_count in (4, 16):    # the first measured pace reaches the syncer's clock at once
             self.sender.beat_soon()
+        if self.step_count % d.schedule.sync_every == 0:
+            self._report_traffic()        # one outer step: H inner steps (SPEC §2)
         value = float(loss.detach())
         self.loss_ewma = value if self.loss_ewma is None else 0.9 * self.loss_ewma + 0.1 * value
         took = self.clock() - t0
@@ -333,6 +343,11 @@ class Learner:
         self.sender.submit(header, delta)
 
     # -- reporting -------------------------------------------------------------------------------
+    def _report_traffic(self, final: bool = False) -> None:
+        if self.traffic is not None:
+            self.traffic.report(self.incarnation, final, step=self.step_count,
+                                outer_step=self.step_count // self.descriptor.schedule.sync_every)
+
     def _step_time(self) -> float:
         recent = list(self.step_times)[-20:]
         return statistics.median(recent) if recent else 0.0
