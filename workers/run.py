@@ -34,6 +34,8 @@ from workers.common.events import EventLog, Tail, read_events
 from workers.job.job import LR_SCHEDULES, JobSettings, dp_baseline
 from workers.bus.keys import SYNCER
 from .launch import RunSettings
+from workers.tools.accounting import report_lines, traffic_report
+from workers.tools.cost import parse_prices
 from workers.tools.logview import stored_base, token_figures
 from workers.job.lockstep import OuterSettings, diloco_baseline
 from workers.job.model import GPTConfig
@@ -88,6 +90,9 @@ def configure(parser):
     a("--regions", type=int, default=1, metavar="N",
       help="regions (docs/regions.md): r0 is home (--store), r1.. are directories OUT/regions/rK; learner m "
            "runs in region m mod N, reading and spilling only there (no WAN emulation yet)")
+    a("--prices", default=None, metavar="FILE|JSON",
+      help="price table overrides for the cost estimate: a JSON file or inline JSON, e.g. "
+           "'{\"inter_region_per_gb\": 0.09}' (docs/regions.md \"The price table\")")
     a("--create-only", action="store_true",
       help="only create the run (descriptor + version 0) and exit; start roles with ddiloco syncer/learner")
     return run
@@ -138,6 +143,10 @@ def run(args) -> int:
         steps = max(1, args.tokens // (args.batch_size * gcfg.block_size))
     job = JobSettings(steps=steps, batch_size=args.batch_size, lr=args.lr, data=args.data, shards=args.learners,
                       max_bytes=args.max_bytes, lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps)
+    try:
+        parse_prices(args.prices)         # refused before anything starts (the report uses it at the end)
+    except ValueError as exc:
+        raise SystemExit(f"--prices: {exc}") from None
     if args.mode in ("dp", "diloco"):
         return _run_baseline(args, out, gcfg, job)
     store_uri = args.store or str(out / "store")
@@ -179,6 +188,7 @@ def run(args) -> int:
     summary = _summary(store_uri, desc, all_events, init_loss, final, wall, drained, args)
     summary.update(_rounds_figures(store, desc, all_events))
     summary.update(_log_figures(store, desc))
+    summary["accounting"] = _accounting(all_events, desc, args)
     _write_outputs(out, summary, all_events, args)
     return 0 if summary["ok"] else 1
 
@@ -310,6 +320,16 @@ def _log_figures(store: ObjectStore, desc) -> dict:
         return {"tokens_merged": None, "figures_error": str(exc)}
 
 
+def _accounting(events: list[dict], desc, args) -> dict | None:
+    """Requests and bytes per region, link, learner and outer step, the monthly cost estimate and
+    the data-parallel comparison (workers/tools/accounting.py); figures never fail a run."""
+    try:
+        return traffic_report(events, params=sum(t.numel for t in desc.layout.tensors),
+                              sync_every=desc.schedule.sync_every, prices=parse_prices(args.prices))
+    except Exception as exc:   # noqa: BLE001 - see the docstring
+        return {"error": f"{exc.__class__.__name__}: {exc}"}
+
+
 def _rounds_figures(store: ObjectStore, desc, events: list[dict]) -> dict:
     """Utilisation (share of each learner's steps whose work entered a version) and version latency
     in steps (answer -> applied), from the commit log and the event logs (workers/tools/utilisation.py)."""
@@ -352,6 +372,8 @@ def _write_outputs(out: Path, summary: dict, events: list[dict], args) -> None:
         if k in summary:
             v = summary[k]
             print(f"  {k:<20} {v:.4f}" if isinstance(v, float) else f"  {k:<20} {v}")
+    if summary.get("accounting") and "error" not in summary["accounting"]:
+        print("\n".join(report_lines(summary["accounting"])))
     print(f"  {'report':<20} {summary_plot}")
     print(f"  {'summary':<20} {out / 'summary.json'}")
 

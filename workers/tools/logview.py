@@ -8,12 +8,19 @@ tokens count training that entered the model once, however many deltas repeated 
 and harmless drops (duplicates, superseded deltas) are told apart from lost work.
 ``--json`` prints JSON Lines instead: ``{"type": "commit", ...CommitRecord.to_dict()}`` per commit,
 then one ``{"type": "totals", ...}`` (docs/replay.md).
+
+Traffic (issue 14): when the run's event logs are found (``--events DIR``; by default ``OUT/logs``
+next to a run stored in ``OUT/store``, ``ddiloco run``'s layout), the requests and bytes per region,
+link, learner and outer step, the estimated monthly cost (``--prices``) and the data-parallel
+comparison follow the totals (workers/tools/accounting.py); with ``--json`` as one more line,
+``{"type": "accounting", ...}`` (docs/regions.md "The accounting report").
 """
 from __future__ import annotations
 
 import argparse
 import json
 from collections import Counter
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, TextIO
 
@@ -21,6 +28,8 @@ from pipeline.errors import FormatError
 from pipeline.types import CommitRecord, DroppedRecord
 from storage.errors import StoreError
 from storage.log import CommitLog
+from workers.tools.accounting import default_event_dir, read_event_dir, report_lines, traffic_report
+from workers.tools.cost import parse_prices
 from workers.tools.replay_verify import open_run
 from workers.tools.replay_cli import EXIT_DAMAGED, EXIT_USAGE, add_location_args, pipe_safe
 
@@ -253,6 +262,12 @@ def configure(parser: argparse.ArgumentParser):
                         "of this learner (totals count only its deltas)")
     parser.add_argument("--from", dest="start", type=int, default=0, metavar="SEQ", help="first commit shown")
     parser.add_argument("--to", dest="end", type=int, default=None, metavar="SEQ", help="last commit shown")
+    parser.add_argument("--events", default=None, metavar="DIR",
+                        help="the run's event logs (*.jsonl) for the traffic report (default: OUT/logs next to "
+                             "a run in OUT/store, as ddiloco run lays it out)")
+    parser.add_argument("--prices", default=None, metavar="FILE|JSON",
+                        help="price table overrides for the cost estimate: a JSON file or inline JSON "
+                             "(docs/regions.md \"The price table\")")
     return pipe_safe(log_command)
 
 
@@ -263,6 +278,8 @@ def log_command(args, out: TextIO, err: TextIO) -> int:
             raise ValueError(f"--fragment {args.fragment}: the run has fragments 0..{descriptor.num_fragments - 1}")
         if args.start < 0 or (args.end is not None and args.end < args.start):
             raise ValueError(f"--from {args.start} --to {args.end}: need 0 <= from <= to")
+        prices = parse_prices(getattr(args, "prices", None))
+        events_dir = _events_dir(args)
     except (ValueError, StoreError, FormatError) as exc:
         print(f"error: {exc}", file=err)
         return EXIT_USAGE
@@ -275,6 +292,36 @@ def log_command(args, out: TextIO, err: TextIO) -> int:
         out.flush()
         print(f"log FAILED: {exc}", file=err)
         return EXIT_DAMAGED
+    return show_traffic(events_dir, descriptor, prices, out, err, as_json=args.json)
+
+
+def _events_dir(args):
+    """``--events`` (refused when it is no directory) or ``ddiloco run``'s ``OUT/logs`` (None: none found)."""
+    given = getattr(args, "events", None)
+    if given is None:
+        return default_event_dir(args.run_uri)
+    if not Path(given).is_dir():
+        raise ValueError(f"--events {given}: not a directory of event logs")
+    return Path(given)
+
+
+def show_traffic(events_dir, descriptor, prices, out: TextIO, err: TextIO, *, as_json: bool = False) -> int:
+    """The traffic report after the totals (module docstring); 0, or EXIT_USAGE for logs it cannot read."""
+    if events_dir is None:
+        print("accounting: no event logs found (give --events DIR)", file=err)
+        return 0
+    try:
+        rep = traffic_report(read_event_dir(events_dir), params=sum(t.numel for t in descriptor.layout.tensors),
+                             sync_every=descriptor.schedule.sync_every, prices=prices)
+    except (ValueError, KeyError, TypeError) as exc:
+        print(f"error: accounting events in {events_dir}: {exc}", file=err)
+        return EXIT_USAGE
+    if rep is None:
+        print(f"accounting: no accounting events in {events_dir}", file=err)
+    elif as_json:
+        print(json.dumps({"type": "accounting", "events": str(events_dir), **rep}), file=out)
+    else:
+        print("\n".join([f"event logs: {events_dir}", *report_lines(rep)]), file=out)
     return 0
 
 
