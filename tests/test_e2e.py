@@ -71,13 +71,22 @@ def test_training_end_to_end(run_location, tmp_path):
         assert np.mean(losses[-3:]) < run.init_loss - 1.0, (run.init_loss, losses)
     records = _check_log(run)
     merges = [r for r in records if r.kind == "merge"]
-    assert len(merges) >= 10
-    assert {i.learner for r in merges for i in r.inputs} == {"l0", "l1"}
+    # How many merges there are is a matter of timing, not design: 150 tiny steps take well under
+    # a second, rounds open at the learners' pace, and a round the syncer has not closed when its
+    # fragment's next one opens is replaced (its answers join a later commit, SPEC §4) - so the
+    # count is the syncer's commit throughput times the training time (22 idle, 7 once in a busy
+    # suite). What holds by design: both learners' work reached the model, a round closes at most
+    # once, and every delta a learner made durable (acked by the syncer or spilled) is in the log,
+    # merged or recorded as dropped, and nothing else is.
+    assert merges and {i.learner for r in merges for i in r.inputs} == {"l0", "l1"}
+    closed = [(r.fragment, r.round) for r in merges if r.round >= 0]
+    assert len(closed) == len(set(closed)), closed
     assert run.global_loss() < run.init_loss - 1.0
-    # Everything the learners made durable was merged or recorded as dropped.
-    produced = {e["delta"] for m in range(2) for e in run.events(f"l{m}") if e.get("event") == "delta-spilled"}
+    events = [e for m in range(2) for e in run.events(f"l{m}")]
+    durable = {e["delta"] for e in events if e.get("event") in ("delta-spilled", "delta-acked")}
+    emitted = {e["delta"] for e in events if e.get("event") == "delta"}
     accounted = {i.delta_id for r in records for i in r.inputs} | {d.delta_id for r in records for d in r.dropped}
-    assert produced <= accounted
+    assert durable and durable <= accounted <= emitted, (durable - accounted, accounted - emitted)
     # The log alone replays bit for bit.
     _, stats = rebuild(run.store, run.descriptor, records[-1].seq, use_checkpoint=False)
     assert stats.versions == len(merges)
