@@ -81,6 +81,9 @@ def configure(parser):
     a("--keep-progress", action="store_true",
       help="learners keep their steps since answering a round when its version lands (instead of overwriting)")
     a("--no-bus", action="store_true", help="no ZeroMQ: deltas and versions go through storage only")
+    a("--metrics-port", type=int, default=None, metavar="N",
+      help="Prometheus metrics: the syncer at http://127.0.0.1:N/metrics, learner m at N+1+m (0: every process "
+           "takes a free port and logs it as a metrics-listening event); off unless given (README \"Metrics\")")
     a("--eval-every", type=float, default=10.0, help="seconds between global-model evaluations")
     a("--plain", action="store_true", help="plain progress lines instead of a live table")
     a("--insecure", action="store_true", help="no CURVE and no signatures (default: ephemeral keys in OUT/keys)")
@@ -96,6 +99,14 @@ def configure(parser):
     a("--create-only", action="store_true",
       help="only create the run (descriptor + version 0) and exit; start roles with ddiloco syncer/learner")
     return run
+
+
+def metrics_flags(base: int | None, index: int) -> list[str]:
+    """``--metrics-port`` for role ``index`` of ``ddiloco run --metrics-port N`` (0: the syncer,
+    m + 1: learner m): port N + index, or 0 for every role when N is 0 (each takes a free port)."""
+    if base is None:
+        return []
+    return ["--metrics-port", str(base + index if base else 0)]
 
 
 def default_sync_every(fragments: int) -> int:
@@ -134,6 +145,9 @@ def local_regions(args, store_uri: str, out: Path) -> RegionsConfig | None:
 def run(args) -> int:
     if args.learners < 1:
         raise SystemExit(f"--learners must be >= 1, got {args.learners}")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535 - args.learners:
+        raise SystemExit(f"--metrics-port must be 0 (any free ports) or 1..{65535 - args.learners} (the syncer's "
+                         f"port; learners take the next {args.learners}), got {args.metrics_port}")
     out = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     (out / "logs").mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
@@ -171,10 +185,10 @@ def run(args) -> int:
     cluster = LocalCluster(ClusterConfig(store_uri, out, keydir=keydir, bus=not args.no_bus,
                                          s3_endpoint=args.s3_endpoint, learner_nice=LEARNER_NICE))
     t_start = time.time()
-    cluster.start_syncer(SYNCER)
+    cluster.start_syncer(SYNCER, metrics_flags(args.metrics_port, 0))
     for m, lid in enumerate(names):
         region = ["--region", f"r{m % args.regions}"] if desc.regions is not None else []
-        cluster.start_learner(lid, ["--shard", str(m), *region])
+        cluster.start_learner(lid, ["--shard", str(m), *region, *metrics_flags(args.metrics_port, m + 1)])
     init_loss = evaluate(model, corpus)
     events.emit("eval", tokens=0, loss=init_loss, versions={})
     progress = Progress(args.learners, steps, desc, plain=args.plain or not sys.stdout.isatty())
