@@ -178,18 +178,27 @@ def configure_learner(parser: argparse.ArgumentParser):
     parser.add_argument("--region", metavar="NAME", default=None,
                         help="the run region this learner is in: it reads versions and spills only in that "
                              "region's store, as the descriptor names it (docs/regions.md)")
+    parser.add_argument("--torchrun", action="store_true",
+                        help="this process is one rank of a torchrun learner (automatic when torchrun set "
+                             "WORLD_SIZE > 1): rank 0 talks to the syncer and storage (README \"A learner under "
+                             "torchrun\")")
+    parser.add_argument("--log-path", dest="log", default=None,
+                        help="same as --log (plain torchrun's parser takes --log for its own --log-dir)")
+    parser.add_argument("--group-digests", action="store_true",
+                        help="torchrun learner: every rank logs a digest of its weights after each applied "
+                             "version (for tests; costs a copy of the model)")
 
     def handler(args) -> int:
+        group = _torchrun_group(args)
+        if group is not None and group.rank != 0:
+            return _group_rank(args, group)
         # torch is imported only by the learner role, so a syncer (re)starts in a fraction of the time.
         from workers.job.job import learner_process
         from workers.learner.learner import LearnerConfig
         from workers.learner.sender import SenderConfig
         if args.slow < 1.0:
             raise SystemExit(f"--slow must be >= 1, got {args.slow}")
-        shard = args.shard
-        if shard is None:
-            digits = "".join(c for c in args.id if c.isdigit())
-            shard = int(digits) if digits else 0
+        shard = _shard(args)
         store = open_store(args.store, s3_endpoint=args.s3_endpoint, create=False)
         if args.region is not None:   # --store may be any copy of the run; from here on only the region's
             store = learner_region_store(store, args.region)
@@ -200,7 +209,7 @@ def configure_learner(parser: argparse.ArgumentParser):
         cfg = LearnerConfig(sender=SenderConfig(ack_timeout_s=args.ack_timeout), poll_s=args.poll, keys=keys)
         try:
             stats = learner_process(store, args.id, shard, _bus(args), events, steps=args.steps, slow=args.slow,
-                                    config=cfg, stop=flag.is_set)
+                                    config=cfg, stop=flag.is_set, group=group)
         finally:
             if metrics is not None:
                 metrics.close()
@@ -209,6 +218,37 @@ def configure_learner(parser: argparse.ArgumentParser):
             print(json.dumps(stats))
         return learner_exit(args.id, args.store, stats, sys.stderr)
     return handler
+
+
+def _shard(args) -> int:
+    """--shard, or the number in --id."""
+    if args.shard is not None:
+        return args.shard
+    digits = "".join(c for c in args.id if c.isdigit())
+    return int(digits) if digits else 0
+
+
+def _torchrun_group(args):
+    """This rank's DataParallelGroup under torchrun (--torchrun, or WORLD_SIZE > 1 set by torchrun);
+    None for a learner of one process (workers/learner/group.py)."""
+    from workers.learner.group import DataParallelGroup, GroupConfig, torchrun_env
+    if not args.torchrun and torchrun_env() is None:
+        return None
+    return DataParallelGroup(GroupConfig(digests=args.group_digests))
+
+
+def _group_rank(args, group) -> int:
+    """A torchrun learner's rank > 0: the same job loop, with no store, bus, keys or metrics (rank 0
+    talks to the syncer and storage); its events go to <log>.rank<r>.jsonl."""
+    from workers.job.job import learner_process
+    from workers.learner.group import rank_log_path
+    flag = _stop_flag()
+    path = rank_log_path(args.log, group.rank)
+    events = EventLog(path, "learner", f"{args.id}.rank{group.rank}", echo=None if path else sys.stdout)
+    stats = learner_process(None, args.id, _shard(args), None, events, steps=args.steps, stop=flag.is_set,
+                            group=group)
+    events.emit("learner-done", **stats)
+    return 0
 
 
 EXIT_UNDELIVERED = 4

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -22,6 +22,9 @@ from workers.job.data import Corpus, DataConfig, evaluate
 from workers.common.events import EventLog
 from workers.learner.learner import Learner, LearnerConfig
 from workers.job.model import GPT, GPTConfig, build_model
+
+if TYPE_CHECKING:
+    from workers.learner.group import DataParallelGroup
 
 
 LR_SCHEDULES = ("constant", "cosine")
@@ -140,21 +143,34 @@ def learner_process(store: ObjectStore, learner_id: str, shard: int, bus: BusCon
                     steps: int | None = None, slow: float = 1.0, config: LearnerConfig = LearnerConfig(),
                     stop: Callable[[], bool] = lambda: False, pace: Pace | None = None,
                     data_seed: int | None = None, join_when: Callable[[], bool] | None = None,
-                    poll_s: float = 0.05) -> dict:
+                    poll_s: float = 0.05, group: "DataParallelGroup | None" = None) -> dict:
     """Train one learner of the default job for ``steps`` (default: the job's) and return its stats.
 
     ``slow`` stretches every step by that factor; ``pace`` instead pads each step to a set time;
     ``data_seed`` gives the learner its own batch order (default: the run's seed); ``join_when``:
     everything is loaded, then the learner waits (polling every ``poll_s``) until it holds before
-    joining the run (a spare machine, booted in advance)."""
+    joining the run (a spare machine, booted in advance). ``group``: this process is one rank of a
+    torchrun learner (workers/learner/group.py); rank r trains on part r of the learner's shard,
+    on the group's device, and only rank 0 uses ``store`` and ``bus``."""
     from storage.layout import read_descriptor
     torch.set_num_threads(1)
-    desc = read_descriptor(store)
+    if group is not None and (slow != 1.0 or pace is not None or join_when is not None):
+        raise ValueError("a torchrun learner takes no slow/pace/join_when (they pace one process, not a group)")
+    desc = read_descriptor(store) if group is None else group.share_descriptor(store)
     gcfg, job = job_from(desc)
     corpus = Corpus(job.data_config(gcfg.block_size))
     model = GPT(gcfg)                    # weights are overwritten from storage by start(): never used as drawn
-    learner = Learner(model, make_optimizer(model, job), store, learner_id, config, bus=bus, events=events)
-    batches = corpus.batches(shard % job.shards, job.shards, desc.seed if data_seed is None else data_seed)
+    seed = desc.seed if data_seed is None else data_seed
+    if group is None:
+        learner = Learner(model, make_optimizer(model, job), store, learner_id, config, bus=bus, events=events)
+        batches = corpus.batches(shard % job.shards, job.shards, seed)
+    else:
+        from workers.learner.group import GroupLearner
+        model.to(group.device)
+        learner = GroupLearner(model, make_optimizer(model, job), store, learner_id, config, bus=bus, events=events,
+                               group=group)
+        parts = job.shards * group.world_size
+        batches = corpus.batches((shard % job.shards) * group.world_size + group.rank, parts, seed)
     while join_when is not None and not join_when():
         if stop():
             return {"steps": 0, "tokens": 0, "drained": True, "joined": False}
@@ -165,13 +181,19 @@ def learner_process(store: ObjectStore, learner_id: str, shard: int, bus: BusCon
     opt = learner.optimizer
     left_early = False
     for i in range(n):
-        if stop():
+        leaving = stop()
+        if leaving and group is None:
             left_early = True
             break
         x, y = next(batches)
         set_lr(opt, job, i)
         t0 = time.monotonic()
-        learner.step(lambda: model(x, y)[1], tokens=x.numel())
+        if group is None:
+            learner.step(lambda: model(x, y)[1], tokens=x.numel())
+        elif learner.step(lambda: learner.ddp(x.to(group.device), y.to(group.device))[1], tokens=x.numel(),
+                          stop=leaving) is None:
+            left_early = True        # a rank is leaving: the whole group leaves at this boundary
+            break
         after_step(time.monotonic() - t0)
     # A learner that leaves before its budget (SIGTERM, a released scavenger) flushes its unsent
     # steps; one that finishes its budget does not, like the lock-step baselines, which drop each
