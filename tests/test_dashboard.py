@@ -150,9 +150,6 @@ def test_commits_are_read_incrementally_and_match_the_log_totals(store, tmp_path
 
 
 def test_default_events_dir_is_logs_beside_a_local_store(tmp_path):
-    (tmp_path / "out" / "store").mkdir(parents=True)
-    assert default_events_dir(str(tmp_path / "out" / "store")) is None
-    (tmp_path / "out" / "logs").mkdir()
     assert default_events_dir(str(tmp_path / "out" / "store")) == (tmp_path / "out" / "logs").resolve()
     assert default_events_dir(f"file://{tmp_path}/out/store") == (tmp_path / "out" / "logs").resolve()
     assert default_events_dir("s3://bucket/run") is None

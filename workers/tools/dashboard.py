@@ -38,12 +38,12 @@ CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline
 
 
 def default_events_dir(uri: str) -> Path | None:
-    """``OUT/logs`` for a local store at ``OUT/store`` when that directory exists, else None."""
+    """``OUT/logs`` for a local store at ``OUT/store`` (None for S3). It may not exist yet: a
+    dashboard started before ``ddiloco run`` shows the learners once their logs appear."""
     local = uri[len("file://"):] if uri.startswith("file://") else None if "://" in uri else uri
     if local is None:
         return None
-    logs = Path(local).expanduser().resolve().parent / "logs"
-    return logs if logs.is_dir() else None
+    return Path(local).expanduser().resolve().parent / "logs"
 
 
 def page_bytes() -> bytes:
@@ -147,7 +147,7 @@ def dashboard_command(args, out: TextIO, err: TextIO) -> int:
     try:
         cfg = ViewConfig(refresh_s=args.refresh, silent_s=args.silent_after)
         events = Path(args.events) if args.events else default_events_dir(args.run_uri)
-        if events is not None and not events.is_dir():
+        if args.events and not events.is_dir():
             raise ValueError(f"--events {events}: no such directory")
         view = RunView(args.run_uri, events, s3_endpoint=args.s3_endpoint, config=cfg)
         if args.once:
@@ -159,7 +159,8 @@ def dashboard_command(args, out: TextIO, err: TextIO) -> int:
         return 2
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving on {args.host}: anyone who can reach it sees the run's state", file=err)
-    where = f"events from {events}" if events else "no event logs (--events DIR): the commit log only"
+    where = (f"events from {events}" + ("" if events.is_dir() else ", once it exists") if events
+             else "no event logs (--events DIR): the commit log only")
     print(f"dashboard of {args.run_uri} at {server.url} ({where}); Ctrl-C stops it", file=out, flush=True)
     try:
         server.serve_forever()
