@@ -6,6 +6,7 @@ counters are the group's (tokens = steps x world size x local batch)."""
 from __future__ import annotations
 
 import os
+import signal
 from collections import defaultdict
 
 import pytest
@@ -42,13 +43,17 @@ def finished(tmp_path_factory):
     try:
         run.syncer()
         run.cluster.wait_ready("syncer")
-        for lid in ("l0", "l1"):
+        # l0 trains its budget; l1 has no end and is stopped (SIGTERM to torchrun and its ranks) once
+        # l0 is done: its ranks must leave together, at one step boundary, with rank 0 drained.
+        for lid, steps in (("l0", STEPS), ("l1", 10**6)):
             argv = ["--nproc-per-node", str(RANKS), "-m", "workers.cli", "learner", "--id", lid,
-                    *run.key_args(lid), *run.cluster.bus_args(), "--steps", str(STEPS), "--poll", "0.2",
+                    *run.key_args(lid), *run.cluster.bus_args(), "--steps", str(steps), "--poll", "0.2",
                     "--group-digests"]
             run.cluster.spawn(lid, "learner", argv, module="workers.learner.localrun")
-        codes = {lid: run.wait(lid, timeout=150) for lid in ("l0", "l1")}
-        assert codes == {"l0": 0, "l1": 0}, {lid: run.stderr(lid) for lid in codes}
+        codes = {"l0": run.wait("l0", timeout=150)}
+        run.cluster.terminate("l1")
+        codes["l1"] = run.wait("l1", timeout=60)
+        assert codes == {"l0": 0, "l1": 128 + signal.SIGTERM}, {lid: run.stderr(lid) for lid in codes}
         assert run.wait_inbox_empty(60), run.drain_status
         yield run
     finally:
@@ -82,10 +87,21 @@ def test_every_rank_holds_the_same_weights_after_each_applied_version(finished):
 def test_counters_are_the_groups(finished):
     for lid in ("l0", "l1"):
         done = [e for e in finished.events(lid) if e.get("event") == "learner-done"][-1]
-        assert done["steps"] == STEPS and done["world_size"] == RANKS
-        assert done["tokens"] == STEPS * RANKS * BATCH * BLOCK
+        assert done["world_size"] == RANKS and done["drained"], done
+        assert done["tokens"] == done["steps"] * RANKS * BATCH * BLOCK
         deltas = [e for e in finished.events(lid) if e.get("event") == "delta"]
         assert deltas and all(d["tokens"] == d["steps"] * RANKS * BATCH * BLOCK for d in deltas)
+    assert [e for e in finished.events("l0") if e.get("event") == "learner-done"][-1]["steps"] == STEPS
+
+
+def test_a_stopped_group_leaves_together_at_one_boundary(finished):
+    stops = [[e for e in events if e.get("event") == "group-stop"] for events in _rank_logs(finished, "l1")]
+    assert all(len(s) == 1 for s in stops), stops
+    steps = {s[0]["steps"] for s in stops}
+    assert len(steps) == 1 and steps.pop() > 10, stops     # one boundary, after it trained
+    # Rank 0 made every delta durable before the group left (a learner that leaves early flushes).
+    stop = [e for e in finished.events("l1") if e.get("event") == "learner-stop"][-1]
+    assert stop["drained"] and stop["undelivered"] == 0, stop
 
 
 def test_loss_goes_down(finished):

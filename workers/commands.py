@@ -234,7 +234,10 @@ def _torchrun_group(args):
     from workers.learner.group import DataParallelGroup, GroupConfig, torchrun_env
     if not args.torchrun and torchrun_env() is None:
         return None
-    return DataParallelGroup(GroupConfig(digests=args.group_digests))
+    try:
+        return DataParallelGroup(GroupConfig(digests=args.group_digests))
+    except ValueError as exc:   # --torchrun outside a torchrun job: say how to start one
+        raise SystemExit(f"--torchrun: {exc}") from None
 
 
 def _group_rank(args, group) -> int:

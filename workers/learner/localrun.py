@@ -67,8 +67,14 @@ def main(argv: list[str] | None = None) -> None:
                           multi_tenant=True, master_listen_fd=sock.detach())
     args = run.parse_args(["--master-addr", "127.0.0.1", "--master-port", str(port), *own])
     args.training_script_args = script_args
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     try:
         run.run(args)
+    except SignalException as exc:
+        # torchrun has already passed the signal on and waited for the ranks: they leave together at
+        # a step boundary and rank 0 drains its deltas (workers/learner/group.py). One line, no trace.
+        print(f"localrun: stopped by signal {int(exc.sigval)}; the ranks were told to leave", file=sys.stderr)
+        raise SystemExit(128 + int(exc.sigval)) from None
     finally:
         del store
 
