@@ -3,8 +3,9 @@ HTTP server, and the page in a real headless Chromium while a real run trains.
 
 The browser test starts `ddiloco run` (2 learners, metrics on free ports) and the dashboard as
 processes, loads the page in Chromium twice while the run trains (the learners are listed and the
-numbers move), keeps screenshots in tests/artifacts/ (ignored by git), and at the end checks that
-the dashboard's commits, merges and drops equal ``ddiloco log --json``'s totals for the same run.
+numbers move), stops the run as Ctrl-C does, keeps screenshots in tests/artifacts/ (ignored by
+git), and checks that the dashboard's commits, merges and drops equal ``ddiloco log --json``'s
+totals for the same run.
 Without Chromium it is skipped with a reason that says how to install it (README "Dashboard").
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -39,6 +41,9 @@ CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "
 INSTALL = ("Chromium not found: install it with `apt-get update && apt-get install -y chromium` "
            "(Debian/Ubuntu; .ci/run does it; README \"Dashboard\")")
 ARTIFACTS = Path(__file__).parent / "artifacts"
+# Far more steps than the test waits for: it stops the run (Ctrl-C) after its two looks, so that on
+# a fast machine the run cannot end before the second look and on a slow one the test stays short.
+STEPS = 20_000
 
 
 class Clock:
@@ -252,7 +257,7 @@ def test_dashboard_in_chromium_during_a_real_run(tmp_path):
     (out / "logs").mkdir(parents=True)
     ARTIFACTS.mkdir(exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    run = subprocess.Popen([sys.executable, "-m", "workers.cli", "run", "--learners", "2", "--steps", "600",
+    run = subprocess.Popen([sys.executable, "-m", "workers.cli", "run", "--learners", "2", "--steps", str(STEPS),
                             "--fragments", "3", "--sync-every", "6", "--layers", "1", "--width", "32",
                             "--batch-size", "4", "--plain", "--eval-every", "3", "--metrics-port", "0",
                             "--out", str(out)], env=env, stdout=open(tmp_path / "run.out", "w"), stderr=subprocess.STDOUT)
@@ -275,14 +280,16 @@ def test_dashboard_in_chromium_during_a_real_run(tmp_path):
         dom2 = chromium(url, profile, "--dump-dom")
         c2 = dom_commits(dom2)
         assert c2 >= c1 + 5, f"the page did not update: {c1} then {c2} commits"
-        steps = [int(x.replace(",", "")) for x in re.findall(r"</span>([\d,]+) / 600</span>", dom2)]
+        steps = [int(x.replace(",", "")) for x in re.findall(rf"</span>([\d,]+) / {STEPS:,}</span>", dom2)]
         assert len(steps) == 2 and min(steps) > 0
         mid = api(url)
         urls = [mid["syncer"]["metrics_url"], *(l["metrics_url"] for l in mid["learners"])]
         assert all(u and u.startswith("http://127.0.0.1:") for u in urls), urls   # ddiloco run --metrics-port 0
         assert get(urls[0])[0] == 200 and b"ddiloco_syncer_commits_total" in get(urls[0])[2]
 
-        assert run.wait(timeout=240) == 0, (tmp_path / "run.out").read_text()[-3000:]
+        run.send_signal(signal.SIGINT)      # the run ends as on Ctrl-C: every role stops cleanly, summary written
+        run.wait(timeout=120)
+        assert (out / "summary.json").exists(), (tmp_path / "run.out").read_text()[-3000:]
         final = wait_for(lambda: (lambda s: s if s["run"]["finished"] else None)(api(url)), 30,
                          "the dashboard to see the run finished")
         totals = log_totals(out / "store")
