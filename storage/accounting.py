@@ -25,6 +25,10 @@ from dataclasses import dataclass, fields
 from .store import ObjectInfo, ObjectStore
 
 DEFAULT_PAGE_SIZE = 1000
+# What the inner store says about itself (where it is, how it pages and uploads), read through the
+# wrapper so that code locating a store (storage/regions.py) sees a counted one as the same store.
+# Only plain attributes: every call still goes through the counting methods below.
+DESCRIBING = frozenset({"endpoint", "root", "bucket", "prefix", "page_size", "transfer"})
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,12 @@ class CountingStore:
 
     def __repr__(self) -> str:
         return f"CountingStore({self.inner!r})"
+
+    def __getattr__(self, name: str):
+        # Called only for names not found on the wrapper: the inner store's describing attributes.
+        if name in DESCRIBING:
+            return getattr(self.__dict__["inner"], name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     def snapshot(self) -> StoreCounters:
         """The counts so far (consistent: taken under the lock)."""

@@ -162,3 +162,13 @@ def test_price_table_validates_eagerly():
         prices_from_dict({"bogus": 1})
     with pytest.raises(ValueError, match="cannot read the price file"):
         load_prices("/nonexistent/prices.json")
+
+
+def test_the_wrapper_shows_where_its_store_is_but_forwards_no_uncounted_calls(tmp_path):
+    inner = LocalStore(str(tmp_path / "run"))
+    store = CountingStore(inner)
+    assert store.root == inner.root                           # storage/regions.py locates stores by these
+    assert not hasattr(store, "endpoint")                     # a LocalStore has none: neither has its wrapper
+    inner.get_range = lambda key, start, end: b""             # a method the wrapper does not count
+    with pytest.raises(AttributeError, match="get_range"):
+        store.get_range("k", 0, 1)
