@@ -226,20 +226,26 @@ def test_ddiloco_run_refuses_a_bad_price_file_before_starting_anything(tmp_path,
     assert not (tmp_path / "out" / "store").exists()
 
 
-def test_ddiloco_log_refuses_bad_prices_and_a_missing_events_dir(tmp_path):
+def test_ddiloco_log_accounting_is_opt_in_and_refuses_bad_prices_or_events(tmp_path):
     store = open_store(str(tmp_path / "run"))
     model = tiny_model()
     create_run(store, {n: p.detach().numpy().copy() for n, p in model.named_parameters()},
                RunSettings(fragments=2, sync_every=4))
     base = dict(run_uri=str(tmp_path / "run"), s3_endpoint=None, fragment=None, learner=None, start=0, end=None,
-                json=False)
+                json=False, accounting=False)
     for extra, match in (({"prices": '{"put_per_1000": -1}', "events": None}, "put_per_1000 must be >= 0"),
                          ({"prices": None, "events": str(tmp_path / "nope")}, "not a directory")):
         out, err = io.StringIO(), io.StringIO()
         assert log_command(SimpleNamespace(**base, **extra), out, err) == 2
         assert match in err.getvalue()
+    out, err = io.StringIO(), io.StringIO()           # asked for, and no logs next to the run
+    assert log_command(SimpleNamespace(**{**base, "accounting": True}, prices=None, events=None), out, err) == 2
+    assert "no event logs found" in err.getvalue()
     events = tmp_path / "logs"
     events.mkdir()
+    out, err = io.StringIO(), io.StringIO()           # not asked for: the totals stay the last line
+    assert log_command(SimpleNamespace(**{**base, "json": True}, prices=None, events=None), out, err) == 0
+    assert json.loads(out.getvalue().splitlines()[-1])["type"] == "totals"
     (events / "l0.jsonl").write_text("".join(json.dumps(e) + "\n" for e in EVENTS))
     out, err = io.StringIO(), io.StringIO()
     assert log_command(SimpleNamespace(**{**base, "json": True}, prices=None, events=str(events)), out, err) == 0

@@ -84,14 +84,14 @@ def test_the_counters_agree_with_the_syncer_and_the_learners_own_figures(run):
 
 
 def test_ddiloco_log_reports_the_same_accounting(run):
-    done = subprocess.run([sys.executable, "-m", "workers.cli", "log", str(run / "store"), "--json"],
+    done = subprocess.run([sys.executable, "-m", "workers.cli", "log", str(run / "store"), "--json", "--accounting"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     last = json.loads(done.stdout.splitlines()[-1])
     summary = json.loads((run / "summary.json").read_text())["accounting"]
     assert last.pop("type") == "accounting" and Path(last.pop("events")) == (run / "logs").resolve()
     assert last == summary
-    text = subprocess.run([sys.executable, "-m", "workers.cli", "log", str(run / "store"), "--prices",
+    text = subprocess.run([sys.executable, "-m", "workers.cli", "log", str(run / "store"), "--accounting", "--prices",
                            '{"inter_region_per_gb": 0.09, "source": "mine"}'], capture_output=True, text=True,
                           timeout=60)
     assert text.returncode == 0 and "r1->r0" in text.stdout and "prices: mine" in text.stdout

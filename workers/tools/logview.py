@@ -9,11 +9,13 @@ and harmless drops (duplicates, superseded deltas) are told apart from lost work
 ``--json`` prints JSON Lines instead: ``{"type": "commit", ...CommitRecord.to_dict()}`` per commit,
 then one ``{"type": "totals", ...}`` (docs/replay.md).
 
-Traffic (issue 14): when the run's event logs are found (``--events DIR``; by default ``OUT/logs``
-next to a run stored in ``OUT/store``, ``ddiloco run``'s layout), the requests and bytes per region,
-link, learner and outer step, the estimated monthly cost (``--prices``) and the data-parallel
-comparison follow the totals (workers/tools/accounting.py); with ``--json`` as one more line,
-``{"type": "accounting", ...}`` (docs/regions.md "The accounting report").
+Traffic (issue 14): ``--accounting`` reads the run's event logs (``--events DIR``, which implies
+it; by default ``OUT/logs`` next to a run stored in ``OUT/store``, ``ddiloco run``'s layout) and
+prints after the totals the requests and bytes per region, link, learner and outer step, the
+estimated monthly cost (``--prices``) and the data-parallel comparison
+(workers/tools/accounting.py); with ``--json`` as one more line after the totals,
+``{"type": "accounting", ...}`` (docs/regions.md "The accounting report"). Opt-in, so that
+without it the totals stay the last line tools read.
 """
 from __future__ import annotations
 
@@ -262,9 +264,12 @@ def configure(parser: argparse.ArgumentParser):
                         "of this learner (totals count only its deltas)")
     parser.add_argument("--from", dest="start", type=int, default=0, metavar="SEQ", help="first commit shown")
     parser.add_argument("--to", dest="end", type=int, default=None, metavar="SEQ", help="last commit shown")
+    parser.add_argument("--accounting", action="store_true",
+                        help="after the totals, the traffic report: requests and bytes per region, link, learner "
+                             "and outer step, the monthly cost estimate, data parallelism for comparison")
     parser.add_argument("--events", default=None, metavar="DIR",
-                        help="the run's event logs (*.jsonl) for the traffic report (default: OUT/logs next to "
-                             "a run in OUT/store, as ddiloco run lays it out)")
+                        help="the run's event logs (*.jsonl) for --accounting, which it implies (default: OUT/logs "
+                             "next to a run in OUT/store, as ddiloco run lays it out)")
     parser.add_argument("--prices", default=None, metavar="FILE|JSON",
                         help="price table overrides for the cost estimate: a JSON file or inline JSON "
                              "(docs/regions.md \"The price table\")")
@@ -279,7 +284,8 @@ def log_command(args, out: TextIO, err: TextIO) -> int:
         if args.start < 0 or (args.end is not None and args.end < args.start):
             raise ValueError(f"--from {args.start} --to {args.end}: need 0 <= from <= to")
         prices = parse_prices(getattr(args, "prices", None))
-        events_dir = _events_dir(args)
+        wanted = getattr(args, "accounting", False) or getattr(args, "events", None) is not None
+        events_dir = _events_dir(args) if wanted else None
     except (ValueError, StoreError, FormatError) as exc:
         print(f"error: {exc}", file=err)
         return EXIT_USAGE
@@ -292,6 +298,8 @@ def log_command(args, out: TextIO, err: TextIO) -> int:
         out.flush()
         print(f"log FAILED: {exc}", file=err)
         return EXIT_DAMAGED
+    if not wanted:
+        return 0
     return show_traffic(events_dir, descriptor, prices, out, err, as_json=args.json)
 
 
@@ -308,8 +316,8 @@ def _events_dir(args):
 def show_traffic(events_dir, descriptor, prices, out: TextIO, err: TextIO, *, as_json: bool = False) -> int:
     """The traffic report after the totals (module docstring); 0, or EXIT_USAGE for logs it cannot read."""
     if events_dir is None:
-        print("accounting: no event logs found (give --events DIR)", file=err)
-        return 0
+        print("error: --accounting: no event logs found next to the run (give --events DIR)", file=err)
+        return EXIT_USAGE
     try:
         rep = traffic_report(read_event_dir(events_dir), params=sum(t.numel for t in descriptor.layout.tensors),
                              sync_every=descriptor.schedule.sync_every, prices=prices)
@@ -317,8 +325,10 @@ def show_traffic(events_dir, descriptor, prices, out: TextIO, err: TextIO, *, as
         print(f"error: accounting events in {events_dir}: {exc}", file=err)
         return EXIT_USAGE
     if rep is None:
-        print(f"accounting: no accounting events in {events_dir}", file=err)
-    elif as_json:
+        print(f"error: --accounting: no accounting events in {events_dir} (written by this version's learners "
+              "and syncer)", file=err)
+        return EXIT_USAGE
+    if as_json:
         print(json.dumps({"type": "accounting", "events": str(events_dir), **rep}), file=out)
     else:
         print("\n".join([f"event logs: {events_dir}", *report_lines(rep)]), file=out)
