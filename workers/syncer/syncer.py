@@ -40,7 +40,6 @@ from typing import Callable, Mapping, Sequence
 from pipeline.commit import CommitMeta
 from pipeline.errors import FormatError
 from pipeline.fold import SyncerState, fold_fence
-from pipeline.guard import NormWindow
 from pipeline.policy import Decision, Ewma, Pending, Timing, decide, late_deadline
 from pipeline.types import CommitRecord, RunDescriptor
 from storage.errors import StoreError
@@ -163,10 +162,6 @@ class Syncer:
     @property
     def state(self) -> SyncerState | None:
         return self.committer.state
-
-    @property
-    def window(self) -> NormWindow | None:
-        return self.committer.window
 
     @property
     def epoch(self) -> int:
