@@ -82,6 +82,8 @@ def test_every_rank_holds_the_same_weights_after_each_applied_version(finished):
             assert sent[e["step"]].get(str(e["fragment"]), -1) >= e["version"], e
         starts = [e for events in logs for e in events if e.get("event") == "group-start"]
         assert sorted(e["rank"] for e in starts) == list(range(RANKS)) and {e["world_size"] for e in starts} == {RANKS}
+        # Only rank 0 speaks as the learner: tools that list learners by role see one per group.
+        assert {e["role"] for events in logs[1:] for e in events} == {"rank"}
 
 
 def test_counters_are_the_groups(finished):

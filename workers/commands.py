@@ -242,12 +242,13 @@ def _torchrun_group(args):
 
 def _group_rank(args, group) -> int:
     """A torchrun learner's rank > 0: the same job loop, with no store, bus, keys or metrics (rank 0
-    talks to the syncer and storage); its events go to <log>.rank<r>.jsonl."""
+    talks to the syncer and storage); its events go to <log>.rank<r>.jsonl, as role "rank" (tools that
+    list learners by their events' role see only rank 0, the learner)."""
     from workers.job.job import learner_process
-    from workers.learner.group import rank_log_path
+    from workers.learner.group import RANK_ROLE, rank_log_path
     flag = _stop_flag()
     path = rank_log_path(args.log, group.rank)
-    events = EventLog(path, "learner", f"{args.id}.rank{group.rank}", echo=None if path else sys.stdout)
+    events = EventLog(path, RANK_ROLE, f"{args.id}.rank{group.rank}", echo=None if path else sys.stdout)
     stats = learner_process(None, args.id, _shard(args), None, events, steps=args.steps, stop=flag.is_set,
                             group=group)
     events.emit("learner-done", **stats)

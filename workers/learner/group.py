@@ -54,6 +54,7 @@ from workers.learner.learner import Learner, LearnerConfig
 from workers.learner.nonfinite import grads_finite
 
 GROUP_FORMAT = 1
+RANK_ROLE = "rank"     # the event role of ranks > 0 (rank 0's events are the learner's own)
 BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl")
 
 
@@ -232,7 +233,7 @@ class GroupLearner:
                                             on_applied=self._broadcast, **learner_kwargs)
             self.events = self.learner.events
         else:
-            self.events = events or EventLog(None, "learner", f"{learner_id}.rank{self.rank}")
+            self.events = events or EventLog(None, RANK_ROLE, f"{learner_id}.rank{self.rank}")
         self.params = dict(model.named_parameters())
         self.ddp: torch.nn.Module = model
         self.stopped = False
