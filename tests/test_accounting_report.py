@@ -169,6 +169,8 @@ def test_the_report_sums_regions_links_learners_and_outer_steps():
     dp = rep["data_parallel"]
     assert dp["dp_per_learner_per_step"] == {"bf16": 2 * 1 * 1000 * 2 // 2, "fp32": 2 * 1 * 1000 * 4 // 2}
     assert dp["decoupled_per_learner_per_step"]["bytes_up"] == round((2600 + 1400) / 18, 1)
+    assert dp["decoupled_per_learner_per_step"]["cross_region_bytes"] == round((7000 + 1400) / 18, 1)  # syncer's too
+    assert dp["dp_over_decoupled_cross_region"]["bf16"] == round(2000 / round(8400 / 18, 1), 1)
     assert dp["dp_per_learner_per_outer_step"]["fp32"] == 4000 * 4
 
 

@@ -138,7 +138,7 @@ def traffic_report(events: Iterable[dict], *, params: int | None = None, sync_ev
                      "delete_requests_usd": round(cost.delete_requests_usd, 4),
                      "transfer_usd": round(cost.transfer_usd, 4), "scale": round(cost.scale, 3),
                      "storage": "not included", "prices": _prices_dict(prices), "unverified": prices.unverified},
-            "data_parallel": _data_parallel(learners, params, sync_every)}
+            "data_parallel": _data_parallel(learners, params, sync_every, sum(cross_from.values()))}
 
 
 def _new_learner(region: str) -> dict[str, Any]:
@@ -189,13 +189,17 @@ def _prices_dict(p: PriceTable) -> dict[str, Any]:
             "source": p.source}
 
 
-def _data_parallel(learners: dict[str, dict], params: int | None, sync_every: int | None) -> dict[str, Any] | None:
+def _data_parallel(learners: dict[str, dict], params: int | None, sync_every: int | None,
+                   cross_region: int) -> dict[str, Any] | None:
+    """Per learner per inner step: what a learner sent and received (mean over every learner step),
+    and every byte that crossed regions in the run - the syncer's ingest and replication too, which
+    carry the learners' work in a bucket-only run - over the learners' steps."""
     steps = sum(r["steps"] for r in learners.values())
     if params is None or not learners or not steps:
         return None
     m = len(learners)
-    mine = {k: round(sum(r[k] for r in learners.values()) / steps, 1)
-            for k in ("bytes_up", "bytes_down", "cross_region_bytes")}
+    mine = {k: round(sum(r[k] for r in learners.values()) / steps, 1) for k in ("bytes_up", "bytes_down")}
+    mine["cross_region_bytes"] = round(cross_region / steps, 1)
     dp = {dtype: dp_allreduce_bytes(params, m, dtype) for dtype in ("bf16", "fp32")}
     return {"formula": "ring all-reduce: 2*(M-1)/M * params * bytes per param, sent (and received) per learner "
                        "per inner step", "learners": m, "params": params, "sync_every": sync_every,
@@ -254,12 +258,14 @@ def report_lines(rep: dict[str, Any]) -> list[str]:
     dp = rep.get("data_parallel")
     if dp:
         mine = dp["decoupled_per_learner_per_step"]
-        ratio = dp["dp_over_decoupled_sent"]
+        ratio, cross = dp["dp_over_decoupled_sent"], dp["dp_over_decoupled_cross_region"]
         out.append(f"  data parallel, {dp['formula']} (M={dp['learners']}, {dp['params']:,} params): "
                    f"bf16 {_size(dp['dp_per_learner_per_step']['bf16'])}, fp32 "
                    f"{_size(dp['dp_per_learner_per_step']['fp32'])} per step; a decoupled learner sent "
                    f"{_size(mine['bytes_up'])} per step"
-                   + (f" ({ratio['bf16']}x less than bf16 DP)" if ratio["bf16"] else ""))
+                   + (f" ({ratio['bf16']}x less than bf16 DP)" if ratio["bf16"] else "")
+                   + f"; across regions {_size(mine['cross_region_bytes'])} per learner step"
+                   + (f" ({cross['bf16']}x less)" if cross["bf16"] else ""))
     c = rep["cost"]
     warn = " - default prices, unverified: check before budgeting" if c["unverified"] else ""
     out.append(f"  estimated monthly cost at this rate (x{c['scale']:,.0f}): ${c['monthly_usd']:,.2f} (PUT-class "
