@@ -29,7 +29,8 @@ fragment order, each fragment as one float buffer of its tensors in layout order
 transport: TCP for gloo, NCCL's own for CUDA).
 
 Devices: the model's device decides; the process group is gloo for CPU tensors plus NCCL for CUDA
-tensors where CUDA and NCCL exist (``cpu:gloo,cuda:nccl``), so the header always travels on CPU.
+tensors where CUDA and NCCL exist (``cpu:gloo,cuda:nccl``), so the header always travels on CPU;
+gloo alone where ranks share a GPU (NCCL refuses that).
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ from workers.learner.nonfinite import grads_finite
 
 GROUP_FORMAT = 1
 RANK_ROLE = "rank"     # the event role of ranks > 0 (rank 0's events are the learner's own)
-BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl")
+BACKENDS = ("gloo", "cpu:gloo,cuda:nccl")   # the header travels on CPU: NCCL alone cannot carry it
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,11 @@ class DataParallelGroup:
         if self._own:
             if self.cuda:
                 torch.cuda.set_device(self.device)
-            backend = config.backend or ("cpu:gloo,cuda:nccl" if self.cuda and dist.is_nccl_available() else "gloo")
+            # NCCL refuses two ranks on one GPU; gloo also moves CUDA tensors (through the host), so
+            # ranks that share a GPU (more ranks on this host than GPUs) use gloo for everything.
+            shared = self.cuda and torch.cuda.device_count() < int(environ.get("LOCAL_WORLD_SIZE", 1))
+            backend = config.backend or ("cpu:gloo,cuda:nccl" if self.cuda and dist.is_nccl_available()
+                                         and not shared else "gloo")
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=config.timeout_s))
         self.backend = str(dist.get_backend())
         self.descriptor: RunDescriptor | None = None
