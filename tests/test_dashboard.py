@@ -154,6 +154,19 @@ def test_commits_are_read_incrementally_and_match_the_log_totals(store, tmp_path
             s["syncer"]["drop_reasons"]) == (4, 3, 1, {"superseded": 1})
 
 
+@pytest.mark.parametrize("store", ["local", "s3"], indirect=True)
+def test_cli_once_prints_the_state_of_a_run_on_either_backend(store, tmp_path, capsys):
+    desc = small_run(store)
+
+    class Args:
+        run_uri, events, host, port, s3_endpoint = store.uri, None, "127.0.0.1", 0, None
+        refresh, silent_after, once = 1.0, 15.0, True
+    assert dashboard_command(Args, sys.stdout, sys.stderr) == 0
+    state = json.loads(capsys.readouterr().out)
+    assert state["error"] == "" and state["run"]["run_id"] == desc.run_id
+    assert [f["version"] for f in state["fragments"]] == [0, 0] and state["totals"]["commits_by_kind"] == {"init": 2}
+
+
 def test_default_events_dir_is_logs_beside_a_local_store(tmp_path):
     assert default_events_dir(str(tmp_path / "out" / "store")) == (tmp_path / "out" / "logs").resolve()
     assert default_events_dir(f"file://{tmp_path}/out/store") == (tmp_path / "out" / "logs").resolve()
