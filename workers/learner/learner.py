@@ -215,7 +215,7 @@ class Learner:
     def _overwrite(self, values: dict[str, np.ndarray]) -> None:
         alpha = self.descriptor.learner.mixing_alpha if self.descriptor else 0.0
         for name, v in values.items():
-            t = torch.from_numpy(v).to(self.params[name].dtype)
+            t = torch.from_numpy(v).to(self.params[name].device, self.params[name].dtype)   # model may be on an accelerator
             if alpha > 0.0:   # Streaming DiLoCo's mixing: θ ← α θ_local + (1−α) Θ
                 self.params[name].mul_(alpha).add_(t, alpha=1.0 - alpha)
             else:
@@ -228,8 +228,9 @@ class Learner:
         the answer). The steps taken since the answer are not overwritten: the counters keep them and
         the next answer (against Θ_new) carries them to the syncer."""
         for name, v in values.items():
-            since = self.params[name] - torch.from_numpy(at_answer[name]).to(self.params[name].dtype)
-            self.params[name].copy_(torch.from_numpy(v).to(self.params[name].dtype) + since)
+            param = self.params[name]
+            since = param - torch.from_numpy(at_answer[name]).to(param.device, param.dtype)
+            param.copy_(torch.from_numpy(v).to(param.device, param.dtype) + since)
         self.c_steps[p] = max(0, self.c_steps[p] - steps)
         self.c_tokens[p] = max(0, self.c_tokens[p] - tokens)
 
