@@ -17,13 +17,16 @@ threads. Every round is run at each thread count from the same state, the thread
 turns (side by side: a busy moment of the machine hits them alike), and the commits must be the
 same bits (checked: the record and the version blob). Reported: the median seconds per phase and
 per round, rounds per second for one shard (one syncer process), nanoseconds per parameter per
-delta, and the median per-round speed-up over the first thread count. docs/scale.md turns these
+delta, the median per-round speed-up over the first thread count, and the process's CPU seconds
+per round in user space and in the kernel (``getrusage``: at large sizes the kernel's zeroing of
+freshly mapped pages for the round's new arrays is a large share, docs/scale.md). docs/scale.md turns these
 into the number of shards the paper's setting needs.
 """
 from __future__ import annotations
 
 import gc
 import hashlib
+import resource
 import statistics
 import time
 from dataclasses import dataclass
@@ -44,6 +47,7 @@ from workers.common.deltas import round_input
 from workers.common.versions import encode_version
 
 PHASES = ("decode", "commit", "version")
+CPU = ("user", "sys")     # CPU seconds of the whole process (all threads) in user space and in the kernel
 # A fragment's tensors, as shares of its values: two big matrices, a smaller one, a vector.
 SHARES = {"attn.qkv.w": 0.375, "mlp.fc.w": 0.5, "attn.proj.w": 0.124}
 
@@ -104,6 +108,7 @@ def _delta_blobs(cfg: LoadConfig, desc: RunDescriptor, rnd: int, version: int,
 def _one_round(desc: RunDescriptor, state: SyncerState, window, blobs, rnd: int, map_fn,
                clock: Callable[[], float]) -> tuple[dict[str, float], object, bytes]:
     run = map_fn or map
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = clock()
     inputs = list(run(lambda kb: round_input(kb[1], kb[0], desc, None), blobs))
     t1 = clock()
@@ -117,7 +122,9 @@ def _one_round(desc: RunDescriptor, state: SyncerState, window, blobs, rnd: int,
     blob = encode_version(desc, 0, rec.version, rec.seq, rec.epoch, commit.published,
                           values_digest=rec.output_checksum, map_fn=map_fn)
     t3 = clock()
-    return {"decode": t1 - t0, "commit": t2 - t1, "version": t3 - t2}, commit, blob
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    return {"decode": t1 - t0, "commit": t2 - t1, "version": t3 - t2, "user": r1.ru_utime - r0.ru_utime,
+            "sys": r1.ru_stime - r0.ru_stime}, commit, blob
 
 
 def bench_load(cfg: LoadConfig, clock: Callable[[], float] = time.perf_counter) -> dict:
@@ -152,12 +159,12 @@ def bench_load(cfg: LoadConfig, clock: Callable[[], float] = time.perf_counter) 
 
 def _summary(cfg: LoadConfig, times: dict[int, list[dict[str, float]]], blob_bytes: int) -> dict:
     rows = []
-    base = [sum(p.values()) for p in times[cfg.threads[0]]]
+    base = [sum(p[ph] for ph in PHASES) for p in times[cfg.threads[0]]]
     for threads, per_round in times.items():
-        totals = [sum(p.values()) for p in per_round]
+        totals = [sum(p[ph] for ph in PHASES) for p in per_round]
         med = statistics.median(totals)
         rows.append({"threads": threads, "round_s": med, "rounds_per_s": 1.0 / med,
-                     **{f"{ph}_s": statistics.median(p[ph] for p in per_round) for ph in PHASES},
+                     **{f"{ph}_s": statistics.median(p[ph] for p in per_round) for ph in PHASES + CPU},
                      "ns_per_param_delta": med / (cfg.params * cfg.deltas) * 1e9,
                      "speedup": statistics.median(b / t for b, t in zip(base, totals)),
                      "rounds": totals})
@@ -174,10 +181,10 @@ def print_load(res: dict) -> None:
                     f"({res['delta_blob_mb']:.1f} MB each), {res['version_dtype']} version, "
                     f"median of {res['rounds']} rounds, same bits at every thread count")
     for col in ("threads", "decode s", "commit s", "version s", "round s", "rounds/s/shard", "ns/param/delta",
-                "speed-up"):
+                "speed-up", "CPU user s", "CPU sys s"):
         t.add_column(col, justify="right")
     for r in res["rows"]:
         t.add_row(str(r["threads"]), f"{r['decode_s']:.2f}", f"{r['commit_s']:.2f}", f"{r['version_s']:.2f}",
                   f"{r['round_s']:.2f}", f"{r['rounds_per_s']:.3f}", f"{r['ns_per_param_delta']:.2f}",
-                  f"{r['speedup']:.2f}×")
+                  f"{r['speedup']:.2f}×", f"{r['user_s']:.2f}", f"{r['sys_s']:.2f}")
     Console().print(t)
