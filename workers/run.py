@@ -92,13 +92,33 @@ def configure(parser):
       help="drop deltas whose norm exceeds this factor x the recent median (0: off)")
     a("--regions", type=int, default=1, metavar="N",
       help="regions (docs/regions.md): r0 is home (--store), r1.. are directories OUT/regions/rK; learner m "
-           "runs in region m mod N, reading and spilling only there (no WAN emulation yet)")
+           "runs in region m mod N, reading and spilling only there (--wan: S3 servers and emulated links)")
     a("--prices", default=None, metavar="FILE|JSON",
       help="price table overrides for the cost estimate: a JSON file or inline JSON, e.g. "
            "'{\"inter_region_per_gb\": 0.09}' (docs/regions.md \"The price table\")")
     a("--create-only", action="store_true",
       help="only create the run (descriptor + version 0) and exit; start roles with ddiloco syncer/learner")
-    return run
+    topologies = _topology_plugins(parser)
+    return lambda args: run(args, topologies)
+
+
+TOPOLOGY_GROUP = "ddiloco.run_topology"
+
+
+def _topology_plugins(parser) -> list:
+    """Run topologies from plugins (entry-point group ``ddiloco.run_topology``, setup.cfg): each
+    entry point names ``configure(parser) -> select(args, out)`` that adds its flags and returns,
+    for parsed flags, None (not asked for) or a topology: ``store_uri``, ``regions``, ``cluster(cfg)
+    -> LocalCluster``, ``summary() -> dict``, ``close()``. So ``ddiloco run --wan`` (infra/wan_run.py)
+    brings up S3 servers and WAN links while workers/ never imports infra/."""
+    from importlib import metadata
+    selects = []
+    for ep in metadata.entry_points(group=TOPOLOGY_GROUP):
+        try:
+            selects.append(ep.load()(parser))
+        except Exception as exc:   # noqa: BLE001 - one broken plugin must not break `ddiloco run`
+            print(f"warning: run topology {ep.name} unavailable: {exc}", file=sys.stderr)
+    return selects
 
 
 def metrics_flags(base: int | None, index: int) -> list[str]:
@@ -142,7 +162,7 @@ def local_regions(args, store_uri: str, out: Path) -> RegionsConfig | None:
     return RegionsConfig("r0", tuple(RegionSpec(f"r{r}", uri) for r, uri in enumerate(uris)))
 
 
-def run(args) -> int:
+def run(args, topologies=()) -> int:
     if args.learners < 1:
         raise SystemExit(f"--learners must be >= 1, got {args.learners}")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535 - args.learners:
@@ -163,11 +183,21 @@ def run(args) -> int:
         raise SystemExit(f"--prices: {exc}") from None
     if args.mode in ("dp", "diloco"):
         return _run_baseline(args, out, gcfg, job)
-    store_uri = args.store or str(out / "store")
+    topology = next((t for t in (select(args, out) for select in topologies) if t is not None), None)
+    try:
+        return _run_decoupled(args, out, gcfg, job, steps, topology)
+    finally:
+        if topology is not None:
+            topology.close()
+
+
+def _run_decoupled(args, out: Path, gcfg: GPTConfig, job: JobSettings, steps: int, topology) -> int:
+    store_uri = topology.store_uri if topology is not None else args.store or str(out / "store")
     store = open_store(store_uri, s3_endpoint=args.s3_endpoint)
     keydir = None if args.insecure else Path(args.keys or out / "keys")
     names = [f"l{m}" for m in range(args.learners)]
-    settings = dataclasses.replace(settings_from_args(args, gcfg, job), regions=local_regions(args, store_uri, out))
+    regions = topology.regions if topology is not None else local_regions(args, store_uri, out)
+    settings = dataclasses.replace(settings_from_args(args, gcfg, job), regions=regions)
     desc, model = create_job_run(store, settings, gcfg, args.seed, keydir, names)
     if args.create_only:
         print(f"created run {desc.run_id} at {store_uri}: {desc.num_fragments} fragments, "
@@ -182,8 +212,9 @@ def run(args) -> int:
                 security="off" if args.insecure else "signed",
                 fragments=desc.num_fragments, sync_every=desc.schedule.sync_every, quorum=desc.policy.quorum,
                 compression=desc.codec.scheme, params=int(sum(p.numel() for p in model.parameters())))
-    cluster = LocalCluster(ClusterConfig(store_uri, out, keydir=keydir, bus=not args.no_bus,
-                                         s3_endpoint=args.s3_endpoint, learner_nice=LEARNER_NICE))
+    ccfg = ClusterConfig(store_uri, out, keydir=keydir, bus=not args.no_bus, s3_endpoint=args.s3_endpoint,
+                         learner_nice=LEARNER_NICE)
+    cluster = topology.cluster(ccfg) if topology is not None else LocalCluster(ccfg)
     t_start = time.time()
     cluster.start_syncer(SYNCER, metrics_flags(args.metrics_port, 0))
     for m, lid in enumerate(names):
@@ -203,6 +234,8 @@ def run(args) -> int:
     summary.update(_rounds_figures(store, desc, all_events))
     summary.update(_log_figures(store, desc))
     summary["accounting"] = _accounting(all_events, desc, args)
+    if topology is not None:
+        summary.update(topology.summary())
     _write_outputs(out, summary, all_events, args)
     return 0 if summary["ok"] else 1
 
