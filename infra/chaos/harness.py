@@ -52,7 +52,10 @@ class RunSpec:
     sync_every: int = 6
     quorum: int = 1
     retain_versions: int = 16
-    storage: str = "local"             # "local" | "s3" (a SeaweedFS server owned by the run)
+    storage: str = "local"             # "local" | "s3" (a SeaweedFS server owned by the run) | "wan" (below)
+    regions: int = 2                   # storage "wan": a SeaweedFS server per region, learner m in r(m mod N),
+    wan: str = "rtt=100ms,bw=100mbit"  # and this link on every cross-region path (infra/wan_topology.py)
+    pace_s: float | None = None        # every learner paced to this step time (infra.chaos.worker; slow applies)
     model: str = "tiny"
     seed: int = 0
     ack_timeout_s: float = 1.0
@@ -66,8 +69,10 @@ class RunSpec:
     def __post_init__(self) -> None:
         if self.learners < 1 or self.steps < 1:
             raise ValueError(f"learners ({self.learners}) and steps ({self.steps}) must be >= 1")
-        if self.storage not in ("local", "s3"):
-            raise ValueError(f"storage must be 'local' or 's3', got {self.storage!r}")
+        if self.storage not in ("local", "s3", "wan"):
+            raise ValueError(f"storage must be 'local', 's3' or 'wan', got {self.storage!r}")
+        if self.storage == "wan" and self.regions < 2:
+            raise ValueError(f"storage 'wan' needs regions >= 2, got {self.regions}")
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {sorted(MODELS)}, got {self.model!r}")
         for lid, f in ((None, self.slow), *self.slow_by):
@@ -79,6 +84,12 @@ class RunSpec:
 
     def slow_of(self, lid: str) -> float:
         return dict(self.slow_by).get(lid, self.slow)
+
+    def region_of(self, lid: str) -> str | None:
+        """Learner ``l<m>``'s region with storage "wan" (r(m mod regions)), else None."""
+        if self.storage != "wan":
+            return None
+        return f"r{int(''.join(c for c in lid if c.isdigit()) or 0) % self.regions}"
 
 
 @dataclass
@@ -113,6 +124,7 @@ class ChaosRun:
         self._env = env
         self.cluster: LocalCluster | None = None
         self.last_drain: DrainStatus | None = None
+        self.topology = None              # storage "wan": infra.wan_topology.WanTopology
 
     # -- set-up ----------------------------------------------------------------------------------
     @property
@@ -141,6 +153,8 @@ class ChaosRun:
             self._saved_env = {k: os.environ.get(k) for k in self.s3.env()}
             os.environ.update(self.s3.env())   # this process opens the same store (restored by close())
             self.uri = self.s3.uri(f"chaos-{time.time_ns()}")
+        elif spec.storage == "wan":
+            self.uri = self._start_topology()
         else:
             self.uri = str(self.out / "store")
         gcfg, batch, max_bytes = MODELS[spec.model]
@@ -149,17 +163,32 @@ class ChaosRun:
         settings = RunSettings(fragments=spec.fragments, sync_every=spec.sync_every, quorum=spec.quorum,
                                retain_versions=spec.retain_versions, seed=spec.seed, model=gcfg.to_dict(),
                                grace_gamma=spec.grace_gamma, keep_progress=spec.keep_progress,
-                               job=job.to_dict())
+                               job=job.to_dict(), regions=self.topology.regions if self.topology else None)
         self.descriptor, _ = create_job_run(self.store, settings, gcfg, spec.seed, self.keydir, spec.learner_ids(),
                                             also_listed=[ROGUE])
         self.relays = (Relay(self.syncer_ports[0], name="ingest").start(),
                        Relay(self.syncer_ports[1], name="announce").start())
         ing, ann = (f"tcp://127.0.0.1:{port}" for port in self.syncer_ports)
-        self.cluster = LocalCluster(ClusterConfig(self.uri, self.out, keydir=self.keydir, ingest=ing, announce=ann,
-                                                  env=env, stop_timeout_s=25.0),
-                                    clock=self.clock, observer=self.mark)
+        ccfg = ClusterConfig(self.uri, self.out, keydir=self.keydir, ingest=ing, announce=ann, env=env,
+                             stop_timeout_s=25.0)
+        if self.topology is not None:
+            from infra.wan_topology import RegionCluster
+            self.cluster = RegionCluster(ccfg, self.topology, clock=self.clock, observer=self.mark)
+        else:
+            self.cluster = LocalCluster(ccfg, clock=self.clock, observer=self.mark)
         self.mark("run", "created", f"{self.descriptor.run_id} at {self.uri}")
         return self.descriptor
+
+    def _start_topology(self) -> str:
+        """Storage "wan": the regions' servers and links; this process becomes a home-side one
+        (restored by close()). Returns the home store's URI."""
+        from infra.wan_topology import AWS_VARS, WanConfig, WanTopology
+        spec = self.spec
+        self.topology = WanTopology(self.out, WanConfig.parse(spec.regions, spec.wan, seed=spec.seed,
+                                                              prefix=f"chaos-{time.time_ns()}")).start()
+        self._saved_env = {k: os.environ.get(k) for k in (*AWS_VARS, *self.topology.env("r0", {}))}
+        self.topology.use_home_env()
+        return self.topology.store_uri
 
     def _started(self) -> LocalCluster:
         if self.cluster is None:
@@ -189,7 +218,12 @@ class ChaosRun:
         its own batch order); otherwise ``ddiloco learner``."""
         cluster = self._started()
         relays = (self.relays[0].endpoint, self.relays[1].endpoint)
-        extra = ["--ack-timeout", str(self.spec.ack_timeout_s), "--poll", str(self.spec.poll_s),
+        region = self.spec.region_of(lid)
+        if region is not None and region != "r0":    # across the WAN link, not the local relays
+            relays = self.topology.learner_bus(region) or relays
+        pace_s = self.spec.pace_s if pace_s is None else pace_s
+        extra = ["--region", region] if region is not None else []
+        extra += ["--ack-timeout", str(self.spec.ack_timeout_s), "--poll", str(self.spec.poll_s),
                  "--slow", str(slow if slow is not None else self.spec.slow_of(lid))]
         if steps is not None:
             extra += ["--steps", str(steps)]
@@ -264,6 +298,15 @@ class ChaosRun:
             r.restore()
         self.mark("bus", "restore")
 
+    def partition_region(self, region: str) -> None:
+        """Cut every link between home and ``region`` (storage "wan"): S3 both ways and the bus."""
+        self.topology.partition(region, "reset")
+        self.mark(region, "partition")
+
+    def heal_region(self, region: str) -> None:
+        self.topology.heal(region)
+        self.mark(region, "heal")
+
     def retarget(self, ports: tuple[int, int]) -> None:
         """Point the relays at another syncer's ports (a syncer that takes over elsewhere)."""
         for r, port in zip(self.relays, ports):
@@ -323,8 +366,11 @@ class ChaosRun:
             if self.relays is not None:
                 for r in self.relays:
                     r.stop()
+            if self.topology is not None:
+                self.topology.close()
             if self.s3 is not None:
                 self.s3.stop()
+            if self.s3 is not None or self.topology is not None:
                 for k, v in self._saved_env.items():
                     if v is None:
                         os.environ.pop(k, None)

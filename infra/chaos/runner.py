@@ -20,6 +20,7 @@ from storage.layout import SPILL_PREFIX, VERSION_PREFIX, parse_spill_key
 from workers.bus.bus import BusConfig
 from . import invariants as inv
 from .harness import ROGUE, ChaosRun, free_port
+from .region_checks import REGION_CHECKS
 from .report import write_report
 from .scenarios import Fault, Scenario, draw_failures, faults_from_events
 
@@ -104,7 +105,7 @@ def _spilled_during_fault(run: ChaosRun, obs: inv.Observation) -> Check:
 EXTRA_CHECKS: dict[str, Callable[[ChaosRun, inv.Observation], Check]] = {
     "restarted-learner-merged": _restarted_learner_merged, "all-learners-merged": _all_learners_merged,
     "syncer-recovered": _syncer_recovered, "orphan-ignored": _orphan_ignored, "fenced-once": _fenced_once,
-    "spilled-during-fault": _spilled_during_fault}
+    "spilled-during-fault": _spilled_during_fault, **REGION_CHECKS}
 
 
 # -- running ----------------------------------------------------------------------------------------
@@ -175,16 +176,16 @@ def run_scenario(sc: Scenario, out: str | Path, seed: int = 0, events_path: str 
             for what, fn in sched.due(time.time()):
                 # Repairs (restart, restore, resume, s3-up) always run; only new faults are moot once
                 # every learner has finished.
-                if run.learners_done() and not what.startswith(("restart", "restore", "resume", "s3-up")):
+                if run.learners_done() and not what.startswith(("restart", "restore", "resume", "s3-up", "heal")):
                     skipped.append(what)
                     continue
                 fn()
             if run.learners_done() and not sched.pending("restart") and not sched.pending("resume") \
-                    and not sched.pending("s3-up") and not sched.pending("restore"):
+                    and not sched.pending("s3-up") and not sched.pending("restore") and not sched.pending("heal"):
                 break
             time.sleep(0.05)
         for what, fn in sched.due(float("inf")):     # whatever is left undoes a fault: do it now
-            if not what.startswith(("kill", "pause", "blackhole", "s3-down", "rogue", "second")):
+            if not what.startswith(("kill", "pause", "blackhole", "s3-down", "rogue", "second", "partition")):
                 fn()
             else:
                 skipped.append(what)
@@ -243,6 +244,9 @@ def _apply(run: ChaosRun, sc: Scenario, f: Fault, sched: _Schedule, injections: 
         sched.add(now + f.duration_s, "restore", run.restore)
     elif f.action == "rogue":
         _rogue(run, f, injections)
+    elif f.action == "partition-region":
+        run.partition_region(f.target)
+        sched.add(now + f.duration_s, "heal-region", lambda: run.heal_region(f.target))
 
 
 def _restart_learner(run: ChaosRun, lid: str) -> None:

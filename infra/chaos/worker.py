@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 
+from storage.regions import learner_region_store
 from storage.store import open_store
 from workers.bus.bus import BusConfig
 from workers.commands import learner_exit
@@ -49,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--poll", type=float, default=0.5)
     p.add_argument("--wait-for", default=None, help="after importing, wait for this file before joining")
     p.add_argument("--data-seed", type=int, default=None, help="batch order seed (default: the run's)")
+    p.add_argument("--region", default=None, help="the run region it is in (as ddiloco learner --region)")
     return p
 
 
@@ -72,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     store = open_store(args.store, s3_endpoint=args.s3_endpoint, create=False)
+    if args.region is not None:
+        store = learner_region_store(store, args.region)
     events = EventLog(args.log, "learner", args.id)
     cfg = LearnerConfig(sender=SenderConfig(ack_timeout_s=args.ack_timeout), poll_s=args.poll, keys=_keyring(args))
     shard = args.shard if args.shard is not None else int("".join(c for c in args.id if c.isdigit()) or 0)
