@@ -270,6 +270,9 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
     parser.add_argument("--deltas", type=int, default=8, help="load: deltas per round (M, default 8)")
     parser.add_argument("--rounds", type=int, default=3, help="load: rounds per thread count (median)")
     parser.add_argument("--version-dtype", choices=("fp32", "bf16"), default="fp32", help="load: versions' dtype")
+    parser.add_argument("--keep-memory", action="store_true",
+                        help="load: keep freed memory in the process first (workers/common/memory.py), "
+                             "as a syncer process can")
 
     def handler(args: argparse.Namespace) -> int:
         try:
@@ -285,7 +288,12 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
                                   cfg.zstd_level, args.version_dtype, cfg.seed)
             except ValueError as exc:
                 parser.error(str(exc))
+            if args.keep_memory:
+                from workers.common.memory import keep_freed_memory
+                if not keep_freed_memory():
+                    parser.error("--keep-memory: this platform's allocator does not take the setting (glibc only)")
             results["load"] = bench_load(load, CLOCKS[cfg.clock])
+            results["load"]["keep_memory"] = bool(args.keep_memory)
             print_load(results["load"])
         if cfg.what == "scaling":
             from workers.tools.bench_scaling import bench_scaling, print_scaling
