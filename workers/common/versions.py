@@ -11,6 +11,7 @@ path learners, the evaluator, export and replay all read versions through.
 """
 from __future__ import annotations
 
+import threading
 from typing import Mapping
 
 import numpy as np
@@ -20,11 +21,13 @@ from pipeline.codec import CodecConfig, MapFn, decode, encode
 from pipeline.errors import FormatError
 from pipeline.types import CommitRecord, RunDescriptor
 from storage.errors import NotFound, StoreError
+from storage.layout import HEAD_HINT_KEY, unpack_head_hint
 from storage.log import CommitLog
 from storage.store import ObjectStore
 from workers.bus.signing import Signer, check_commit_signature, commit_signature_ok, sign_version_meta, version_signature_ok
 
 VERSION_KIND = "version"
+PROBE_EVERY = 8            # poll_fast reads the log past its cursor at least every this many polls
 
 
 def version_codec(descriptor: RunDescriptor) -> CodecConfig:
@@ -94,6 +97,10 @@ class VersionTracker:
         self.refused: list[str] = []       # commits skipped by latest() for a bad signature or damage
         self.newest: dict[int, CommitRecord] = {}   # what latest() found last
         self.bytes_loaded = 0              # bytes of version objects downloaded by load()
+        self._hint = -2                    # the head hint poll_fast saw last (-2: none yet)
+        self._dead_end = -2                # a hint that pointed past the log (not followed again)
+        self._polls = 0
+        self._count_lock = threading.Lock()
 
     def latest(self) -> dict[int, CommitRecord]:
         """The newest version-carrying commit of every fragment, scanning back from the tail.
@@ -148,12 +155,68 @@ class VersionTracker:
             out.append(rec)
         return out
 
+    def poll_fast(self, *, at_least: int = -1, map_fn: MapFn | None = None, limit: int = 256) -> list[CommitRecord]:
+        """``poll`` that costs one small GET when nothing is new: the log's head hint
+        (``hints/log-head``, which the syncer rewrites after every commit, docs/storage.md).
+
+        - The hint as it was last time and no ``at_least`` beyond the cursor: nothing new, no
+          more requests (``PROBE_EVERY``-th call excepted: a lost or reordered hint write - the
+          hint is advisory and written off the syncer's commit path - delays a commit by at most
+          that many polls, never hides it).
+        - Else the commits from the cursor up to ``max(hint, at_least)`` and one past it are read
+          at once through ``map_fn`` (parallel GETs, e.g. a pool's map), then on, one by one,
+          while more exist (the hint may lag the log). ``at_least``: a seq known to exist (an
+          announcement's), read even when the hint does not show it yet.
+        - No readable hint: ``poll`` (the serial walk from the cursor).
+
+        The commits are the log's own (the hint only says how far to look; a wrong or forged hint
+        costs requests, never a wrong version): as ``poll``, the cursor moves past exactly the
+        commits returned, in order, and a read that fails with none read raises."""
+        self._polls += 1
+        hint = self._read_hint()
+        if hint is None:
+            return self.poll(limit)
+        target = max(hint, at_least)
+        changed, self._hint = hint != self._hint, hint
+        if target <= self.cursor and not changed and self._polls % PROBE_EVERY:
+            return []
+        if target <= self.cursor or target == self._dead_end:
+            return self.poll(limit)                  # one GET of the next seq: usually NotFound
+        seqs = list(range(self.cursor + 1, min(target, self.cursor + limit) + 2))
+        out: list[CommitRecord] = []
+        for seq, got in zip(seqs, list((map_fn or map)(self._try_read, seqs))):
+            if isinstance(got, CommitRecord):
+                self.cursor = seq
+                out.append(got)
+                continue
+            if isinstance(got, NotFound):
+                if seq <= target:                    # the hint points past the log: do not trust it again
+                    self._dead_end = target
+                return out
+            if not out:
+                raise got
+            return out
+        return out + (self.poll(limit - len(out)) if len(out) < limit else [])
+
+    def _try_read(self, seq: int) -> CommitRecord | Exception:
+        try:
+            return self.log.read(seq)
+        except (StoreError, FormatError) as exc:     # NotFound is a StoreError
+            return exc
+
+    def _read_hint(self) -> int | None:
+        try:
+            return unpack_head_hint(self.store.get(HEAD_HINT_KEY), what=f"{self.store.uri}/{HEAD_HINT_KEY}")
+        except (StoreError, FormatError):
+            return None
+
     def load(self, record: CommitRecord) -> dict[str, np.ndarray]:
         size, limit = self.store.head(record.output_key).size, max_version_bytes(self.descriptor)
         if size > limit:   # checked before downloading: a planted huge object must not exhaust memory
             raise FormatError(f"{record.output_key}: {size} bytes exceeds the run's version size limit {limit}")
         blob = self.store.get(record.output_key)
-        self.bytes_loaded += len(blob)      # versions-down traffic, for bandwidth figures
+        with self._count_lock:              # load may run on several threads (the receiver's pool)
+            self.bytes_loaded += len(blob)  # versions-down traffic, for bandwidth figures
         return decode_version(blob, self.descriptor, record)
 
     def load_all(self) -> tuple[dict[str, np.ndarray], dict[int, int]]:

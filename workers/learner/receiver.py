@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 import numpy as np
 
@@ -48,13 +49,17 @@ class Arrival:
 
 
 FAIL_AFTER = 3            # failed polls in a row before the receiver reports itself failed
+FETCH_THREADS = 8         # parallel GETs of commits and versions
 BUS_ROUNDS_FRESH_S = 3.0   # round announcements heard this recently make the storage clock unnecessary
 
 
 class Receiver:
     def __init__(self, tracker: VersionTracker, known: dict[int, int], events: EventLog,
-                 bus: BusConfig | None, poll_s: float = 0.5, curve=None):
+                 bus: BusConfig | None, poll_s: float = 0.5, curve=None, fetch_threads: int = FETCH_THREADS):
+        if not isinstance(fetch_threads, int) or isinstance(fetch_threads, bool) or not 1 <= fetch_threads <= 64:
+            raise ValueError(f"fetch_threads must be an int in 1..64, got {fetch_threads!r}")
         self.tracker, self.events, self.bus_cfg, self.poll_s, self.curve = tracker, events, bus, poll_s, curve
+        self.fetch_threads = fetch_threads
         self.known = dict(known)                 # fragment -> newest version handed over
         self._ready: dict[int, Arrival] = {}
         self._lock = threading.Lock()
@@ -69,6 +74,8 @@ class Receiver:
         self._bytes_at_start = tracker.bytes_loaded          # the start-up load is not steady-state traffic
         self._opened: dict[int, tuple[int, int]] = {}   # fragment -> newest (epoch, round) heard open
         self._bus_round_at = -1e9                        # when a round announcement was last heard
+        self._map = map                                  # the fetch pool's map while the thread runs
+        self._announced = -1                             # newest commit seq an announcement named
 
     def start(self) -> None:
         self._thread.start()
@@ -115,6 +122,9 @@ class Receiver:
 
     def _run(self) -> None:
         listener = AnnounceListener(self.bus_cfg, curve=self.curve) if self.bus_cfg is not None else None
+        # GETs of commits and versions run on this pool (issue 15): one round trip for many objects
+        pool = ThreadPoolExecutor(self.fetch_threads, thread_name_prefix="receiver-fetch")
+        self._map = pool.map
         next_poll = 0.0
         try:
             while not self._stop.is_set():
@@ -126,6 +136,9 @@ class Receiver:
                         p = msg.fields.get("fragment")
                         if isinstance(p, int) and isinstance(v, int) and v > self.known.get(p, -1):
                             found_by, next_poll = "announce", 0.0
+                            seq = msg.fields.get("seq")
+                            if isinstance(seq, int) and not isinstance(seq, bool):
+                                self._announced = max(self._announced, seq)
                     elif msg is not None and msg.type == "round":
                         self._bus_round_at = time.monotonic()
                         self._open(msg.fields.get("epoch"), msg.fields.get("fragment"), msg.fields.get("round"))
@@ -138,6 +151,8 @@ class Receiver:
                     self._poll_clock()
                     next_poll = time.monotonic() + self.poll_s
         finally:
+            pool.shutdown(wait=True)
+            self._map = map
             if listener is not None:
                 listener.close()
 
@@ -146,9 +161,11 @@ class Receiver:
         name. A version that could not be loaded because storage failed is *not* passed by: its
         commit is kept and retried every poll until it loads or a newer commit of the fragment
         supersedes it (issue 11 item 12). One that fails its checks is refused (never applied)
-        and the fragment is reported failed until a newer version loads."""
+        and the fragment is reported failed until a newer version loads. Finding the commits costs
+        one small GET when nothing is new (``VersionTracker.poll_fast``); the commits and the
+        versions are fetched in parallel on the receiver's pool."""
         try:
-            records = self.tracker.poll()
+            records = self.tracker.poll_fast(at_least=self._announced, map_fn=self._map)
             self._healthy("log")
             self._healthy("thread")
         except (StoreError, FormatError) as exc:
@@ -158,12 +175,16 @@ class Receiver:
         for rec in records:
             if rec.kind in ("init", "merge") and rec.version > self.known.get(rec.fragment, -1):
                 newest[rec.fragment] = rec
-        for p, rec in newest.items():
+        for p, rec in list(newest.items()):
             if rec.version <= self.known.get(p, -1):
                 self._retry.pop(p, None)
-                continue
+                del newest[p]
+        loaded = dict(zip(newest, self._map(self._load, newest.values())))
+        for p, rec in newest.items():
             try:
-                values = self.tracker.load(rec)
+                values = loaded[p]
+                if isinstance(values, Exception):
+                    raise values
             except FormatError as exc:
                 # A version that fails its checks is never applied; a later genuine one will be.
                 self._retry.pop(p, None)
@@ -182,6 +203,13 @@ class Receiver:
             with self._lock:
                 self._ready[p] = Arrival(p, rec.version, rec.seq, values, found_by,
                                          float(rec.info.get("committed_at", 0.0)), rec.epoch, rec.round)
+
+    def _load(self, rec: CommitRecord) -> dict[str, np.ndarray] | Exception:
+        """One version (on a pool thread): its values, or the error ``_poll`` handles."""
+        try:
+            return self.tracker.load(rec)
+        except (FormatError, StoreError) as exc:
+            return exc
 
     @property
     def bytes_received(self) -> int:

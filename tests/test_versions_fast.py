@@ -1,0 +1,179 @@
+"""Issue 15: a learner finds new versions with one small GET per poll (the log's head hint), reads
+what is new in parallel, and never misses a commit when the advisory hint lags, is lost, is
+missing or lies (``VersionTracker.poll_fast``, workers/learner/receiver.py)."""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from pipeline.errors import FormatError
+from pipeline.types import CommitRecord
+from storage.layout import HEAD_HINT_KEY, LOG_PREFIX, commit_key, pack_head_hint
+from storage.log import CommitLog
+from storage.store import open_store
+from workers.common.versions import PROBE_EVERY, VersionTracker
+from workers.launch import RunSettings, create_run
+
+
+class Counting:
+    """A store that counts requests by method (and GETs of the hint apart)."""
+
+    def __init__(self, inner):
+        self.inner, self.uri = inner, inner.uri
+        self.calls: Counter = Counter()
+        self.lock = threading.Lock()
+
+    def _count(self, what):
+        with self.lock:
+            self.calls[what] += 1
+
+    def get(self, key):
+        self._count("get hint" if key == HEAD_HINT_KEY else "get log" if key.startswith(LOG_PREFIX) else "get")
+        return self.inner.get(key)
+
+    def head(self, key):
+        self._count("head")
+        return self.inner.head(key)
+
+    def exists(self, key):
+        self._count("exists")
+        return self.inner.exists(key)
+
+    def list(self, *a, **kw):
+        self._count("list")
+        return self.inner.list(*a, **kw)
+
+    def put(self, key, data):
+        return self.inner.put(key, data)
+
+    def put_if_absent(self, key, data):
+        return self.inner.put_if_absent(key, data)
+
+    def delete(self, key):
+        return self.inner.delete(key)
+
+    def take(self) -> Counter:
+        with self.lock:
+            out, self.calls = self.calls, Counter()
+        return out
+
+
+@pytest.fixture
+def run(tmp_path):
+    store = open_store(str(tmp_path / "run"))
+    rng = np.random.default_rng(0)
+    desc = create_run(store, {"a": rng.standard_normal(8).astype(np.float32),
+                              "b": rng.standard_normal(4).astype(np.float32)}, RunSettings(fragments=2, sync_every=4))
+    counting = Counting(store)
+    tracker = VersionTracker(counting, desc)
+    tracker.latest()
+    counting.take()
+    return store, counting, tracker
+
+
+def append(store, n: int, hint: bool = True) -> list[int]:
+    """``n`` drop commits (what a syncer appends for a round it merged nothing from); the head hint
+    rewritten after each unless ``hint`` is False."""
+    log = CommitLog(store)
+    seqs = []
+    for _ in range(n):
+        seq = log.tail() + 1
+        log.append(CommitRecord(seq=seq, epoch=0, kind="drop", fragment=seq % 2, version=0), hint=hint)
+        seqs.append(seq)
+    return seqs
+
+
+def test_an_idle_poll_is_one_get_of_the_hint(run):
+    store, counting, tracker = run
+    append(store, 1)
+    tracker.poll_fast()
+    counting.take()
+    for _ in range(PROBE_EVERY - 2):
+        assert tracker.poll_fast() == []
+    assert counting.take() == Counter({"get hint": PROBE_EVERY - 2}), "no LIST, HEAD or log walk"
+
+
+def test_new_commits_are_read_in_parallel_in_order(run):
+    store, counting, tracker = run
+    start = tracker.cursor
+    seqs = append(store, 5)
+    threads = set()
+    with ThreadPoolExecutor(4) as pool:
+        def spy(fn, jobs):
+            return pool.map(lambda j: (threads.add(threading.current_thread().name), fn(j))[1], jobs)
+        got = tracker.poll_fast(map_fn=spy)
+    assert [r.seq for r in got] == seqs == list(range(start + 1, start + 6))
+    assert tracker.cursor == seqs[-1]
+    calls = counting.take()
+    assert calls == Counter({"get hint": 1, "get log": 6}), "five commits and one past the hint, nothing else"
+    assert len(threads) > 1
+
+
+def test_a_lagging_hint_still_finds_every_commit(run):
+    store, _, tracker = run
+    seqs = append(store, 2)
+    seqs += append(store, 3, hint=False)              # the hint says seqs[1]: three commits later
+    assert [r.seq for r in tracker.poll_fast()] == seqs
+
+
+def test_a_lost_hint_write_delays_a_commit_by_at_most_probe_every_polls(run):
+    store, _, tracker = run
+    append(store, 1)
+    tracker.poll_fast()
+    (seq,) = append(store, 1, hint=False)              # its hint write was lost
+    found = None
+    for k in range(1, PROBE_EVERY + 1):
+        got = tracker.poll_fast()
+        if got:
+            found = k
+            assert [r.seq for r in got] == [seq]
+            break
+    assert found is not None and found <= PROBE_EVERY
+
+
+def test_an_announced_seq_is_read_before_its_hint_lands(run):
+    store, counting, tracker = run
+    append(store, 1)
+    tracker.poll_fast()
+    (seq,) = append(store, 1, hint=False)              # announced on the bus before the hint write
+    assert [r.seq for r in tracker.poll_fast(at_least=seq)] == [seq]
+
+
+def test_a_hint_past_the_log_is_not_followed_twice(run):
+    store, counting, tracker = run
+    seqs = append(store, 2)
+    store.put(HEAD_HINT_KEY, pack_head_hint(tracker.cursor + 200, 0))   # lies (or a newer syncer's ... )
+    assert [r.seq for r in tracker.poll_fast()] == seqs
+    first = counting.take()["get log"]
+    assert first <= 256 + 2
+    for _ in range(3):
+        assert tracker.poll_fast() == []
+    assert counting.take()["get log"] <= 3, "one probe per poll, not the whole range again"
+    seqs = append(store, 1, hint=False)
+    assert [r.seq for r in tracker.poll_fast()] == seqs
+
+
+def test_without_a_hint_it_walks_the_log(run):
+    store, counting, tracker = run
+    store.delete(HEAD_HINT_KEY)
+    seqs = append(store, 3, hint=False)
+    assert [r.seq for r in tracker.poll_fast()] == seqs
+    assert counting.take()["get log"] == 4
+
+
+def test_a_damaged_commit_stops_the_poll_there(run):
+    store, _, tracker = run
+    first = append(store, 1)
+    (bad,) = append(store, 1)
+    after = append(store, 1)
+    data = store.get(commit_key(bad))
+    store.delete(commit_key(bad))
+    store.put(commit_key(bad), data[:-3] + b"xyz")
+    assert [r.seq for r in tracker.poll_fast()] == first
+    with pytest.raises(FormatError):
+        tracker.poll_fast()
+    assert tracker.cursor == first[0] and after
