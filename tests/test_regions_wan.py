@@ -111,3 +111,13 @@ def test_each_side_reaches_its_own_region_directly_and_the_other_through_the_lin
 def test_bad_wan_settings_are_refused_naming_the_field(regions, wan, error):
     with pytest.raises(ValueError, match=error):
         WanConfig.parse(regions, wan)
+
+
+@pytest.mark.parametrize("flags, error", [(["--wan", "rtt=1ms"], "--wan needs --regions N >= 2"),
+                                          (["--regions", "2", "--wan", "bw=10mb"], "field 'bw'"),
+                                          (["--regions", "2", "--wan", "rtt=1ms", "--store", "x"], "leave out --store")])
+def test_ddiloco_run_refuses_wan_flags_it_cannot_honour(tmp_path, capsys, flags, error):
+    from workers import cli
+    assert cli.main(["run", "--out", str(tmp_path / "out"), "--plain", *flags]) == 2
+    assert error in capsys.readouterr().err
+    assert not (tmp_path / "out" / "wan").exists()        # refused before any server started
