@@ -12,6 +12,7 @@ path learners, the evaluator, export and replay all read versions through.
 from __future__ import annotations
 
 import threading
+from functools import partial
 from typing import Mapping
 
 import numpy as np
@@ -27,7 +28,11 @@ from storage.store import ObjectStore
 from workers.bus.signing import Signer, check_commit_signature, commit_signature_ok, sign_version_meta, version_signature_ok
 
 VERSION_KIND = "version"
-PROBE_EVERY = 8            # poll_fast reads the log past its cursor at least every this many polls
+FETCH_WINDOW = 32          # commits poll_fast reads at once
+
+
+def _call(fn):
+    return fn()
 
 
 def version_codec(descriptor: RunDescriptor) -> CodecConfig:
@@ -97,9 +102,7 @@ class VersionTracker:
         self.refused: list[str] = []       # commits skipped by latest() for a bad signature or damage
         self.newest: dict[int, CommitRecord] = {}   # what latest() found last
         self.bytes_loaded = 0              # bytes of version objects downloaded by load()
-        self._hint = -2                    # the head hint poll_fast saw last (-2: none yet)
-        self._dead_end = -2                # a hint that pointed past the log (not followed again)
-        self._polls = 0
+        self._dead_end = -2                # a head hint that pointed past the log (not followed again)
         self._count_lock = threading.Lock()
 
     def latest(self) -> dict[int, CommitRecord]:
@@ -156,47 +159,53 @@ class VersionTracker:
         return out
 
     def poll_fast(self, *, at_least: int = -1, map_fn: MapFn | None = None, limit: int = 256) -> list[CommitRecord]:
-        """``poll`` that costs one small GET when nothing is new: the log's head hint
-        (``hints/log-head``, which the syncer rewrites after every commit, docs/storage.md).
+        """``poll`` with one request when nothing is new and parallel reads when something is.
 
-        - The hint as it was last time and no ``at_least`` beyond the cursor: nothing new, no
-          more requests (``PROBE_EVERY``-th call excepted: a lost or reordered hint write - the
-          hint is advisory and written off the syncer's commit path - delays a commit by at most
-          that many polls, never hides it).
-        - Else the commits from the cursor up to ``max(hint, at_least)`` and one past it are read
-          at once through ``map_fn`` (parallel GETs, e.g. a pool's map), then on, one by one,
-          while more exist (the hint may lag the log). ``at_least``: a seq known to exist (an
-          announcement's), read even when the hint does not show it yet.
-        - No readable hint: ``poll`` (the serial walk from the cursor).
+        - Nothing announced beyond the cursor: one GET of the next commit; NotFound (the usual
+          answer, as cheap as a request gets: no LIST, no HEAD, no walk) ends the poll.
+        - It exists: the log's head hint (``hints/log-head``, which the syncer rewrites after
+          every commit) and the commit after it are read at once; the hint says how far the log
+          went, and the commits up to it and one past it are read in parallel through ``map_fn``
+          (e.g. a pool's map) in windows of ``FETCH_WINDOW``, then on while more exist (the hint
+          is advisory and may lag). One new commit costs 2 round trips (as the serial walk), k new
+          ones 3 instead of k + 1.
+        - ``at_least``: a seq known to exist (an announcement's): read up to it at once.
 
-        The commits are the log's own (the hint only says how far to look; a wrong or forged hint
-        costs requests, never a wrong version): as ``poll``, the cursor moves past exactly the
-        commits returned, in order, and a read that fails with none read raises."""
-        self._polls += 1
-        hint = self._read_hint()
-        if hint is None:
-            return self.poll(limit)
-        target = max(hint, at_least)
-        changed, self._hint = hint != self._hint, hint
-        if target <= self.cursor and not changed and self._polls % PROBE_EVERY:
-            return []
-        if target <= self.cursor or target == self._dead_end:
-            return self.poll(limit)                  # one GET of the next seq: usually NotFound
-        seqs = list(range(self.cursor + 1, min(target, self.cursor + limit) + 2))
+        The log decides, the hint only saves round trips: a missing, lagging or wrong hint costs
+        requests, never a commit (one that points past the log is not followed again). As
+        ``poll``, the cursor moves past exactly the commits returned, in order, and a read that
+        fails with none read raises."""
+        run = map_fn or map
         out: list[CommitRecord] = []
-        for seq, got in zip(seqs, list((map_fn or map)(self._try_read, seqs))):
-            if isinstance(got, CommitRecord):
-                self.cursor = seq
-                out.append(got)
-                continue
-            if isinstance(got, NotFound):
-                if seq <= target:                    # the hint points past the log: do not trust it again
-                    self._dead_end = target
-                return out
-            if not out:
+        known: dict[int, CommitRecord | Exception] = {}
+        target = at_least
+        if at_least <= self.cursor:
+            first = self._try_read(self.cursor + 1)
+            if isinstance(first, Exception):
+                if isinstance(first, NotFound):
+                    return []
+                raise first
+            self.cursor += 1
+            out.append(first)
+            hint, known[self.cursor + 1] = list(run(_call, [self._read_hint, partial(self._try_read, self.cursor + 1)]))
+            target = hint if hint is not None and hint != self._dead_end else -1
+        while len(out) < limit:
+            end = min(max(target, self.cursor) + 1, self.cursor + min(FETCH_WINDOW, limit - len(out)))
+            seqs = range(self.cursor + 1, end + 1)
+            todo = [q for q in seqs if q not in known]
+            known.update(zip(todo, run(self._try_read, todo)))
+            for seq in seqs:
+                got = known.pop(seq)
+                if isinstance(got, CommitRecord):
+                    self.cursor = seq
+                    out.append(got)
+                    continue
+                if isinstance(got, NotFound) and seq <= target:
+                    self._dead_end = target            # the hint pointed past the log
+                if isinstance(got, NotFound) or out:
+                    return out
                 raise got
-            return out
-        return out + (self.poll(limit - len(out)) if len(out) < limit else [])
+        return out
 
     def _try_read(self, seq: int) -> CommitRecord | Exception:
         try:

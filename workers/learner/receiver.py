@@ -162,8 +162,8 @@ class Receiver:
         commit is kept and retried every poll until it loads or a newer commit of the fragment
         supersedes it (issue 11 item 12). One that fails its checks is refused (never applied)
         and the fragment is reported failed until a newer version loads. Finding the commits costs
-        one small GET when nothing is new (``VersionTracker.poll_fast``); the commits and the
-        versions are fetched in parallel on the receiver's pool."""
+        one GET when nothing is new (``VersionTracker.poll_fast``); new commits and their versions
+        are fetched in parallel on the receiver's pool."""
         try:
             records = self.tracker.poll_fast(at_least=self._announced, map_fn=self._map)
             self._healthy("log")
