@@ -74,3 +74,16 @@ def test_bench_load_cli_writes_json(tmp_path):
     res = json.loads(out.read_text())["load"]
     assert res["params"] == 20_000 and res["deltas"] == 2 and res["same_bits"]
     assert {r["threads"] for r in res["rows"]} == {1, 2}
+
+
+def test_bench_versions_loads_every_new_version_both_ways_and_counts_requests(tmp_path):
+    from workers.tools.bench_versions import bench_versions
+
+    res = bench_versions(str(tmp_path / "run"), rtt_ms=0.0, commits=(0, 1, 3), repeat=2, values_per_fragment=1000,
+                         threads=4)
+    rows = {r["new_commits"]: r for r in res["rows"]}
+    assert rows[0]["serial_requests"] == rows[0]["fast_requests"] == {"get": 1.0}, "idle: one GET either way"
+    # serial: k + 1 commit reads (the last NotFound), then per version a HEAD and a GET
+    assert rows[3]["serial_requests"] == {"get": 3 + 1 + 3, "head": 3}
+    # fast: the same plus the head hint
+    assert rows[3]["fast_requests"] == {"get": 3 + 1 + 3 + 1, "head": 3}

@@ -37,7 +37,7 @@ MB = 1e6
 # (on a machine shared with other work, the cost of one thread's work without the waiting)
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 # all: codec and merge; scaling: workers/tools/bench_scaling.py; load: workers/tools/bench_load.py
-TARGETS = ("codec", "merge", "all", "scaling", "load")
+TARGETS = ("codec", "merge", "all", "scaling", "load", "versions")   # versions: workers/tools/bench_versions.py
 
 
 @dataclass(frozen=True)
@@ -250,7 +250,8 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
     """Measure codec and merge throughput on this machine, beside its memcpy bandwidth."""
     parser.add_argument("what", nargs="?", default="all", choices=TARGETS,
                         help="all (default): codec and merge; scaling: encode/decode/fold at each thread count "
-                             "side by side (medians); load: a synthetic syncer round at large sizes")
+                             "side by side (medians); load: a synthetic syncer round at large sizes; versions: "
+                             "finding and fetching new versions from storage, serial vs parallel")
     parser.add_argument("--size-mb", type=float, default=64.0,
                         help="fp32 MB for the codec bench (default 64: 16M values)")
     parser.add_argument("--merge-mb", type=float, default=4.0, help="fp32 MB per delta for the merge bench")
@@ -270,6 +271,7 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
     parser.add_argument("--deltas", type=int, default=8, help="load: deltas per round (M, default 8)")
     parser.add_argument("--rounds", type=int, default=3, help="load: rounds per thread count (median)")
     parser.add_argument("--version-dtype", choices=("fp32", "bf16"), default="fp32", help="load: versions' dtype")
+    parser.add_argument("--rtt-ms", type=float, default=20.0, help="versions: milliseconds each request waits")
     parser.add_argument("--keep-memory", action="store_true",
                         help="load: keep freed memory in the process first (workers/common/memory.py), "
                              "as a syncer process can")
@@ -295,6 +297,14 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
             results["load"] = bench_load(load, CLOCKS[cfg.clock])
             results["load"]["keep_memory"] = bool(args.keep_memory)
             print_load(results["load"])
+        if cfg.what == "versions":
+            import tempfile
+            from workers.tools.bench_versions import bench_versions, print_versions
+            if not 0 <= args.rtt_ms <= 10_000:
+                parser.error(f"--rtt-ms must lie in [0, 10000], got {args.rtt_ms}")
+            with tempfile.TemporaryDirectory(prefix="ddiloco-bench-versions-") as d:
+                results["versions"] = bench_versions(d + "/run", args.rtt_ms, repeat=cfg.repeat)
+            print_versions(results["versions"])
         if cfg.what == "scaling":
             from workers.tools.bench_scaling import bench_scaling, print_scaling
             results["scaling"] = bench_scaling(cfg, CLOCKS[cfg.clock])
