@@ -44,6 +44,10 @@ def configure(parser: argparse.ArgumentParser):
     parser.add_argument("--json", default=None, help="write the figures here too")
     parser.add_argument("--seeds", default="0,1,2",
                         help="comma-separated seeds for the quality comparison (mean ± spread over them)")
+    parser.add_argument("--regions", action="store_true",
+                        help="instead: 2 regions over the emulated WAN vs none, bus and bucket-only (infra/wan_benchmark.py)")
+    parser.add_argument("--wan", default="rtt=100ms,bw=100mbit", help="with --regions: the link spec between regions")
+    parser.add_argument("--sync-every", type=int, default=None, help="with --regions: H of both runs (default: ddiloco run's)")
     return _handle
 
 
@@ -202,6 +206,9 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 def _handle(args) -> int:
+    if args.regions:
+        from .wan_benchmark import run_benchmark
+        return run_benchmark(args)
     seeds = parse_seeds(args.seeds)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,9 @@
   spilled deltas into its region's bucket during the cut, and the syncer ingested every one of
   them after the heal: each is named by a commit, merged or dropped with its reason (mostly
   ``superseded``: a later delta of the same learner on the same base carries its steps too).
+  Reported, not required: how many of them entered the model (``carried``: merged, or superseded
+  by a merged delta of the same learner, fragment and base at a later step) - a delta may also be
+  dropped for a reason of its own (the norm guard, staleness), which the ledger accepts.
 - ``regions-verified``: every other region's copy of the log - commit records, the versions they
   published, the descriptor - matches the home store byte for byte up to the home tail
   (``storage.regions.verify_region``, what ``ddiloco replay --regions`` runs).
@@ -43,6 +46,14 @@ def _median_gap(events: list[dict]) -> float | None:
     return statistics.median(gaps) if gaps else None
 
 
+def carried(made: dict, inputs: list) -> bool:
+    """Whether the work of produced delta ``made`` (its ``delta`` event) entered the model: a merged
+    input of the same learner, fragment and base at the same or a later step."""
+    lid = made["delta"].split("/")[0]
+    return any(i.learner == lid and f == made["fragment"] and i.base_version == made["base"]
+               and i.learner_step >= made["step"] for f, i in inputs)
+
+
 def learner_during(events: list[dict], span: tuple[float, float]) -> dict:
     """One learner's figures inside ``span``: steps taken, the longest step gap (the ``max_gap_s``
     of each step report whose window ends inside it), deltas spilled (ids)."""
@@ -61,6 +72,7 @@ def region_kept_training(run, obs: Observation) -> Check:
         return Check("region-kept-training", False, "no region was partitioned")
     merged = {i.delta_id for r in obs.merges() for i in r.inputs}
     dropped = {d.delta_id: d.reason.split(":")[0] for r in obs.records for d in r.dropped}
+    inputs = [(r.fragment, i) for r in obs.merges() for i in r.inputs]
     problems, data = [], {}
     for region, intervals in sorted(spans.items()):
         for lid, events in sorted(obs.learner_events.items()):
@@ -71,6 +83,8 @@ def region_kept_training(run, obs: Observation) -> Check:
                 f["merged_after_heal"] = sum(1 for d in f["spilled"] if d in merged)
                 f["dropped_after_heal"] = dict(Counter(dropped[d] for d in f["spilled"] if d in dropped))
                 left = [d for d in f["spilled"] if d not in merged and d not in dropped]
+                made = {e["delta"]: e for e in events if e.get("event") == "delta"}
+                f["carried"] = sum(1 for d in f["spilled"] if d in made and carried(made[d], inputs))
                 data[f"{lid}@{span[0]:.1f}"] = {**f, "spilled": len(f["spilled"]), "cut_s": round(span[1] - span[0], 2)}
                 median = f["median_gap_s"]
                 if f["steps"] == 0 or f["max_gap_s"] is None or not median:
@@ -87,7 +101,8 @@ def region_kept_training(run, obs: Observation) -> Check:
         problems.append(f"no learner lives in the partitioned regions {sorted(spans)}")
     detail = problems[0] if problems else "; ".join(
         f"{k}: {v['steps']} steps in {v['cut_s']} s, max gap {v['max_gap_s'] * 1000:.0f} ms (median "
-        f"{v['median_gap_s'] * 1000:.0f} ms), {v['spilled']} spilled, after the heal {v['merged_after_heal']} merged, dropped {v['dropped_after_heal']}"
+        f"{v['median_gap_s'] * 1000:.0f} ms), {v['spilled']} spilled, after the heal {v['merged_after_heal']} merged, dropped {v['dropped_after_heal']}, "
+        f"{v['carried']} carried into the model"
         for k, v in data.items())
     return Check("region-kept-training", not problems, detail, {"per_learner": data, "factor": GAP_FACTOR})
 

@@ -1,0 +1,157 @@
+"""`ddiloco benchmark --regions`: cross-region training over the emulated WAN vs the same run without
+it (issue 14; docs/regions.md "Benchmark").
+
+For each path - the bus (ZeroMQ from region r1's learners to the home syncer through the link) and
+bucket-only (``--no-bus``: r1's learners reach the syncer only through r1's bucket) - two runs of the
+same shape start *together* and train side by side under the same machine load: ``ddiloco run
+--regions 2 --wan SPEC`` (default rtt 100 ms, 100 Mbit/s on every cross-region path) and ``--wan
+none`` (the same two S3 servers, no links). Reported per path:
+
+- ``r1_tokens_per_s_ratio``: tokens/s of r1's learners, WAN / no WAN (goal >= 0.97), over the
+  window in which every learner of *both* runs was training (from the last ``learner-start`` to
+  the first ``learner-stop``; the cumulative tokens of each learner's ``step`` reports,
+  interpolated at the window's ends): a run that finishes first leaves the other a quieter machine;
+  ``home_tokens_per_s_ratio`` is the same for the home learners (no link on their path): the
+  spread that the two runs' shares of the machine alone give;
+- ``r1_version_latency_steps_p50``: inner steps from a learner's answer to applying the version
+  that merged it (workers/tools/utilisation.py), r1's learners, both runs (goal <= 2);
+- ``cross_region_bytes_per_r1_learner_token``: every byte through every link (both ways: deltas,
+  replication of commit records and versions, inbox listings, the bus) over the tokens r1's
+  learners trained, and its ratio to a data-parallel ring all-reduce of the same model (each
+  replica sends and receives 2(N-1)/N of the bf16 gradient every step; goal <= 1/200 at int4).
+Timing figures live here, never in tests.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from workers.common.events import read_events
+
+PATHS = (("bus", []), ("bucket-only", ["--no-bus"]))
+
+
+def _start(out: Path, wan: str, extra: list[str], args) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "workers.cli", "run", "--out", str(out), "--plain", "--regions", "2", "--wan", wan,
+           "--learners", str(args.learners), "--steps", str(args.steps), "--eval-every", "100000", *extra,
+           *(["--sync-every", str(args.sync_every)] if getattr(args, "sync_every", None) else [])]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(out: Path, proc: subprocess.Popen) -> dict:
+    log = proc.communicate()[0]
+    if proc.returncode != 0:
+        raise SystemExit(f"run in {out} failed ({proc.returncode}):\n{log[-3000:]}")
+    return json.loads((out / "summary.json").read_text())
+
+
+def region_learners(summary: dict, region: int = 1, regions: int = 2) -> list[str]:
+    """Learner ``l<m>`` runs in region r(m mod N) (workers/run.py)."""
+    return [lid for lid in summary["per_learner"] if int(lid[1:]) % regions == region]
+
+
+def training_span(out: Path, lid: str) -> tuple[float, float] | None:
+    """(``learner-start``, ``learner-stop``) times of one learner."""
+    ev = read_events(out / "logs" / f"{lid}.jsonl")
+    start = next((e["t"] for e in ev if e.get("event") == "learner-start"), None)
+    stop = next((e["t"] for e in reversed(ev) if e.get("event") == "learner-stop"), None)
+    return (start, stop) if start is not None and stop is not None else None
+
+
+def tokens_per_s(out: Path, lid: str, window: tuple[float, float]) -> float | None:
+    """One learner's tokens/s inside ``window`` (its cumulative tokens at its start (0), its step
+    reports and its stop, interpolated at the window's ends)."""
+    rows = [(e["t"], 0 if e["event"] == "learner-start" else e["tokens"]) for e in read_events(out / "logs" / f"{lid}.jsonl")
+            if e.get("event") in ("learner-start", "step", "learner-stop") and ("tokens" in e or e["event"] == "learner-start")]
+    a, b = window
+    if len(rows) < 2 or b <= a or rows[0][0] > a or rows[-1][0] < b:
+        return None
+    ts, toks = zip(*rows)
+    return float(np.interp(b, ts, toks) - np.interp(a, ts, toks)) / (b - a)
+
+
+def common_window(outs: list[Path], learners: list[str]) -> tuple[float, float]:
+    """From the last learner-start to the first learner-stop over every learner of every run."""
+    spans = [training_span(o, lid) for o in outs for lid in learners]
+    if any(s is None for s in spans):
+        raise SystemExit(f"a learner of {outs} has no learner-start/stop: cannot compare throughput")
+    return max(s[0] for s in spans), min(s[1] for s in spans)
+
+
+def dp_bytes_per_learner_token(params: int, learners: int, tokens_per_step: int, width: int = 2) -> float:
+    """A ring all-reduce of the full gradient every step: each replica sends and receives
+    2(N-1)/N of it (``width`` bytes per value; bf16: 2)."""
+    ring = 2 * (learners - 1) / learners if learners > 1 else 1.0
+    return 2 * ring * width * params / tokens_per_step
+
+
+def path_figures(wan: dict, none: dict, wan_out: Path, none_out: Path) -> dict:
+    """The figures of one path from its two side-by-side runs (module docstring)."""
+    r1 = region_learners(wan)
+    window = common_window([wan_out, none_out], list(wan["per_learner"]))
+    rate = {side: [tokens_per_s(o, lid, window) for lid in r1] for side, o in (("wan", wan_out), ("none", none_out))}
+    home = [lid for lid in wan["per_learner"] if lid not in r1]
+    rate.update({f"home-{side}": [tokens_per_s(o, lid, window) for lid in home]
+                 for side, o in (("wan", wan_out), ("none", none_out))})
+    mean = {side: statistics.fmean([x for x in v if x]) if any(v) else None for side, v in rate.items()}
+    home_ratio = mean["home-wan"] / mean["home-none"] if mean["home-wan"] and mean["home-none"] else None
+    lat = {side: [s["version_latency_steps_p50"].get(lid) for lid in r1]
+           for side, s in (("wan", wan), ("none", none))}
+    tokens_r1 = sum(wan["per_learner"][lid]["tokens"] or 0 for lid in r1)
+    cross = wan["wan"]["cross_region_bytes"]
+    return {"window_s": round(window[1] - window[0], 2), "r1_tokens_per_s_wan": mean["wan"], "r1_tokens_per_s_none": mean["none"],
+            "r1_tokens_per_s_ratio": mean["wan"] / mean["none"] if mean["wan"] and mean["none"] else None,
+            # the same ratio for the home learners, whose path crosses no link: what the two runs'
+            # shares of the machine alone make of the comparison
+            "home_tokens_per_s_ratio": home_ratio,
+            "r1_version_latency_steps_p50_wan": _median(lat["wan"]),
+            "r1_version_latency_steps_p50_none": _median(lat["none"]),
+            "home_version_latency_steps_p50_wan": _median([v for k, v in wan["version_latency_steps_p50"].items()
+                                                           if k not in r1]),
+            "cross_region_bytes": cross, "links": {k: v["bytes_up"] + v["bytes_down"] for k, v in wan["wan"]["links"].items()},
+            "cross_region_bytes_per_r1_learner_token": cross / tokens_r1 if tokens_r1 else None,
+            "final_eval_wan": wan["final_eval_loss"], "final_eval_none": none["final_eval_loss"],
+            "regions_verified": all(r.get("ok") for r in wan["wan"]["regions_verified"].values()),
+            "ok": wan["ok"] and none["ok"]}
+
+
+def _median(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def run_benchmark(args) -> int:
+    from workers.job.model import GPTConfig, build_model
+    from workers.run import DEMO_BATCH_SIZE, default_sync_every
+    out = Path(args.out) / "regions"
+    out.mkdir(parents=True, exist_ok=True)
+    gcfg = GPTConfig()
+    params = sum(p.numel() for p in build_model(gcfg, 0).parameters())
+    dp = dp_bytes_per_learner_token(params, args.learners, DEMO_BATCH_SIZE * gcfg.block_size)
+    figures: dict = {"wan": args.wan, "learners": args.learners, "steps": args.steps, "params": params,
+                     "sync_every": args.sync_every or default_sync_every(4),
+                     "dp_bf16_bytes_per_learner_token": dp}
+    t0 = time.time()
+    for name, extra in PATHS:
+        dirs = {side: out / f"{name}-{side}" for side in ("wan", "none")}
+        procs = {side: _start(d, args.wan if side == "wan" else "none", extra, args) for side, d in dirs.items()}
+        runs = {side: _finish(dirs[side], p) for side, p in procs.items()}
+        f = path_figures(runs["wan"], runs["none"], dirs["wan"], dirs["none"])
+        per_token = f["cross_region_bytes_per_r1_learner_token"]
+        f["ratio_to_dp_bf16"] = per_token / dp if per_token is not None else None
+        figures[name] = f
+    figures["wall_s"] = round(time.time() - t0, 1)
+    for name, _ in PATHS:
+        print(f"{name}:")
+        for k, v in figures[name].items():
+            print(f"  {k:<40} {v:.4g}" if isinstance(v, float) else f"  {k:<40} {v}")
+    print(f"dp_bf16_bytes_per_learner_token          {dp:.4g}  (params {params}, {args.learners} learners)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+    return 0
