@@ -261,6 +261,8 @@ class RegionCluster(LocalCluster):
         self._base_env = self.env
 
     def spawn(self, name, role, argv, module="workers.cli", nice=0):
+        # LocalCluster.spawn starts every process with self.env; the side's environment is put in
+        # place for this one call (a cluster is driven from one thread), so restarts get it too.
         side = learner_region(argv) if role == "learner" else HOME
         self.env = dict(self.topology.env(side, self._base_env))
         try:
