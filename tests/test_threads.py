@@ -189,3 +189,61 @@ def test_sender_encodes_on_its_pool_and_spills_the_same_bytes(tmp_path, monkeypa
     (key,) = store.list(SPILL_PREFIX)
     assert store.get(key) == real("delta", header.to_dict(), tensors, codec)
     assert threads and all(t.startswith("sender-encode") for t in threads), threads
+
+
+def _syncer_store_after_rounds(base, root, threads: int) -> dict[str, str]:
+    """A syncer (``SyncerConfig.threads``) on a copy of the run at ``base``, merging the same spilled
+    deltas of three learners over three rounds; every stored object's sha256 afterwards."""
+    import hashlib
+    import itertools
+    import shutil
+    import uuid
+
+    from pipeline.policy import Decision
+    from storage.layout import spill_key
+    from workers.syncer.syncer import Syncer, SyncerConfig
+
+    shutil.copytree(base, root)
+    rng = np.random.default_rng(1)
+    store = open_store(str(root))
+    ids = itertools.count(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(uuid, "uuid4", lambda: uuid.UUID(int=next(ids)))     # commit ids are random otherwise
+        syncer = Syncer(store, SyncerConfig(threads=threads), bus=None, clock=lambda: 100.0, wall=lambda: 1000.0,
+                        sleep=lambda s: None)
+        syncer.recover()
+        seq = itertools.count()
+        for _ in range(3):
+            base = syncer.state.fragments[0].version
+            for learner in ("l0", "l1", "l2"):
+                s = next(seq)
+                h = DeltaHeader(learner, 1, s, 0, base, 4, 400 + 13 * s, learner_step=s)
+                store.put_if_absent(spill_key(learner, 1, s), encode("delta", h.to_dict(), _delta(rng), CodecConfig()))
+            syncer.ingest.poll_inboxes()
+            keys = list(syncer.pending[0])
+            syncer.merge(0, keys, Decision(tuple(keys), (), 0.0, None, None, "test"))
+        syncer.io.shutdown(wait=True)
+        if syncer.compute is not None:
+            syncer.compute.shutdown(wait=True)
+    return {k: hashlib.sha256(store.get(k)).hexdigest() for k in sorted(store.list(""))}
+
+
+def test_a_syncer_on_a_pool_stores_the_same_bytes(tmp_path, small_jobs):
+    """SyncerConfig.threads is a pure speed setting: commits, versions and deltas are the same bytes
+    (so replay never needs to know how many threads the syncer had)."""
+    from workers.launch import RunSettings, create_run
+    rng = np.random.default_rng(0)
+    init = {n: (rng.standard_normal(s) * 0.02).astype(np.float32) for n, s in SHAPES.items()}
+    create_run(open_store(str(tmp_path / "base")), init, RunSettings(fragments=1, sync_every=1, run_id="threads-syncer"),
+               embedding_tensors=("emb.w",))
+    serial = _syncer_store_after_rounds(tmp_path / "base", tmp_path / "t1", threads=1)
+    pooled = _syncer_store_after_rounds(tmp_path / "base", tmp_path / "t3", threads=3)
+    assert sum(k.startswith("log/") for k in serial) >= 4          # init + three merges
+    assert serial == pooled
+
+
+def test_syncer_config_refuses_a_bad_thread_count():
+    from workers.syncer.syncer import SyncerConfig
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="threads"):
+            SyncerConfig(threads=bad)

@@ -126,9 +126,16 @@ def configure_syncer(parser: argparse.ArgumentParser,
                              "whole history)")
     parser.add_argument("--keep-all", action="store_true",
                         help="no retention: keep every delta, version and checkpoint (full replay from the start)")
+    parser.add_argument("--threads", type=int, default=1, metavar="N",
+                        help="threads for a round's decode, guard, fold and version encode (same bits at any N; "
+                             "docs/scale.md)")
 
     def handler(args) -> int:
+        from workers.common.memory import keep_freed_memory
         from workers.syncer.gc import RetentionConfig
+        if args.threads < 1:
+            raise SystemExit(f"--threads must be >= 1, got {args.threads}")
+        keep_freed_memory()   # a round's large arrays reuse mapped pages (docs/scale.md: kernel zeroing dominated)
         retention = RetentionConfig(enabled=not args.keep_all, keep_checkpoints=args.keep_checkpoints,
                                     keep_commits=args.keep_commits)
         store = open_store(args.store, s3_endpoint=args.s3_endpoint, create=False)
@@ -139,7 +146,7 @@ def configure_syncer(parser: argparse.ArgumentParser,
         store = counted(store)     # issue 14: its requests are reported in accounting events
         bus = _bus(args)
         syncer = Syncer(store, SyncerConfig(syncer_id=args.id, checkpoint_every=args.checkpoint_every,
-                                            retention=retention),
+                                            retention=retention, threads=args.threads),
                         bus=bus, events=events, keys=keys,
                         before_commit=before_commit(args, events) if before_commit is not None else None)
         _meter_syncer(syncer, store, bus, events)

@@ -72,11 +72,13 @@ class Committer:
                  sleep: Callable[[float], None], *, signer=None, announce: Callable[[Message], None],
                  on_retry: Callable[[], None], after_checkpoint: Callable[[int], None],
                  noted: Callable[[int, int], None] | None = None,
-                 before_commit: Callable[[CommitRecord], None] | None = None):
+                 before_commit: Callable[[CommitRecord], None] | None = None,
+                 map_fn: Callable | None = None):
         self.store, self.descriptor, self.cfg, self.events, self.io, self.sleep = \
             store, descriptor, cfg, events, io, sleep
         self.signer, self.announce, self.on_retry = signer, announce, on_retry
         self.after_checkpoint, self.noted, self.before_commit = after_checkpoint, noted, before_commit
+        self.map_fn = map_fn          # the syncer's compute pool (same bits at any thread count; None: serial)
         self.state: SyncerState | None = None
         self.window: NormWindow | None = initial_window(descriptor)   # the norm guard's; recovery rebuilds it
         self.log = CommitLog(store)
@@ -98,7 +100,7 @@ class Committer:
     # -- one commit --------------------------------------------------------------------------------
     def decide(self, fragment: int, inputs: Sequence[RoundInput], meta: CommitMeta) -> Commit:
         """The commit of ``inputs`` (pure: nothing is stored or changed), signed in a signed run."""
-        commit = apply_commit(self.state, self.window, self.descriptor, fragment, inputs, meta)
+        commit = apply_commit(self.state, self.window, self.descriptor, fragment, inputs, meta, map_fn=self.map_fn)
         if self.signer is not None:
             commit = dataclasses.replace(commit, record=sign_commit(commit.record, self.signer,
                                                                     self.descriptor.run_id))
@@ -113,7 +115,7 @@ class Committer:
         if commit.published is not None:
             blobs.append((rec.output_key, encode_version(self.descriptor, rec.fragment, rec.version, rec.seq,
                                                          self.epoch, commit.published, self.signer,
-                                                         rec.output_checksum)))
+                                                         rec.output_checksum, map_fn=self.map_fn)))
         backoff = self.cfg.retry_s
         while True:
             try:

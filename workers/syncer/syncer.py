@@ -79,6 +79,7 @@ class SyncerConfig:
     initial_step_s: float = 0.1        # the global clock's pace before any learner's was measured
     fence_check_s: float = 1.0         # how often an idle syncer checks whether it was fenced (item 8)
     max_pending: int = 64              # candidate deltas held per fragment (issue 11 item 5)
+    threads: int = 1                   # compute pool for decode, guard, fold, version encode (issue 15)
 
     def __post_init__(self) -> None:
         for name in ("spill_poll_s", "heartbeat_s", "live_timeout_s", "retry_s", "max_retry_s", "members_poll_s",
@@ -89,6 +90,8 @@ class SyncerConfig:
             raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
         if not isinstance(self.max_pending, int) or isinstance(self.max_pending, bool) or self.max_pending < 1:
             raise ValueError(f"SyncerConfig.max_pending must be an int >= 1, got {self.max_pending!r}")
+        if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 1:
+            raise ValueError(f"SyncerConfig.threads must be an int >= 1, got {self.threads!r}")
 
 
 @dataclass
@@ -143,6 +146,10 @@ class Syncer:
         # (each is an fsync or an HTTP round trip), and tidy the inbox in the background.
         self.io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="syncer-io")
         self.retention = SyncerRetention(self.store, cfg.retention, self.events, self.io)
+        # A round's arithmetic on a pool of its own (issue 15): bit-identical at any thread count
+        # (tests/test_threads.py), so it is a pure speed setting that replay never needs to know.
+        self.compute = ThreadPoolExecutor(cfg.threads, thread_name_prefix="syncer-compute") if cfg.threads > 1 else None
+        self.map_fn = self.compute.map if self.compute is not None else map
         # Issue 14: ingest every region's inbox; copy each commit to the other regions (``regions``:
         # stores by name that override the descriptor's, e.g. wrapped in tests).
         inboxes, self.replicator = replication(self.store, self.descriptor, self.events, regions)
@@ -152,7 +159,7 @@ class Syncer:
             self.store, self.descriptor, CommitterConfig(cfg.retry_s, cfg.max_retry_s, cfg.checkpoint_every),
             self.events, self.io, sleep, signer=self.signer, announce=self._announce, on_retry=self._hear_bus,
             after_checkpoint=self.retention.after_checkpoint, before_commit=before_commit,
-            noted=self.replicator.committed if self.replicator is not None else None)
+            map_fn=self.compute.map if self.compute is not None else None, noted=self.replicator.committed if self.replicator is not None else None)
         self.ingest = Ingest(self.store, self.descriptor, self.roster, self.rounds, self.committer.high_water,
                              self.events, clock, sleep, self.io, max_pending=cfg.max_pending,
                              max_per_poll=cfg.max_ingest_per_poll, inboxes=inboxes,
@@ -302,6 +309,8 @@ class Syncer:
             if self.bus is not None:
                 self.bus.close()
             self.io.shutdown(wait=True)
+            if self.compute is not None:
+                self.compute.shutdown(wait=True)
             if self.replicator is not None:
                 self.replicator.stop(self.replicator.cfg.drain_s)
             self.events.emit("syncer-stop", fenced=self.fenced, **self.summary())
@@ -397,7 +406,8 @@ class Syncer:
         (the policy is ``close_rounds``'s; tests call this directly)."""
         t0 = self.clock()
         held = [self.pending[p][k] for k in keys if k in self.pending[p]]
-        inputs = [round_input(h.blob, h.stored_key, self.descriptor, self.roster, h.opened) for h in held]
+        inputs = list(self.map_fn(lambda h: round_input(h.blob, h.stored_key, self.descriptor, self.roster, h.opened),
+                                  held))
         opened = self.rounds.open[p] if decision.merge else None
         commit = self.committer.decide(p, inputs, self._commit_meta(p, held, decision, t0, opened))
         try:
