@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import Enum
 from typing import Sequence
 
 __all__ = ["PolicyConfig", "Pending", "Timing", "Decision", "Ewma", "grace_window", "decide", "late_deadline"]
@@ -72,20 +73,40 @@ class Timing:
         _finite("sync_time_s", self.sync_time_s)
 
 
+class Verdict(str, Enum):
+    """Why a round is decided as it is; the value is what a commit records as ``info["decided"]``."""
+
+    EMPTY = "empty"                      # nothing pending
+    QUORUM_NOT_MET = "quorum-not-met"    # fewer than K answered: wait
+    GRACE = "grace"                      # K answered, the grace window is open: wait
+    GRACE_EXPIRED = "grace-expired"      # the window closed: merge what answered
+    ALL_REPORTED = "all-reported"        # every live learner answered: merge now
+    NO_ROUND = "no-round"                # the fragment has no open round: late answers wait for the next
+    LATE_EXPIRED = "late-expired"        # late answers held past their deadline: merged on their own
+    REJECTED_ONLY = "rejected-only"      # only refused deltas: a commit that records their drops
+
+
 @dataclass(frozen=True)
 class Decision:
     """``merge``: delta ids to merge now (empty: not yet), in (learner, order) order; includes
     zero-step deltas so that the fold records them as dropped. ``superseded``: older pending deltas of
     a learner that has a newer one; pass them to the fold with ``merge`` so it records them.
     ``wait_s``: time until the decision may change without new deltas (None: only new deltas can
-    change it). ``reason``: "empty" | "quorum-not-met" | "grace" | "grace-expired" | "all-reported"."""
+    change it). ``reason``: a ``Verdict`` (its string value is accepted and converted)."""
 
     merge: tuple[str, ...]
     superseded: tuple[str, ...]
     wait_s: float | None
     quorum_met_at: float | None
     grace_s: float | None
-    reason: str
+    reason: Verdict
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "reason", Verdict(self.reason))
+        except ValueError:
+            raise ValueError(f"Decision.reason {self.reason!r} is not one of "
+                             f"{[v.value for v in Verdict]}") from None
 
 
 @dataclass(frozen=True)
@@ -147,7 +168,7 @@ def decide(pending: Sequence[Pending], now: float, cfg: PolicyConfig, timing: Ti
                        if newest[p.learner].delta_id != p.delta_id)   # a second copy of the newest is not older
     merge_set = tuple(newest[learner].delta_id for learner in sorted(newest))
     if not newest:
-        return Decision((), (), None, None, None, "empty")
+        return Decision((), (), None, None, None, Verdict.EMPTY)
     if round_id is not None:
         merge_set = tuple(p.delta_id for p in sorted(pending, key=lambda p: (p.learner, p.order, p.delta_id)))
         superseded = ()
@@ -159,16 +180,16 @@ def decide(pending: Sequence[Pending], now: float, cfg: PolicyConfig, timing: Ti
     else:
         counting = sorted((first_arrival[m], m) for m, p in newest.items() if p.c_steps > 0 and p.c_tokens > 0)
     if len(counting) < cfg.quorum:
-        return Decision((), superseded, None, None, None, "quorum-not-met")
+        return Decision((), superseded, None, None, None, Verdict.QUORUM_NOT_MET)
     round_start = counting[0][0]
     quorum_met_at = counting[cfg.quorum - 1][0]
     grace = grace_window(cfg, timing, quorum_met_at - round_start)
     if live_learners is not None and len(counting) >= live_learners:
-        return Decision(merge_set, superseded, 0.0, quorum_met_at, grace, "all-reported")
+        return Decision(merge_set, superseded, 0.0, quorum_met_at, grace, Verdict.ALL_REPORTED)
     close_at = quorum_met_at + grace
     if now >= close_at:
-        return Decision(merge_set, superseded, 0.0, quorum_met_at, grace, "grace-expired")
-    return Decision((), superseded, close_at - now, quorum_met_at, grace, "grace")
+        return Decision(merge_set, superseded, 0.0, quorum_met_at, grace, Verdict.GRACE_EXPIRED)
+    return Decision((), superseded, close_at - now, quorum_met_at, grace, Verdict.GRACE)
 
 
 def late_deadline(oldest_arrival: float, step_time_s: float, sync_every: int) -> float:

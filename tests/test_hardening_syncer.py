@@ -79,7 +79,7 @@ def _merge_all(syncer: Syncer) -> None:
         for p, pend in enumerate(syncer.pending):
             if pend:
                 merge = tuple(k for k, h in pend.items() if not h.reason)
-                syncer.merge(p, list(pend), Decision(merge, (), 0.0, None, None, "test"))
+                syncer.merge(p, list(pend), Decision(merge, (), 0.0, None, None, "all-reported"))
         if not any(syncer.pending):
             return
 

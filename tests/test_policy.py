@@ -128,3 +128,11 @@ def test_ewma():
         Ewma(alpha=0.0)
     with pytest.raises(ValueError, match="EWMA sample"):
         e.update(float("nan"))
+
+
+def test_a_decision_reason_is_a_verdict_and_an_unknown_one_is_refused():
+    from pipeline.policy import Decision, Verdict
+    d = Decision((), (), None, None, None, "grace")
+    assert d.reason is Verdict.GRACE and d.reason.value == "grace"
+    with pytest.raises(ValueError, match="Decision.reason 'graze'"):
+        Decision((), (), None, None, None, "graze")

@@ -49,7 +49,7 @@ def _merge_pending(syncer: Syncer) -> None:
     syncer.ingest.poll_inboxes()
     pend = syncer.pending[0]
     syncer.merge(0, list(pend), Decision(tuple(k for k, h in pend.items() if not h.reason), (), 0.0, None, None,
-                                          "test"))
+                                          "all-reported"))
 
 
 def test_before_commit_runs_after_the_data_and_before_the_append_and_a_new_syncer_ignores_the_orphan(tmp_path):

@@ -221,7 +221,7 @@ def _syncer_store_after_rounds(base, root, threads: int) -> dict[str, str]:
                 store.put_if_absent(spill_key(learner, 1, s), encode("delta", h.to_dict(), _delta(rng), CodecConfig()))
             syncer.ingest.poll_inboxes()
             keys = list(syncer.pending[0])
-            syncer.merge(0, keys, Decision(tuple(keys), (), 0.0, None, None, "test"))
+            syncer.merge(0, keys, Decision(tuple(keys), (), 0.0, None, None, "all-reported"))
         syncer.io.shutdown(wait=True)
         if syncer.compute is not None:
             syncer.compute.shutdown(wait=True)

@@ -40,7 +40,7 @@ from typing import Callable, Mapping, Sequence
 from pipeline.commit import CommitMeta
 from pipeline.errors import FormatError
 from pipeline.fold import SyncerState, fold_fence
-from pipeline.policy import Decision, Ewma, Pending, Timing, decide, late_deadline
+from pipeline.policy import Decision, Ewma, Pending, Timing, Verdict, decide, late_deadline
 from pipeline.types import CommitRecord, RunDescriptor
 from storage.errors import StoreError
 from storage.layout import CLOCK_KEY, read_descriptor
@@ -352,7 +352,7 @@ class Syncer:
                          h.header.c_tokens, h.header.round) for h in candidates]
         opened = self.rounds.open[p]
         if syncer_driven and opened is None:
-            d = Decision((), (), None, None, None, "no-round")   # late answers wait for p's next round
+            d = Decision((), (), None, None, None, Verdict.NO_ROUND)   # late answers wait for p's next round
         else:
             d = decide(items, self.clock(), self.policy, timing, live,
                        round_id=opened.round if syncer_driven else None)
@@ -360,7 +360,7 @@ class Syncer:
             due = late_deadline(min(i.arrived_at for i in items), timing.step_time_s or self.cfg.initial_step_s,
                                 self.descriptor.schedule.sync_every)
             if self.clock() >= due:
-                d = Decision(tuple(i.delta_id for i in items), (), 0.0, None, None, "late-expired")
+                d = Decision(tuple(i.delta_id for i in items), (), 0.0, None, None, Verdict.LATE_EXPIRED)
             else:
                 waits.append(due - self.clock())
         return d
@@ -381,7 +381,7 @@ class Syncer:
             if d.merge:
                 self.merge(p, list(d.merge) + list(d.superseded) + rejected, d)
             elif rejected and (not valid or len(rejected) >= REJECTED_FLUSH):
-                self.merge(p, rejected, Decision((), (), None, None, None, "rejected-only"))
+                self.merge(p, rejected, Decision((), (), None, None, None, Verdict.REJECTED_ONLY))
             elif d.wait_s is not None:
                 waits.append(d.wait_s)
         return min(waits) if waits else None
@@ -392,7 +392,7 @@ class Syncer:
         """What this syncer decides about a commit besides its inputs (seq, keys, timings, info);
         ``opened``: the round it closes (None: none, e.g. a drop of rejected deltas only)."""
         grace = max(0.0, t0 - decision.quorum_met_at) if decision.quorum_met_at is not None else 0.0
-        info = {"syncer": self.cfg.syncer_id, "decided": decision.reason, "live": self._live_count() or 0,
+        info = {"syncer": self.cfg.syncer_id, "decided": decision.reason.value, "live": self._live_count() or 0,
                 "committed_at": round(self.wall(), 4)}
         rejected = self.ingest.rejected_since_commit()
         if rejected:
@@ -429,7 +429,7 @@ class Syncer:
                          inputs=[i.delta_id for i in rec.inputs], weights=[round(i.weight, 4) for i in rec.inputs],
                          staleness=[i.staleness for i in rec.inputs],
                          dropped=[[d.delta_id, d.reason] for d in rec.dropped], quorum=rec.round_size, round=rec.round,
-                         grace_s=rec.grace_wait_s, reason=decision.reason, rejected=rec.info.get("rejected", {}),
+                         grace_s=rec.grace_wait_s, reason=decision.reason.value, rejected=rec.info.get("rejected", {}),
                          tokens=sum(i.c_tokens for i in rec.inputs), sync_s=round(self.clock() - t0, 4))
         if self.committer.checkpoint_due(rec.seq):
             self.committer.checkpoint()
