@@ -136,7 +136,7 @@ def apply_commit(state: SyncerState, window: NormWindow | None, descriptor: RunD
         inputs, norms = _guard(inputs, window.history(fragment), window.cfg, state.fragments[fragment].params,
                                map_fn or map)
     res = fold(state, descriptor, fragment, inputs, seq=meta.seq, epoch=meta.epoch, output_key=meta.output_key,
-               quorum=meta.round_size, grace_wait_s=meta.grace_wait_s, info=dict(meta.info), round_id=meta.round,
+               round_size=meta.round_size, grace_wait_s=meta.grace_wait_s, info=dict(meta.info), round_id=meta.round,
                map_fn=map_fn)
     record = res.record
     if window is not None and record.kind == "merge":

@@ -389,11 +389,12 @@ def _select(inputs: Sequence[RoundInput], fragment: int, fs: FragmentState, hw: 
 
 
 def fold(state: SyncerState, descriptor: RunDescriptor, fragment: int, inputs: Sequence[RoundInput], *,
-         seq: int, epoch: int, output_key: str, quorum: int = 0, grace_wait_s: float = 0.0,
+         seq: int, epoch: int, output_key: str, round_size: int = 0, grace_wait_s: float = 0.0,
          info: dict | None = None, round_id: int = -1, map_fn: MapFn | None = None) -> FoldResult:
     """Fold one round of ``fragment`` into the next state and its commit record (see module doc).
     ``map_fn`` runs the merge's and the outer step's jobs (e.g. ``ThreadPoolExecutor.map``); the
-    result is the same bit for bit whatever runs them."""
+    result is the same bit for bit whatever runs them. ``round_size``: the learners the round
+    counted, stored in the record's historical ``quorum`` field (docs/formats.md)."""
     _check_seq(state, seq)
     if not 0 <= fragment < descriptor.num_fragments or len(state.fragments) != descriptor.num_fragments:
         raise ValueError(f"fragment {fragment} out of range for {descriptor.num_fragments} fragments "
@@ -408,7 +409,7 @@ def fold(state: SyncerState, descriptor: RunDescriptor, fragment: int, inputs: S
         new_state = SyncerState(list(state.fragments), list(state.high_water), seq, state.run_id)
         record = CommitRecord(seq=seq, epoch=epoch, kind="drop", fragment=fragment, version=fs.version,
                               dropped=tuple(dropped), high_water={m: list(o) for m, o in sorted(hw.items())},
-                              quorum=quorum, grace_wait_s=float(grace_wait_s), info=info, round=round_id)
+                              quorum=round_size, grace_wait_s=float(grace_wait_s), info=info, round=round_id)
         return FoldResult(new_state, record, None)
 
     if not survivors:
@@ -452,7 +453,7 @@ def fold(state: SyncerState, descriptor: RunDescriptor, fragment: int, inputs: S
                     for i, w in zip(survivors, weights))
     record = CommitRecord(seq=seq, epoch=epoch, kind="merge", fragment=fragment, version=version, inputs=records,
                           dropped=tuple(dropped), output_key=output_key, output_checksum=tensor_digest(pub),
-                          high_water={m: list(o) for m, o in sorted(new_hw.items())}, quorum=quorum,
+                          high_water={m: list(o) for m, o in sorted(new_hw.items())}, quorum=round_size,
                           grace_wait_s=float(grace_wait_s), info=info, round=round_id)
     return FoldResult(new_state, record, pub)
 
@@ -518,7 +519,7 @@ def check_commit(state: SyncerState, descriptor: RunDescriptor, record: CommitRe
     Compares kind, version, merged inputs (weights exactly), dropped deltas, high-water marks and the
     output checksum; raises :class:`ReplayMismatch` naming the first difference. Pass the recorded
     output values as ``recorded_output`` to have a checksum mismatch name the worst tensor and its max
-    abs diff. Timing fields (quorum, grace, info) are informative and reused as recorded.
+    abs diff. Timing fields (round size, grace, info) are informative and reused as recorded.
     """
     if record.kind == "fence":
         return fold_fence(state, record.seq, record.epoch, record.info)
@@ -528,7 +529,7 @@ def check_commit(state: SyncerState, descriptor: RunDescriptor, record: CommitRe
     # pipeline/commit.py's, which compares them), and a recomputed commit of another kind has none.
     info = {k: v for k, v in record.info.items() if k != "norms"}
     res = fold(state, descriptor, record.fragment, inputs, seq=record.seq, epoch=record.epoch, map_fn=map_fn,
-               output_key=record.output_key, quorum=record.quorum, grace_wait_s=record.grace_wait_s, info=info,
+               output_key=record.output_key, round_size=record.round_size, grace_wait_s=record.grace_wait_s, info=info,
                round_id=record.round)
     compare_records(record, res.record, recorded_output, res.published)
     return res
