@@ -22,10 +22,10 @@ from .layout import (DESCRIPTOR_KEY, MEMBER_PREFIX, VERSION_PREFIX, commit_key, 
                      read_descriptor)
 from .store import ObjectStore, open_store
 
-__all__ = ["RegionConflict", "open_region", "learner_region_store", "copy_same", "replicate_static",
+__all__ = ["PUBLISHING", "RegionConflict", "open_region", "learner_region_store", "copy_same", "replicate_static",
            "replicate_commit", "seed_region", "prune_versions", "RegionCheck", "verify_region"]
 
-_PUBLISHING = ("init", "merge")   # commit kinds that name a version they created
+PUBLISHING = ("init", "merge")   # commit kinds that name a version they created
 
 
 class RegionConflict(ValueError):
@@ -108,7 +108,7 @@ def replicate_commit(home: ObjectStore, dst: ObjectStore, seq: int) -> int:
     blob = home.get(key)
     rec = CommitRecord.from_bytes(blob, what=f"{home.uri}/{key}")
     n = 0
-    if rec.kind in _PUBLISHING and rec.output_key:
+    if rec.kind in PUBLISHING and rec.output_key:
         try:
             n += copy_same(home, dst, rec.output_key)
         except NotFound:
@@ -178,7 +178,7 @@ def verify_region(home: ObjectStore, dst: ObjectStore, name: str, upto: int) -> 
         blob = home.get(key)
         rec = CommitRecord.from_bytes(blob, what=f"{home.uri}/{key}")
         keys = [(key, blob)]
-        if rec.kind in _PUBLISHING and rec.output_key:
+        if rec.kind in PUBLISHING and rec.output_key:
             try:
                 keys.insert(0, (rec.output_key, home.get(rec.output_key)))
             except NotFound:

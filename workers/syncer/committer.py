@@ -26,7 +26,7 @@ from pipeline.guard import NormWindow
 from pipeline.types import CommitRecord, RunDescriptor
 from storage.checkpoints import write_checkpoint
 from storage.errors import AlreadyExists, Fenced, StoreError
-from storage.layout import version_key
+from storage.layout import commit_key, version_key
 from storage.log import CommitLog
 from storage.store import ObjectStore
 from workers.bus.bus import Message
@@ -85,6 +85,7 @@ class Committer:
         self.epoch = -1
         self.fenced = False
         self.stats = CommitStats()
+        self._written: dict[str, bytes] = {}   # the version blob of the commit being persisted, by key
 
     def begin(self, epoch: int, log: CommitLog, state: SyncerState, window: NormWindow | None) -> None:
         """Take over the run at ``epoch`` (claimed with ``log``) from the recovered state and window."""
@@ -112,10 +113,12 @@ class Committer:
         when an input's key holds other bytes (nothing was appended)."""
         rec = commit.record
         blobs = list(inputs)
+        self._written = {}
         if commit.published is not None:
             blobs.append((rec.output_key, encode_version(self.descriptor, rec.fragment, rec.version, rec.seq,
                                                          self.epoch, commit.published, self.signer,
                                                          rec.output_checksum, map_fn=self.map_fn)))
+            self._written = {rec.output_key: blobs[-1][1]}   # handed to the replicator (no read back)
         backoff = self.cfg.retry_s
         while True:
             try:
@@ -163,8 +166,10 @@ class Committer:
                                               "key": rec.output_key, "checksum": rec.output_checksum,
                                               "epoch": self.epoch, "round": rec.round}))
         self.io.submit(self.log.write_hint, rec.seq, self.epoch)
-        if self.noted is not None:
-            self.noted(rec.seq, self.epoch)
+        if self.noted is not None:   # with the bytes just written: the replicator copies them as they are
+            self.noted(rec.seq, self.epoch, {commit_key(rec.seq): rec.to_bytes(),
+                                             **self._written})
+            self._written = {}
 
     # -- checkpoints and fencing -------------------------------------------------------------------
     def checkpoint_due(self, seq: int) -> bool:

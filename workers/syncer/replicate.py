@@ -1,15 +1,23 @@
 """Replication of the authoritative log to every other region (issue 14, docs/regions.md
-"Replication"): after each commit the syncer tells the ``Replicator`` the new tail; a background
-thread copies each commit record and the version it published from the home store to every
-non-home region's store, in log order, version before record (storage/regions.py).
+"Replication"): after each commit the syncer tells the ``Replicator`` the new tail (and hands it
+the bytes it just wrote); one thread per region copies each commit record and the version it
+published from the home store to that region's store, version before record (storage/regions.py).
 
 Why a cursor per region rather than a queue of copy jobs: a region that is down for an hour
 would otherwise pile up an hour of jobs. Each region keeps only ``next`` (the first seq it lacks)
 and the syncer only raises one high-water mark, so memory is bounded by the number of regions
-whatever the outage, and a region that comes back catches up from the home log (reads in the
-home region: no transfer cost), never from memory. A failing region is retried with backoff and
-never delays a commit or another region. Advisory objects (the round clock, the head hint) are
-latest-wins slots: only the newest is written when a region is reachable again.
+(plus a byte-bounded cache of the newest commits' bytes) whatever the outage, and a region that
+comes back catches up from the home log (reads in the home region: no transfer cost).
+
+Why pipelined: over a long link each create-if-absent PUT costs at least a round trip, and a
+serial copy (version, then record, then the next commit) falls behind as soon as the run commits
+faster than ~1 / (2 rtt). So the versions of up to ``batch`` commits are copied in parallel on the
+region's own pool (``inflight`` at a time) and the records follow in log order, each only after
+its own version is there, and the cursor advances only over records written: the region's log
+never has a gap and never names a version it lacks (SPEC §7: data before the commit that names
+it). Each region has its own thread and pool, so a region that hangs (a partition that holds
+connections) or fails never delays a commit or another region. Advisory objects (the round
+clock, the head hint) are latest-wins slots, written by one job at a time, off the records' path.
 """
 from __future__ import annotations
 
@@ -17,16 +25,18 @@ import dataclasses
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from pipeline.errors import FormatError
+from pipeline.types import CommitRecord, RunDescriptor
 from storage.accounting import CountingStore
 from storage.errors import NotFound, StoreError
-from storage.layout import HEAD_HINT_KEY, pack_head_hint
+from storage.layout import HEAD_HINT_KEY, commit_key, pack_head_hint
 from storage.log import CommitLog
-from pipeline.types import RunDescriptor
-from storage.regions import RegionConflict, open_region, prune_versions, replicate_commit, replicate_static
+from storage.regions import (PUBLISHING, RegionConflict, copy_same, open_region, prune_versions,
+                             replicate_static)
 from storage.store import ObjectStore
 from workers.common.aggregate import RunningMean
 from workers.common.events import EventLog
@@ -42,12 +52,16 @@ class ReplicatorConfig:
     max_retry_s: float = 10.0     # longest pause between attempts on a failing region
     static_every_s: float = 5.0   # how often membership records are copied again (learners join)
     prune_every_s: float = 60.0   # how often a region's old versions follow the home retention
-    batch: int = 64               # commits copied to one region before the others get a turn
+    batch: int = 64               # commits one pass over a region takes on (versions queued at once)
+    inflight: int = 4             # version copies in flight to one region (its pool's threads)
+    cache_bytes: int = 256 << 20  # bytes of the newest commits kept for copying (beyond: read from home)
     drain_s: float = 10.0         # how long a stopping syncer waits for the regions to catch up
 
     def __post_init__(self) -> None:
         if not (0 < self.retry_s <= self.max_retry_s) or self.static_every_s <= 0 or self.batch < 1:
             raise ValueError(f"need 0 < retry_s <= max_retry_s, static_every_s > 0 and batch >= 1, got {self}")
+        if not 1 <= self.inflight <= 64 or self.cache_bytes < 0:
+            raise ValueError(f"need 1 <= inflight <= 64 and cache_bytes >= 0, got {self}")
 
 
 @dataclass
@@ -63,40 +77,52 @@ class _Region:
     delay: RunningMean = field(default_factory=RunningMean)   # commit noted -> record copied, seconds
     copied: int = 0               # commits copied
     bytes: int = 0                # bytes written to this region
+    home_reads: int = 0           # commit records and versions read back from home (not in the cache)
     slots: dict[str, bytes] = field(default_factory=dict)   # advisory objects still to write
+    flushing: Future | None = None                          # the slot-writing job in flight
+    wake: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+    pool: ThreadPoolExecutor | None = None
 
 
 class Replicator:
-    """Copies the home log to ``regions`` (name -> store, home excluded) in one daemon thread.
+    """Copies the home log to ``regions`` (name -> store, home excluded), one daemon thread and
+    one pool per region.
 
-    ``committed(seq, epoch)`` and ``advisory(key, blob)`` never block and never touch a store;
-    ``lag()`` says how many commits each region is behind; ``stop()`` ends the thread."""
+    ``committed(seq, epoch, blobs)`` and ``advisory(key, blob)`` never block and never touch a
+    store; ``lag()`` says how many commits each region is behind; ``stop()`` ends the threads."""
 
     def __init__(self, home: ObjectStore, regions: Mapping[str, ObjectStore], events: EventLog,
                  cfg: ReplicatorConfig = ReplicatorConfig(), clock: Callable[[], float] = time.monotonic):
         self.home, self.events, self.cfg, self.clock = home, events, cfg, clock
         self.regions = [_Region(name, store, pruned_at=clock()) for name, store in regions.items()]
         self._lock = threading.Lock()
-        self._wake = threading.Event()
         self._stop = threading.Event()
         self._latest = -1
         self._epoch = 0
         # When each recent commit was noted, for the replication delay; bounded (commits noted
         # longer ago than NOTED_KEEP commits are not timed: a region that far behind is reported by lag()).
         self._noted: OrderedDict[int, float] = OrderedDict()
-        self._thread = threading.Thread(target=self._run, name="replicate", daemon=True)
+        # seq -> {key: bytes} the syncer just wrote (its record and version): copied without a read
+        # back from home; bounded by cfg.cache_bytes, dropped once every region has the commit.
+        self._cache: OrderedDict[int, dict[str, bytes]] = OrderedDict()
+        self._cached = 0
 
     # -- the syncer's side (its loop thread) -----------------------------------------------------
     def start(self, tail: int | None = None) -> "Replicator":
         """Start copying (again, after ``stop``); ``tail`` the home log's last seq (None: read it here)."""
         self.committed(CommitLog(self.home).tail() if tail is None else tail, 0)
-        if not self._thread.is_alive():
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="replicate", daemon=True)
-            self._thread.start()
+        self._stop.clear()
+        for r in self.regions:
+            if r.thread is None or not r.thread.is_alive():
+                r.pool = ThreadPoolExecutor(self.cfg.inflight + 1, thread_name_prefix=f"replicate-{r.name}")
+                r.thread = threading.Thread(target=self._run, args=(r,), name=f"replicate-{r.name}", daemon=True)
+                r.thread.start()
         return self
 
-    def committed(self, seq: int, epoch: int) -> None:
+    def committed(self, seq: int, epoch: int, blobs: Mapping[str, bytes] | None = None) -> None:
+        """Commit ``seq`` is in the home log; ``blobs``: the bytes the syncer wrote for it (its
+        record and version, by key), so the copy needs no read back from home."""
         now = self.clock()
         with self._lock:
             for s in range(max(self._latest + 1, seq - NOTED_KEEP + 1), seq + 1):
@@ -105,13 +131,19 @@ class Replicator:
                 self._noted.popitem(last=False)
             if seq > self._latest:
                 self._latest, self._epoch = seq, max(self._epoch, epoch)
-        self._wake.set()
+            if blobs:
+                self._cache[seq] = dict(blobs)
+                self._cached += sum(len(b) for b in blobs.values())
+                self._trim_cache()
+        for r in self.regions:
+            r.wake.set()
 
     def advisory(self, key: str, blob: bytes) -> None:
         with self._lock:
             for r in self.regions:
                 r.slots[key] = blob
-        self._wake.set()
+        for r in self.regions:
+            r.wake.set()
 
     def lag(self) -> dict[str, int]:
         """Commits each region lacks (the whole log + 1 before its first pass)."""
@@ -119,11 +151,13 @@ class Replicator:
             return {r.name: self._latest + 1 - (r.next or 0) for r in self.regions}
 
     def stats(self) -> dict[str, dict]:
-        """Per region: the next seq it lacks, commits and bytes copied, failures in a row, and (when
-        its store is a CountingStore) every request the syncer made to it: ingest and replication."""
+        """Per region: the next seq it lacks, commits and bytes copied, failures in a row, reads
+        back from home, and (when its store is a CountingStore) every request the syncer made to
+        it: ingest and replication."""
         with self._lock:
             out = {r.name: {"next": r.next, "copied": r.copied, "bytes": r.bytes, "failures": r.failures,
-                            "pruned": r.pruned, "delay_s_mean": round(r.delay.mean, 4),
+                            "pruned": r.pruned, "home_reads": r.home_reads,
+                            "delay_s_mean": round(r.delay.mean, 4),
                             "delay_s_max": round(r.delay.high, 4) if r.delay else 0.0} for r in self.regions}
         for r in self.regions:
             if isinstance(r.store, CountingStore):
@@ -131,35 +165,37 @@ class Replicator:
         return out
 
     def stop(self, drain_s: float = 0.0) -> bool:
-        """Stop the thread, after waiting up to ``drain_s`` for every region to catch up; True if
+        """Stop the threads, after waiting up to ``drain_s`` for every region to catch up; True if
         they all had."""
         deadline = self.clock() + drain_s
         while drain_s > 0 and any(self.lag().values()) and self.clock() < deadline:
-            self._wake.set()
+            for r in self.regions:
+                r.wake.set()
             time.sleep(0.02)
         caught_up = not any(self.lag().values())
         self._stop.set()
-        self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=10)
+        for r in self.regions:
+            r.wake.set()
+        for r in self.regions:
+            if r.thread is not None and r.thread.is_alive():
+                r.thread.join(timeout=10)
+            if r.pool is not None:
+                r.pool.shutdown(wait=False, cancel_futures=True)
         return caught_up
 
-    # -- the thread ------------------------------------------------------------------------------
-    def _run(self) -> None:
+    # -- a region's thread ----------------------------------------------------------------------
+    def _run(self, r: _Region) -> None:
         while not self._stop.is_set():
-            self._wake.clear()
-            busy = False
-            for r in self.regions:
-                if self._stop.is_set():
-                    return
-                if self.clock() >= r.retry_at:
-                    busy |= self._attempt(r)
-            if not busy:
-                waits = [r.retry_at - self.clock() for r in self.regions if r.retry_at > self.clock()]
-                self._wake.wait(min([0.5, *waits]))
+            r.wake.clear()
+            wait = r.retry_at - self.clock()
+            if wait > 0:
+                r.wake.wait(min(0.5, wait))
+                continue
+            if not self._attempt(r):
+                r.wake.wait(0.5)
 
     def _attempt(self, r: _Region) -> bool:
-        """One turn for region ``r``; True when it has more to copy right away."""
+        """One pass over region ``r``; True when it has more to copy right away."""
         try:
             more = self._copy(r)
         except (StoreError, FormatError, RegionConflict) as exc:
@@ -179,45 +215,102 @@ class Replicator:
         if now - r.static_at >= self.cfg.static_every_s:
             r.bytes += replicate_static(self.home, r.store)
             r.static_at = now
-        if r.next is None:   # resume where the region's own copy ends (copies are in log order)
+        if r.next is None:   # resume where the region's own copy ends (records are written in log order)
             r.next = CommitLog(r.store).tail() + 1
         with self._lock:
             latest, epoch = self._latest, self._epoch
+        seqs = range(r.next, min(latest, r.next + self.cfg.batch - 1) + 1)
+        # Versions first, in parallel; each record after its own version, in log order.
+        jobs = [r.pool.submit(self._copy_version, r, seq) for seq in seqs]
         copied = 0
-        while r.next <= latest and copied < self.cfg.batch and not self._stop.is_set():
-            try:
-                n = replicate_commit(self.home, r.store, r.next)
-            except NotFound:
-                break          # noted before home's write is visible to this reader: next turn
-            with self._lock:
-                noted = self._noted.get(r.next)
-                if noted is not None:
-                    r.delay.append(self.clock() - noted)
-                r.next += 1
-                r.copied += 1
-                r.bytes += n
-            copied += 1
+        try:
+            for seq, job in zip(seqs, jobs):
+                if self._stop.is_set():
+                    break
+                try:
+                    key, blob, n = job.result()
+                except NotFound:
+                    break      # noted before home's write is visible to this reader: next pass
+                n += copy_same(self.home, r.store, key, blob)
+                self._advance(r, seq, n)
+                copied += 1
+        finally:
+            for job in jobs:
+                job.cancel()   # after a failure: the versions not started yet wait for the next pass
         if copied:
             with self._lock:
                 r.slots[HEAD_HINT_KEY] = pack_head_hint(r.next - 1, epoch)
-        self._flush_slots(r)
+        self._flush_slots_async(r)
         if now - r.pruned_at >= self.cfg.prune_every_s:
             r.pruned += prune_versions(self.home, r.store)
             r.pruned_at = now
         return r.next <= latest and copied > 0
 
-    def _flush_slots(self, r: _Region) -> None:
+    def _advance(self, r: _Region, seq: int, n: int) -> None:
+        """Commit ``seq``'s record is in region ``r``: the cursor passes it (only it: no gap)."""
         with self._lock:
+            noted = self._noted.get(seq)
+            if noted is not None:
+                r.delay.append(self.clock() - noted)
+            r.next = seq + 1
+            r.copied += 1
+            r.bytes += n
+            self._trim_cache()
+
+    def _copy_version(self, r: _Region, seq: int) -> tuple[str, bytes, int]:
+        """On the region's pool: commit ``seq``'s version in region ``r`` (for a commit that
+        publishes one and whose version home still keeps). Returns the record's key and bytes (to
+        be written after this) and the bytes written. ``NotFound``: home has no commit ``seq``."""
+        key = commit_key(seq)
+        blob = self._cached_blob(r, seq, key) or self.home.get(key)
+        rec = CommitRecord.from_bytes(blob, what=f"{self.home.uri}/{key}")
+        n = 0
+        if rec.kind in PUBLISHING and rec.output_key:
+            try:
+                n = copy_same(self.home, r.store, rec.output_key, self._cached_blob(r, seq, rec.output_key))
+            except NotFound:
+                pass   # an old commit whose version retention removed: the record alone is the log
+        return key, blob, n
+
+    def _cached_blob(self, r: _Region, seq: int, key: str) -> bytes | None:
+        with self._lock:
+            blob = self._cache.get(seq, {}).get(key)
+            if blob is None:
+                r.home_reads += 1
+        return blob
+
+    def _trim_cache(self) -> None:
+        """(Under the lock.) Drop commits every region has, then the oldest beyond ``cache_bytes``."""
+        done = min((r.next or 0) for r in self.regions) if self.regions else self._latest + 1
+        while self._cache and (next(iter(self._cache)) < done or self._cached > self.cfg.cache_bytes):
+            _, blobs = self._cache.popitem(last=False)
+            self._cached -= sum(len(b) for b in blobs.values())
+
+    def _flush_slots_async(self, r: _Region) -> None:
+        """Write the advisory slots on the region's pool, one job at a time (so an older value
+        never lands after a newer one); a failed write is reported on the next pass."""
+        if r.flushing is not None and r.flushing.done():
+            job, r.flushing = r.flushing, None
+            job.result()                      # re-raises the last flush's StoreError: backoff
+        with self._lock:
+            if r.flushing is not None or not r.slots:
+                return
             slots, r.slots = r.slots, {}
+        r.flushing = r.pool.submit(self._flush, r, slots)
+
+    def _flush(self, r: _Region, slots: dict[str, bytes]) -> None:
         for i, (key, blob) in enumerate(slots.items()):
             try:
                 r.store.put(key, blob)
-                r.bytes += len(blob)
+                with self._lock:
+                    r.bytes += len(blob)
             except StoreError:
                 with self._lock:   # keep what was not written unless a newer value arrived meanwhile
                     for k, b in list(slots.items())[i:]:
                         r.slots.setdefault(k, b)
                 raise
+            finally:
+                r.wake.set()
 
 
 def region_stores(home: ObjectStore, desc: RunDescriptor,
