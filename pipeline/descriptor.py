@@ -17,6 +17,12 @@ could change the math, so it is never ignored). Version 1 documents (flat fields
 Format v3 (issue 14) is v2 plus the ``regions`` section (the run topology). It is written only by
 runs that have one: a single-region run still writes v2, byte for byte as before, and a reader of
 v2 only refuses a v3 document (unknown version) instead of silently training in the wrong region.
+
+Format v4 (issue 15, docs/scale.md "Sharded syncer") adds ``syncers``: the number N >= 2 of syncer
+shards; shard i owns the fragments p with p % N == i, each with its own epochs and log (storage/
+layout.py ``shard_store``). Written only by sharded runs (N = 1 writes v2/v3 as before), so every
+tool knows the topology from the run alone and an older reader refuses a sharded run instead of
+reading one shard's log as the whole run. A v4 document may also carry ``regions``.
 """
 from __future__ import annotations
 
@@ -97,11 +103,13 @@ class RunDescriptor:
     model: dict[str, Any] = field(default_factory=dict)   # model config for jobs that build one
     extra: dict[str, Any] = field(default_factory=dict)   # free-form notes; no component reads them
     regions: RegionsConfig | None = None   # None: one region, the store the descriptor is in
+    syncers: int = 1       # syncer shards: shard i owns fragments p % syncers == i (v4 when > 1)
 
     KIND = "run-descriptor"
     VERSION = 2            # written without regions (unchanged bytes); REGIONS_VERSION with them
     REGIONS_VERSION = 3
-    READS = (1, 2, 3)
+    SHARDS_VERSION = 4     # syncers > 1 (with or without regions)
+    READS = (1, 2, 3, 4)
 
     def __post_init__(self) -> None:
         if not isinstance(self.run_id, str) or not self.run_id:
@@ -116,6 +124,13 @@ class RunDescriptor:
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         if self.regions is not None and not isinstance(self.regions, RegionsConfig):
             raise ValueError(f"regions must be a RegionsConfig or None, got {type(self.regions).__name__}")
+        if not isinstance(self.syncers, int) or isinstance(self.syncers, bool) \
+                or not 1 <= self.syncers <= self.layout.num_fragments:
+            raise ValueError(f"syncers must be an int in 1..{self.layout.num_fragments} (the fragment count: "
+                             f"every shard owns at least one fragment), got {self.syncers!r}")
+        if self.syncers > 1 and self.regions is not None:
+            raise ValueError("a sharded run (syncers > 1) with regions is not supported yet: "
+                             "each shard would need its own replicator")
         for name in ("job", "model", "extra"):
             value = getattr(self, name)
             if value is None and name == "job":
@@ -147,6 +162,8 @@ class RunDescriptor:
         d = self._v2_dict()
         if self.regions is not None:
             d["regions"] = self.regions.to_dict()
+        if self.syncers > 1:
+            d["syncers"] = self.syncers
         return d
 
     def _v2_dict(self) -> dict[str, Any]:
@@ -170,7 +187,7 @@ class RunDescriptor:
     def from_dict(cls, d: Any) -> "RunDescriptor":
         """Validate a v2 map, or a v3 one (``regions`` present); FormatError naming the field's
         path. See ``migrate_v1`` for v1 maps."""
-        _fields(d, "descriptor", (*_TOP, "regions"), _TOP)
+        _fields(d, "descriptor", (*_TOP, "regions", "syncers"), _TOP)
         kw: dict[str, Any] = {"run_id": _typed(d["run_id"], str, "descriptor run_id"),
                               "seed": _typed(d["seed"], int, "descriptor seed")}
         for name, parse in _PARSERS.items():
@@ -181,13 +198,18 @@ class RunDescriptor:
                 kw[name] = parse(value, f"descriptor {name}")
         if "regions" in d:
             kw["regions"] = parse_regions(d["regions"], "descriptor regions")
+        if "syncers" in d:
+            kw["syncers"] = _typed(d["syncers"], int, "descriptor syncers")
+            if kw["syncers"] < 2:
+                raise FormatError(f"descriptor syncers: {kw['syncers']} written as a section (only N >= 2 is)")
         try:
             return cls(**kw)
         except ValueError as exc:
             raise FormatError(f"descriptor: {exc}") from None
 
     def to_bytes(self) -> bytes:
-        version = self.VERSION if self.regions is None else self.REGIONS_VERSION
+        version = self.SHARDS_VERSION if self.syncers > 1 else \
+            self.VERSION if self.regions is None else self.REGIONS_VERSION
         return pack_record(self.KIND, version, self.to_dict())
 
     @classmethod
@@ -200,6 +222,10 @@ class RunDescriptor:
             if version in (2, 3) and isinstance(d, dict) and ("regions" in d) != (version == 3):
                 raise FormatError(f"descriptor: a version {version} document must "
                                   f"{'not ' if version == 2 else ''}have a regions section")
+            if version in (2, 3) and isinstance(d, dict) and "syncers" in d:
+                raise FormatError(f"descriptor: a version {version} document must not have a syncers section")
+            if version == 4 and isinstance(d, dict) and "syncers" not in d:
+                raise FormatError("descriptor: a version 4 document must have a syncers section")
             return cls.from_dict(migrate_v1(d) if version == 1 else d)
         except FormatError as exc:
             raise FormatError(f"{what}: {exc}" if what else str(exc)) from None

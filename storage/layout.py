@@ -17,6 +17,13 @@ is one directory level deep, where every backend (SeaweedFS included) lists in b
     incarnations/<learner>/i0000000000          a learner life's claim (create-if-absent, kept)
     probe/<token>                               conformance probe scratch objects (deleted)
 
+A sharded run (descriptor ``syncers`` N >= 2, issue 15) gives syncer shard i its own partition
+under ``shards/s<iiii>/``: its ``epochs/``, ``log/``, ``hints/`` (head hint, round clock),
+``checkpoints/`` and ``spill/`` inbox, with the same names below it (``shard_key``). Everything
+else (descriptor, versions, deltas, incarnations, members, quarantine) stays where it is: a
+fragment has one owner (shard ``p % N``), so its versions and the deltas merged into it never
+collide. A run with N = 1 has no ``shards/`` and keeps the layout above byte for byte.
+
 The epoch claim and the head hint are small sealed records defined here (kinds ``syncer-epoch``
 and ``log-head``, version 1).
 """
@@ -45,6 +52,10 @@ PROBE_PREFIX = "probe/"
 MEMBER_PREFIX = "members/"          # learners listed after creation (syncer-signed, docs/security.md)
 QUARANTINE_PREFIX = "quarantine/"   # rejected delta bytes kept as evidence, by content hash
 INCARNATION_PREFIX = "incarnations/"   # learner lives, claimed create-if-absent (storage/log.py)
+HINT_PREFIX = "hints/"
+SHARD_PREFIX = "shards/"            # a sharded run's per-shard partitions (shard_key)
+# What each syncer shard owns a copy of (the rest of a run is shared by every shard).
+SHARDED_PREFIXES = (EPOCH_PREFIX, LOG_PREFIX, HINT_PREFIX, CHECKPOINT_PREFIX, SPILL_PREFIX)
 
 SEQ_DIGITS = 20        # commit and checkpoint sequence numbers (any int64)
 EPOCH_DIGITS = 10
@@ -52,6 +63,7 @@ FRAGMENT_DIGITS = 5
 VERSION_DIGITS = 12
 INCARNATION_DIGITS = 10
 DELTA_SEQ_DIGITS = 12
+SHARD_DIGITS = 4
 
 EPOCH_KIND, EPOCH_VERSION = "syncer-epoch", 1
 HINT_KIND, HINT_VERSION = "log-head", 1
@@ -144,6 +156,51 @@ def probe_key(token: str) -> str:
     if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", token or ""):
         raise ValueError(f"probe token {token!r} must be 1-64 characters of [A-Za-z0-9_-]")
     return PROBE_PREFIX + token
+
+
+def shard_owner(fragment: int, syncers: int) -> int:
+    """The syncer shard that owns ``fragment`` in a run of ``syncers`` shards: ``p % N``."""
+    if not isinstance(syncers, int) or isinstance(syncers, bool) or syncers < 1:
+        raise ValueError(f"syncers must be an int >= 1, got {syncers!r}")
+    _num(fragment, FRAGMENT_DIGITS, "fragment")
+    return fragment % syncers
+
+
+def shard_fragments(shard: int, syncers: int, num_fragments: int) -> tuple[int, ...]:
+    """The fragments shard ``shard`` of ``syncers`` owns (ascending)."""
+    check_shard(shard, syncers)
+    return tuple(range(shard, num_fragments, syncers))
+
+
+def check_shard(shard: int, syncers: int) -> None:
+    if not isinstance(syncers, int) or isinstance(syncers, bool) or syncers < 1:
+        raise ValueError(f"syncers must be an int >= 1, got {syncers!r}")
+    if not isinstance(shard, int) or isinstance(shard, bool) or not 0 <= shard < syncers:
+        raise ValueError(f"shard must be an int in 0..{syncers - 1}, got {shard!r}")
+
+
+def shard_prefix(shard: int) -> str:
+    """Where shard ``shard``'s partition lives: ``shards/s0001/``."""
+    return f"{SHARD_PREFIX}s{_num(shard, SHARD_DIGITS, 'shard')}/"
+
+
+def is_sharded_key(key: str) -> bool:
+    """Whether ``key`` (as a syncer names it) lives in a shard's partition of a sharded run."""
+    return key.startswith(SHARDED_PREFIXES)
+
+
+def shard_key(shard: int, key: str) -> str:
+    """``key`` as shard ``shard`` of a sharded run stores it: its epochs, log, hints, checkpoints
+    and spill inbox under ``shard_prefix(shard)``, everything else unchanged."""
+    return shard_prefix(shard) + key if is_sharded_key(key) else key
+
+
+def unshard_key(shard: int, key: str) -> str:
+    """Inverse of ``shard_key`` for a key of shard ``shard``'s partition (FormatError otherwise)."""
+    pre = shard_prefix(shard)
+    if key.startswith(pre) and is_sharded_key(key[len(pre):]):
+        return key[len(pre):]
+    raise FormatError(f"{key!r} is not in shard {shard}'s partition ({pre}...)")
 
 
 # -- key parsers (FormatError on anything else) ------------------------------------------------
