@@ -36,6 +36,7 @@ from pipeline.types import RunDescriptor
 from storage.errors import StoreError
 from storage.layout import SPILL_PREFIX, parse_spill_key
 from storage.log import CommitLog
+from storage.shards import shard_stores
 from storage.store import ObjectStore, open_store
 from workers.common.events import Tail, read_events
 from workers.bus.keys import SYNCER, ensure_identities, key_paths
@@ -79,6 +80,7 @@ class ClusterConfig:
     s3_endpoint: str | None = None
     env: Mapping[str, str] | None = None
     learner_nice: int = 0
+    syncers: int = 1                   # syncer shards (issue 15): own endpoints each, learners get all of them
     stop_timeout_s: float = 20.0
     kill_timeout_s: float = 10.0
     poll_s: float = 0.1
@@ -86,6 +88,11 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if not self.store:
             raise ValueError("ClusterConfig.store: the run's location is required")
+        if not isinstance(self.syncers, int) or isinstance(self.syncers, bool) or self.syncers < 1:
+            raise ValueError(f"ClusterConfig.syncers must be an int >= 1, got {self.syncers!r}")
+        if self.syncers > 1 and (self.ingest or self.announce):
+            raise ValueError("ClusterConfig.ingest/announce name one syncer's endpoints: a sharded cluster "
+                             "picks one pair per shard")
         if self.stop_timeout_s <= 0 or self.kill_timeout_s <= 0 or self.poll_s <= 0:
             raise ValueError(f"timeouts and poll_s must be > 0, got stop {self.stop_timeout_s}, "
                              f"kill {self.kill_timeout_s}, poll {self.poll_s}")
@@ -156,13 +163,17 @@ class LocalCluster:
         self.logs = self.out / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.clock = clock
-        self.ingest = cfg.ingest or loopback_endpoint()
-        self.announce = cfg.announce or loopback_endpoint()
+        # One (ingest, announce) pair per syncer shard; learners connect to all of them, listed
+        # comma-separated in shard order (workers/learner/shards.py ``split_bus``).
+        self.shard_endpoints = [(cfg.ingest or loopback_endpoint(), cfg.announce or loopback_endpoint())
+                                for _ in range(cfg.syncers)]
+        self.ingest = ",".join(i for i, _ in self.shard_endpoints)
+        self.announce = ",".join(a for _, a in self.shard_endpoints)
         self.env = dict(cfg.env if cfg.env is not None else os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         self.lives: dict[str, list[Life]] = {}
         self._observer = observer
         self._committed: set[str] = set()     # delta ids named by commits read so far
-        self._log_next = 0                    # next commit seq to read into _committed
+        self._log_next = [0] * cfg.syncers    # next commit seq of each shard's log to read into _committed
         self._store: ObjectStore | None = None
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -223,6 +234,19 @@ class LocalCluster:
         sub = ["syncer"] if module == "workers.cli" else []
         argv = [*sub, "--id", name, *self.key_args(SYNCER), *self.bus_args(bus, ingest, announce), *extra]
         return self.spawn(name, SYNCER_ROLE, argv, module)
+
+    def syncer_names(self, name: str = SYNCER) -> list[str]:
+        """The syncer role names: ``name`` alone, or ``<name>-s<i>`` for each shard of a sharded run."""
+        n = self.cfg.syncers
+        return [name] if n == 1 else [f"{name}-s{i}" for i in range(n)]
+
+    def start_syncers(self, extra: Sequence[str] = (), module: str = "workers.cli", name: str = SYNCER) -> list[Life]:
+        """Every syncer of the run: one, or one per shard (``--shard i/N`` on the shard's own endpoints)."""
+        n = self.cfg.syncers
+        if n == 1:
+            return [self.start_syncer(name, extra, module)]
+        return [self.start_syncer(sn, [*extra, "--shard", f"{i}/{n}"], module, endpoints=self.shard_endpoints[i])
+                for i, sn in enumerate(self.syncer_names(name))]
 
     def start_learner(self, lid: str, extra: Sequence[str] = (), module: str = "workers.cli",
                       endpoints: tuple[str, str] | None = None, bus: bool | None = None) -> Life:
@@ -421,20 +445,37 @@ class LocalCluster:
     def _inbox_of(self, learners: set[str]) -> list[str]:
         """Inbox (spill) keys of these learners (a rogue's refused objects stay there as evidence)."""
         out = []
-        for key in self.store.list(SPILL_PREFIX):
-            try:
-                if parse_spill_key(key)[0] in learners:
-                    out.append(key)
-            except ValueError:
-                continue
+        for store in self._shards():
+            for key in store.list(SPILL_PREFIX):
+                try:
+                    if parse_spill_key(key)[0] in learners:
+                        out.append(key)
+                except ValueError:
+                    continue
         return out
+
+    def _shards(self) -> list[ObjectStore]:
+        """The run's store, or each syncer shard's view of it (storage/shards.py)."""
+        if self.cfg.syncers == 1:
+            return [self.store]
+        from storage.layout import read_descriptor
+        return shard_stores(self.store, read_descriptor(self.store))
 
     def _unreported_tail(self) -> int | None:
         """The log's tail seq when no syncer has logged it yet (the inbox is tidied in the
         background, possibly before the commit's event line is written), else None."""
-        tail = CommitLog(self.store).tail()
+        syncers = self.names(SYNCER_ROLE)
+        for i, store in enumerate(self._shards()):
+            names = syncers if self.cfg.syncers == 1 else [n for n in syncers if n.endswith(f"-s{i}")]
+            tail = self._unreported_in(store, names)
+            if tail is not None:
+                return tail
+        return None
+
+    def _unreported_in(self, store: ObjectStore, names: Sequence[str]) -> int | None:
+        tail = CommitLog(store).tail()
         reported = -1
-        for n in self.names(SYNCER_ROLE):
+        for n in names:
             for e in self.events(n):
                 if e.get("event") == "commit":
                     reported = max(reported, int(e.get("seq", -1)))
@@ -442,17 +483,18 @@ class LocalCluster:
                     reported = max(reported, int(e.get("fence_seq", -1)))
         if reported >= tail or tail < 0:
             return None
-        return None if CommitLog(self.store).read(tail).kind == "init" else tail
+        return None if CommitLog(store).read(tail).kind == "init" else tail
 
     def _uncommitted(self, learners: Sequence[str]) -> dict[str, str]:
         """Learners whose last durable delta no commit names yet (the commit log is read once, on)."""
-        log = CommitLog(self.store)
-        tail = log.tail()
-        if tail >= self._log_next:
-            for rec in log.read_range(self._log_next, tail + 1):
-                self._committed.update(i.delta_id for i in rec.inputs)
-                self._committed.update(d.delta_id for d in rec.dropped)
-            self._log_next = tail + 1
+        for k, store in enumerate(self._shards()):
+            log = CommitLog(store)
+            tail = log.tail()
+            if tail >= self._log_next[k]:
+                for rec in log.read_range(self._log_next[k], tail + 1):
+                    self._committed.update(i.delta_id for i in rec.inputs)
+                    self._committed.update(d.delta_id for d in rec.dropped)
+                self._log_next[k] = tail + 1
         out = {}
         for lid in learners:
             last = next((e["delta"] for e in reversed(self.events(lid))
@@ -488,9 +530,9 @@ def global_eval_loss(store: ObjectStore, descriptor: RunDescriptor, corpus=None)
     from workers.job.data import Corpus, evaluate
     from workers.job.job import job_from
     from workers.job.model import GPT
-    from workers.common.versions import VersionTracker
     gcfg, job = job_from(descriptor)
-    values, versions = VersionTracker(store, descriptor).load_all()
+    from workers.learner.shards import learner_tracker
+    values, versions = learner_tracker(store, descriptor).load_all()   # every shard's fragments in a sharded run
     model = GPT(gcfg)
     with torch.no_grad():
         for n, p in model.named_parameters():

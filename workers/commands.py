@@ -129,6 +129,9 @@ def configure_syncer(parser: argparse.ArgumentParser,
     parser.add_argument("--threads", type=int, default=1, metavar="N",
                         help="threads for a round's decode, guard, fold and version encode (same bits at any N; "
                              "docs/scale.md)")
+    parser.add_argument("--shard", metavar="I/N", type=_shard_spec, default=None,
+                        help="be syncer shard I of a run of N shards (ddiloco run --syncers N): own the fragments "
+                             "p with p %% N == I, with its own epochs and log (docs/scale.md \"Sharded syncer\")")
 
     def handler(args) -> int:
         from workers.common.memory import keep_freed_memory
@@ -140,13 +143,14 @@ def configure_syncer(parser: argparse.ArgumentParser,
                                     keep_commits=args.keep_commits)
         store = open_store(args.store, s3_endpoint=args.s3_endpoint, create=False)
         keys = _keyring(args, store, "syncer", args.id)
+        shard = _check_shard(args.shard, read_descriptor(store))
         flag = _stop_flag()
         events = _events(args, "syncer", args.id)
         store, metrics = start_metrics(args, events, "syncer", args.id, store)   # (store, None) without the flag
         store = counted(store)     # issue 14: its requests are reported in accounting events
         bus = _bus(args)
         syncer = Syncer(store, SyncerConfig(syncer_id=args.id, checkpoint_every=args.checkpoint_every,
-                                            retention=retention, threads=args.threads),
+                                            retention=retention, threads=args.threads, shard=shard),
                         bus=bus, events=events, keys=keys,
                         before_commit=before_commit(args, events) if before_commit is not None else None)
         _meter_syncer(syncer, store, bus, events)
@@ -158,6 +162,30 @@ def configure_syncer(parser: argparse.ArgumentParser,
             if metrics is not None:
                 metrics.close()
     return handler
+
+
+def _shard_spec(text: str) -> tuple[int, int]:
+    """``I/N`` -> (I, N), 0 <= I < N."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shard takes I/N (e.g. 0/2), got {text!r}") from None
+    if not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"--shard {text}: I must be in 0..N-1")
+    return i, n
+
+
+def _check_shard(spec: tuple[int, int] | None, desc) -> int | None:
+    """The shard index, once ``--shard I/N`` matches the run's own shard count (SystemExit if not)."""
+    n = desc.syncers
+    if spec is None:
+        if n > 1:
+            raise SystemExit(f"run {desc.run_id} has {n} syncer shards: start each with --shard I/{n}")
+        return None
+    if spec[1] != n:
+        raise SystemExit(f"--shard {spec[0]}/{spec[1]}: run {desc.run_id} has "
+                         + (f"{n} syncer shards" if n > 1 else "one syncer (not sharded): drop --shard"))
+    return spec[0]
 
 
 def _meter_syncer(syncer: Syncer, store, bus: BusConfig | None, events: EventLog) -> None:

@@ -33,6 +33,7 @@ from pipeline.types import CommitRecord
 from storage.layout import version_key, write_descriptor
 from storage.log import CommitLog
 from storage.regions import open_region, seed_region
+from storage.shards import shard_stores
 from storage.store import ObjectStore
 from workers.bus.keys import Identity, PublicIdentity
 from workers.bus.signing import sign_commit
@@ -68,6 +69,7 @@ class RunSettings:
     job: dict[str, Any] | None = None  # the default job's settings (workers/job/job.py JobSettings.to_dict())
     extra: dict[str, Any] = field(default_factory=dict)   # free-form notes, never read
     regions: RegionsConfig | None = None   # the run topology (issue 14); None: one region, this store
+    syncers: int = 1                   # syncer shards (issue 15): shard i owns fragments p % syncers == i
 
     def __post_init__(self) -> None:
         if {"security", "norm_guard", "job"} & set(self.extra):
@@ -86,7 +88,7 @@ class RunSettings:
         layout = make_layout(specs, self.fragments, self.strategy)
         return RunDescriptor(
             run_id=run_id, seed=self.seed, model=dict(self.model), job=None if self.job is None else dict(self.job),
-            extra=dict(self.extra), security=security, regions=self.regions,
+            extra=dict(self.extra), security=security, regions=self.regions, syncers=self.syncers,
             layout=FragmentLayout(tuple(specs), tuple(tuple(f) for f in layout), self.strategy),
             schedule=ScheduleConfig(self.sync_every, tuple(fragment_offsets(self.fragments, self.sync_every))),
             policy=PolicyConfig(self.quorum, self.overlap, self.grace_gamma, self.grace_cap_s),
@@ -121,7 +123,7 @@ def create_run(store: ObjectStore, init: Mapping[str, np.ndarray], settings: Run
     desc = settings.descriptor(settings.run_id or uuid.uuid4().hex[:12], specs_from_arrays(init), emb, security)
     write_descriptor(store, desc)
     values = published({n: np.asarray(a, dtype=np.float32) for n, a in init.items()}, desc.versions.dtype)
-    log = CommitLog(store)
+    logs = [CommitLog(s) for s in shard_stores(store, desc)]   # every shard's log starts with them (storage/shards.py)
     for p, names in enumerate(desc.layout.fragments):
         part = {n: values[n] for n in names}
         key = version_key(p, 0, 0)
@@ -129,7 +131,8 @@ def create_run(store: ObjectStore, init: Mapping[str, np.ndarray], settings: Run
         store.put_if_absent(key, encode_version(desc, p, 0, p, 0, part, signer, checksum))
         rec = CommitRecord(seq=p, epoch=0, kind="init", fragment=p, version=0, output_key=key,
                            output_checksum=checksum, info={"created_at": round(time.time(), 3)})
-        log.append(sign_commit(rec, signer, desc.run_id) if signer is not None else rec)
+        for log in logs:
+            log.append(sign_commit(rec, signer, desc.run_id) if signer is not None else rec)
     if desc.regions is not None:   # every region holds the run before any of its learners starts
         for spec in desc.regions.others:
             seed_region(store, open_region(spec, create=True))

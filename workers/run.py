@@ -26,13 +26,12 @@ import torch
 from pipeline.codec import SCHEMES
 from pipeline.guard import NormGuardConfig
 from pipeline.regions import RegionSpec, RegionsConfig
-from storage.log import CommitLog
+from storage.shards import run_records
 from storage.store import ObjectStore, open_store
 from .cluster import ClusterConfig, LocalCluster, create_job_run, global_eval_loss
 from workers.job.data import Corpus, evaluate
 from workers.common.events import EventLog, Tail, read_events
 from workers.job.job import LR_SCHEDULES, JobSettings, dp_baseline
-from workers.bus.keys import SYNCER
 from .launch import RunSettings
 from workers.tools.accounting import report_lines, traffic_report
 from workers.tools.cost import parse_prices
@@ -96,6 +95,9 @@ def configure(parser):
     a("--prices", default=None, metavar="FILE|JSON",
       help="price table overrides for the cost estimate: a JSON file or inline JSON, e.g. "
            "'{\"inter_region_per_gb\": 0.09}' (docs/regions.md \"The price table\")")
+    a("--syncers", type=int, default=1, metavar="N",
+      help="syncer shards (docs/scale.md \"Sharded syncer\"): shard i owns the fragments p with p %% N == i, "
+           "with its own epochs, log and bus endpoints; 1..--fragments")
     a("--create-only", action="store_true",
       help="only create the run (descriptor + version 0) and exit; start roles with ddiloco syncer/learner")
     topologies = _topology_plugins(parser)
@@ -145,7 +147,7 @@ def settings_from_args(args, gcfg: GPTConfig, job: JobSettings) -> RunSettings:
                        quorum=args.quorum, compression=args.compression, strategy=args.strategy,
                        outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, seed=args.seed,
                        keep_progress=args.keep_progress, grace_gamma=args.grace_gamma,
-                       model=gcfg.to_dict(), job=job.to_dict(),
+                       model=gcfg.to_dict(), job=job.to_dict(), syncers=getattr(args, "syncers", 1),
                        norm_guard=NormGuardConfig(factor=args.norm_guard) if args.norm_guard else None)
 
 
@@ -165,6 +167,11 @@ def local_regions(args, store_uri: str, out: Path) -> RegionsConfig | None:
 def run(args, topologies=()) -> int:
     if args.learners < 1:
         raise SystemExit(f"--learners must be >= 1, got {args.learners}")
+    if not 1 <= args.syncers <= args.fragments:
+        raise SystemExit(f"--syncers must be in 1..--fragments ({args.fragments}): every shard owns a fragment, "
+                         f"got {args.syncers}")
+    if args.syncers > 1 and args.regions > 1:
+        raise SystemExit("--syncers N with --regions is not supported yet (each shard would need its own replicator)")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535 - args.learners:
         raise SystemExit(f"--metrics-port must be 0 (any free ports) or 1..{65535 - args.learners} (the syncer's "
                          f"port; learners take the next {args.learners}), got {args.metrics_port}")
@@ -213,10 +220,10 @@ def _run_decoupled(args, out: Path, gcfg: GPTConfig, job: JobSettings, steps: in
                 fragments=desc.num_fragments, sync_every=desc.schedule.sync_every, quorum=desc.policy.quorum,
                 compression=desc.codec.scheme, params=int(sum(p.numel() for p in model.parameters())))
     ccfg = ClusterConfig(store_uri, out, keydir=keydir, bus=not args.no_bus, s3_endpoint=args.s3_endpoint,
-                         learner_nice=LEARNER_NICE)
+                         learner_nice=LEARNER_NICE, syncers=args.syncers)
     cluster = topology.cluster(ccfg) if topology is not None else LocalCluster(ccfg)
     t_start = time.time()
-    cluster.start_syncer(SYNCER, metrics_flags(args.metrics_port, 0))
+    cluster.start_syncers(metrics_flags(args.metrics_port, 0) if args.syncers == 1 else [])
     for m, lid in enumerate(names):
         region = ["--region", f"r{m % args.regions}"] if desc.regions is not None else []
         cluster.start_learner(lid, ["--shard", str(m), *region, *metrics_flags(args.metrics_port, m + 1)])
@@ -261,9 +268,10 @@ def _watch(cluster: LocalCluster, progress: Progress, events: EventLog, desc, co
                         events.emit("eval", tokens=progress.total_tokens(), loss=ev[0], versions=ev[1])
                         progress.eval_loss = ev[0]
                     next_eval = time.time() + args.eval_every
-                if not cluster.alive(SYNCER):
-                    progress.note(f"syncer exited with {cluster.life(SYNCER).popen.returncode}; "
-                                  f"see {cluster.logs}/syncer.stderr")
+                for sn in cluster.syncer_names():
+                    if not cluster.alive(sn):
+                        progress.note(f"{sn} exited with {cluster.life(sn).popen.returncode}; "
+                                      f"see {cluster.logs}/{sn}.stderr")
                 time.sleep(0.25)
             progress.note("learners finished; waiting for the syncer to commit what is left")
             status = cluster.wait_drained(60, tick=show)
@@ -361,8 +369,7 @@ def _log_figures(store: ObjectStore, desc) -> dict:
     """Tokens that entered the model (each counted once) and drops split into harmless ones and lost
     work, from the commit log - the numbers ``ddiloco log`` prints (workers/tools/logview.py)."""
     try:
-        log = CommitLog(store)
-        return token_figures(log.read_range(0, log.tail() + 1), desc.num_fragments, stored_base(store, desc))
+        return token_figures(run_records(store, desc), desc.num_fragments, stored_base(store, desc))
     except Exception as exc:   # figures never fail a run
         return {"tokens_merged": None, "figures_error": str(exc)}
 
@@ -381,8 +388,7 @@ def _rounds_figures(store: ObjectStore, desc, events: list[dict]) -> dict:
     """Utilisation (share of each learner's steps whose work entered a version) and version latency
     in steps (answer -> applied), from the commit log and the event logs (workers/tools/utilisation.py)."""
     try:
-        log = CommitLog(store)
-        records = [log.read(s) for s in range(log.tail() + 1)]
+        records = run_records(store, desc)    # every shard's log in a sharded run
     except Exception as exc:   # figures never fail a run
         return {"utilisation": None, "figures_error": str(exc)}
     by_learner: dict[str, list[dict]] = {}

@@ -24,6 +24,7 @@ from pipeline.types import CommitRecord, RunDescriptor
 from storage.errors import NotFound, StoreError
 from storage.layout import HEAD_HINT_KEY, unpack_head_hint
 from storage.log import CommitLog
+from storage.shards import owned_fragments
 from storage.store import ObjectStore
 from workers.bus.signing import Signer, check_commit_signature, commit_signature_ok, sign_version_meta, version_signature_ok
 
@@ -106,27 +107,28 @@ class VersionTracker:
         self._count_lock = threading.Lock()
 
     def latest(self) -> dict[int, CommitRecord]:
-        """The newest version-carrying commit of every fragment, scanning back from the tail.
-        Moves the cursor to the tail."""
+        """The newest version-carrying commit of every fragment the log holds (all of them; in a
+        sharded run's shard, its own: storage/shards.py), scanning back from the tail. Moves the
+        cursor to the tail."""
         tail = self.log.tail()
         found: dict[int, CommitRecord] = {}
         seq = tail
-        P = self.descriptor.num_fragments
-        while seq >= 0 and len(found) < P:
+        want = set(owned_fragments(self.store, self.descriptor))
+        while seq >= 0 and not want <= found.keys():
             try:
                 rec = self.log.read(seq)
             except (NotFound, FormatError) as exc:   # a lost or damaged commit: look further back
                 self.refused.append(f"commit {seq}: {exc}")
                 seq -= 1
                 continue
-            if rec.kind in ("init", "merge") and rec.fragment not in found:
+            if rec.kind in ("init", "merge") and rec.fragment in want and rec.fragment not in found:
                 if self.security is None or commit_signature_ok(rec, self.security.syncer.sign,
                                                                 self.descriptor.run_id):
                     found[rec.fragment] = rec
                 else:    # a forged commit is skipped: the newest genuine version is used instead
                     self.refused.append(f"commit {rec.seq}: bad syncer signature")
             seq -= 1
-        missing = sorted(set(range(P)) - set(found))
+        missing = sorted(want - set(found))
         if missing:
             raise FormatError(f"{self.store.uri}: the log has no version of fragments {missing}")
         self.cursor = max(self.cursor, tail)

@@ -45,6 +45,7 @@ from workers.bus.keys import KeyRing, Roster
 from workers.learner.nonfinite import NonFiniteGuard
 from workers.learner.receiver import Receiver
 from workers.learner.sender import Sender, SenderConfig, SenderStats
+from workers.learner.shards import learner_tracker, make_receiver, make_sender
 from workers.bus.signing import seal_delta
 from workers.common.traffic import TrafficMeter, counted, region_names
 from workers.common.versions import VersionTracker
@@ -124,8 +125,9 @@ class Learner:
                              "its log still replays, but learners of this version cannot train it; create a new run")
         self._check_model(d)
         curve, seal = self._security(d)
-        tracker = VersionTracker(self.store, d)
-        self.health.tracker = VersionTracker(self.store, d)   # its own: the receiver's belongs to its thread
+        tracker = learner_tracker(self.store, d)    # the run's log, or every syncer shard's (issue 15)
+        # its own: the receiver's belongs to its thread (sharded runs: no older-version fallback yet)
+        self.health.tracker = VersionTracker(self.store, d) if d.syncers == 1 else None
         values, versions = tracker.load_all()
         if self.incarnation is None:
             self.incarnation = claim_incarnation(self.store, self.id, floor=tracker.next_incarnation(self.id))
@@ -136,9 +138,11 @@ class Learner:
             self.answered[p] = (-1, -1)
         self.c_steps = [0] * d.num_fragments
         self.c_tokens = [0] * d.num_fragments
-        self.sender = Sender(self.store, d.codec, self.cfg.sender, self.events, self.bus, self.id.encode(),
-                             self._heartbeat, curve=curve, seal=seal)
-        self.receiver = Receiver(tracker, versions, self.events, self.bus, self.cfg.poll_s, curve=curve)
+        # one of each, or one per syncer shard (workers/learner/shards.py: fragment p to shard p % N)
+        self.sender = make_sender(self.store, d, self.bus, lambda store, bus: Sender(
+            store, d.codec, self.cfg.sender, self.events, bus, self.id.encode(), self._heartbeat, curve=curve, seal=seal))
+        self.receiver = make_receiver(tracker, versions, self.bus, lambda t, known, bus: Receiver(
+            t, known, self.events, bus, self.cfg.poll_s, curve=curve))
         self.sender.start()
         self.receiver.start()
         self.events.emit("learner-start", incarnation=self.incarnation, pid=os.getpid(),

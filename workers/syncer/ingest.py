@@ -28,6 +28,7 @@ from pipeline.fold import DropReason
 from pipeline.types import DeltaHeader, RunDescriptor
 from storage.errors import AlreadyExists, NotFound, StoreError
 from storage.layout import SPILL_PREFIX, parse_spill_key, spill_key
+from storage.shards import owned_fragments
 from storage.store import ObjectStore
 from workers.bus.bus import Message, SyncerBus
 from workers.bus.keys import Roster
@@ -65,6 +66,7 @@ class Ingest:
         self.max_delta = max_delta_bytes(descriptor)
         self.bus: SyncerBus | None = None
         self.pending: list[dict[PendingKey, Held]] = [{} for _ in range(descriptor.num_fragments)]
+        self.owned = frozenset(owned_fragments(store, descriptor))   # a syncer shard's fragments (issue 15)
         self.bad: set[str] = set()          # inbox keys refused: never read again
         self.unknown: set[str] = set()      # refused for an unlisted learner: read again when members join
         self.since_commit: Counter = Counter()   # Refusal -> count since the last commit, for its info
@@ -173,7 +175,7 @@ class Ingest:
         header, blob = opened.header, msg.blob or b""
         held = self.admit(header, blob, InboxRef(key), Source.BUS, opened)
         if held is None:
-            if header.fragment < self.descriptor.num_fragments:
+            if header.fragment in self.owned:
                 # Already merged: durable as can be. Ack so the learner forgets it instead of spilling it.
                 self._ack(ident, header.id, opened)
             return
@@ -204,8 +206,10 @@ class Ingest:
               opened: Opened | None = None) -> Held | None:
         """Place a delta in its fragment's pending set; None (and a clean-up) when it is not new.
         A bus delta already held comes back as the held entry (its inbox copy is checked again)."""
-        if not 0 <= header.fragment < self.descriptor.num_fragments:
-            self.refuse(Refusal.UNKNOWN_FRAGMENT, f"unknown fragment {header.fragment}", header, None, header.id)
+        if header.fragment not in self.owned:
+            why = f"unknown fragment {header.fragment}" if not 0 <= header.fragment < self.descriptor.num_fragments \
+                else f"fragment {header.fragment} belongs to syncer shard {header.fragment % self.descriptor.syncers}"
+            self.refuse(Refusal.UNKNOWN_FRAGMENT, why, header, None, header.id)
             if source is Source.SPILL:
                 self.bad.add(inbox.key)
             return None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
+from typing import Sequence
 
 from pipeline.policy import Ewma
 from pipeline.schedule import ClockRecord, RoundClock
@@ -38,7 +39,7 @@ class _Pace:
 
 class RoundBook:
     def __init__(self, descriptor: RunDescriptor, live_timeout_s: float, initial_step_s: float,
-                 start_step: int = 0):
+                 start_step: int = 0, owned: Sequence[int] | None = None):
         if initial_step_s <= 0:
             raise ValueError(f"initial_step_s must be > 0, got {initial_step_s}")
         self.clock = RoundClock(descriptor.schedule.sync_every, descriptor.schedule.offsets, step=start_step)
@@ -48,6 +49,9 @@ class RoundBook:
         self.learners: dict[str, _Pace] = {}
         self.period = Ewma(0.2)
         self.published: ClockRecord | None = None
+        # A syncer shard opens rounds only for its own fragments (issue 15); its clock still
+        # counts every global step, so each shard's round ids are the run's global steps.
+        self.owned = frozenset(range(descriptor.num_fragments) if owned is None else owned)
 
     # -- the learners' pace ----------------------------------------------------------------------
     def heartbeat(self, learner: str, period_s: float, now: float) -> None:
@@ -83,7 +87,8 @@ class RoundBook:
         """Advance the global step at the pace last measured by ``step_time`` (the syncer measures
         once per loop); open (and return) the rounds that fall due. A round still open when its
         fragment's next one opens is replaced: its answers are then late (SPEC §4)."""
-        opened = self.clock.advance(now, self.period.value or self.initial_step_s)
+        opened = [(r, p) for r, p in self.clock.advance(now, self.period.value or self.initial_step_s)
+                  if p in self.owned]
         for r, p in opened:
             self.open[p] = OpenRound(r, now)
         return opened

@@ -46,6 +46,7 @@ from storage.errors import StoreError
 from storage.layout import CLOCK_KEY, read_descriptor
 from storage.log import CommitLog, claim_epoch
 from storage.probe import probe_conditional_writes
+from storage.shards import owned_fragments, syncer_store
 from storage.store import ObjectStore, open_store
 from workers.bus.bus import HEAD_MAX_BYTES, BusConfig, Message, SyncerBus
 from workers.bus.keys import Gate, KeyRing, Roster, check_syncer_keys
@@ -79,6 +80,7 @@ class SyncerConfig:
     initial_step_s: float = 0.1        # the global clock's pace before any learner's was measured
     fence_check_s: float = 1.0         # how often an idle syncer checks whether it was fenced (item 8)
     max_pending: int = 64              # candidate deltas held per fragment (issue 11 item 5)
+    shard: int | None = None           # a sharded run's shard this syncer is (issue 15; None: unsharded)
     threads: int = 1                   # compute pool for decode, guard, fold, version encode (issue 15)
 
     def __post_init__(self) -> None:
@@ -130,6 +132,8 @@ class Syncer:
         self.events = events or EventLog(None, "syncer", cfg.syncer_id)
         self.clock, self.wall, self.sleep = clock, wall, sleep   # injected: tests drive time (style guide)
         self.descriptor: RunDescriptor = read_descriptor(self.store)
+        # Issue 15: shard i of a sharded run sees its own partition as the run (storage/shards.py).
+        self.store = syncer_store(self.store, self.descriptor, cfg.shard)
         self.policy = self.descriptor.policy
         self.security = check_syncer_keys(self.descriptor, keys)
         self.signer = keys.own.signer() if keys is not None else None
@@ -154,7 +158,8 @@ class Syncer:
         # stores by name that override the descriptor's, e.g. wrapped in tests).
         inboxes, self.replicator = replication(self.store, self.descriptor, self.events, regions)
         # The global step, open rounds and the learners' pace (syncer-driven rounds, SPEC §2-4).
-        self.rounds = RoundBook(self.descriptor, cfg.live_timeout_s, cfg.initial_step_s)
+        self.rounds = RoundBook(self.descriptor, cfg.live_timeout_s, cfg.initial_step_s,
+                                owned=owned_fragments(self.store, self.descriptor))
         self.committer = Committer(
             self.store, self.descriptor, CommitterConfig(cfg.retry_s, cfg.max_retry_s, cfg.checkpoint_every),
             self.events, self.io, sleep, signer=self.signer, announce=self._announce, on_retry=self._hear_bus,
@@ -213,7 +218,7 @@ class Syncer:
         # Round ids are global steps: a new syncer goes on after the newest round in the log, so
         # that (epoch, round) orders every opening learners ever heard.
         self.rounds.clock.step = self._last_round(fence_seq - 1) + 1
-        self.events.emit("syncer-recovered", epoch=epoch, fence_seq=fence_seq,
+        self.events.emit("syncer-recovered", epoch=epoch, fence_seq=fence_seq, shard=self.cfg.shard,
                          replayed=before.stats.commits + rs.stats.commits, from_checkpoint=before.stats.from_checkpoint,
                          salvaged=len(rs.notes), seconds=round(self.clock() - t0, 3))
 

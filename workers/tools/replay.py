@@ -29,6 +29,7 @@ from storage.checkpoints import latest_checkpoint
 from storage.errors import NotFound
 from storage.layout import commit_key
 from storage.log import CommitLog
+from storage.shards import owned_fragments, shard_of
 from storage.store import ObjectStore
 from workers.common.deltas import load_inputs
 from workers.common.versions import decode_version
@@ -159,6 +160,10 @@ class Refolder:
         if rec.kind in ("merge", "drop") and not 0 <= rec.fragment < self.descriptor.num_fragments:
             raise FormatError(f"commit {rec.seq}: fragment {rec.fragment} is not one of the run's "
                               f"{self.descriptor.num_fragments}")
+        if rec.kind in ("merge", "drop") and rec.fragment not in owned_fragments(self.store, self.descriptor):
+            shard, n = shard_of(self.store)      # issue 15: a shard's log holds only its own fragments
+            raise FormatError(f"commit {rec.seq} of syncer shard {shard}/{n}: fragment {rec.fragment} belongs to "
+                              f"shard {rec.fragment % n}")
         inputs = load_inputs(self.store, self.descriptor, rec, self.roster) if rec.kind in ("merge", "drop") else []
         result = verify_commit(state, self.window, self.descriptor, rec, with_recorded_decisions(rec, inputs),
                                recorded_output=recorded)

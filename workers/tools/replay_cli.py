@@ -23,6 +23,7 @@ from storage.checkpoints import list_checkpoints
 from storage.errors import NotFound, StoreError
 from storage.layout import DELTA_PREFIX, SPILL_PREFIX, VERSION_PREFIX
 from storage.regions import open_region, verify_region
+from storage.shards import shard_stores
 from workers.tools.replay import ReplayStats
 from workers.tools.replay_verify import log_bounds, open_run, replay_run
 
@@ -140,6 +141,9 @@ def configure(parser: argparse.ArgumentParser):
     parser.add_argument("--to", dest="end", type=int, default=None, metavar="SEQ",
                         help="last commit to verify (default: the end of the log)")
     parser.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
+    parser.add_argument("--shard", type=int, default=None, metavar="I",
+                        help="a sharded run (ddiloco run --syncers N): verify only shard I's log (default: every "
+                             "shard's, one after the other; --from/--to need --shard there: seqs are per shard)")
     parser.add_argument("--regions", action="store_true",
                         help="also check that every other region's store holds the home log's commit records and "
                              "versions byte for byte (docs/regions.md)")
@@ -171,9 +175,38 @@ def verify_regions(store, descriptor, tail: int, out: TextIO, err: TextIO) -> bo
 
 
 def replay_command(args, out: TextIO, err: TextIO) -> int:
+    """Verify the run's log; in a sharded run every shard's log (or ``--shard I``'s), each on its
+    own: shards own disjoint fragments, so each log replays alone (storage/shards.py). The exit
+    status is the worst of them."""
     logging.basicConfig(level=logging.WARNING, format="warning: %(message)s", stream=err)
     try:
         store, descriptor = open_run(args.run_uri, s3_endpoint=args.s3_endpoint)
+        stores = shard_stores(store, descriptor)
+        shard = getattr(args, "shard", None)
+        if descriptor.syncers == 1 and shard is not None:
+            raise ValueError(f"run {descriptor.run_id} is not sharded: drop --shard")
+        if shard is not None and not 0 <= shard < len(stores):
+            raise ValueError(f"--shard {shard}: run {descriptor.run_id} has shards 0..{len(stores) - 1}")
+        if len(stores) > 1 and shard is None and (args.start is not None or args.end is not None):
+            raise ValueError("--from/--to in a sharded run name one shard's seqs: add --shard I")
+    except (ValueError, StoreError, FormatError) as exc:
+        print(f"error: {exc}", file=err)
+        return EXIT_USAGE
+    if len(stores) == 1:
+        return _replay_log(store, descriptor, args, out, err)
+    codes = []
+    for i, s in enumerate(stores):
+        if shard is None or shard == i:
+            print(f"syncer shard {i}/{len(stores)} (fragments {list(s.fragments)}):", file=out, flush=True)
+            codes.append(_replay_log(s, descriptor, args, out, err))
+    worst = max(codes, key=lambda c: (c != EXIT_OK, c == EXIT_DIVERGED, c))
+    print(f"{sum(c == EXIT_OK for c in codes)} of {len(codes)} shard logs verified", file=out)
+    return worst
+
+
+def _replay_log(store, descriptor, args, out: TextIO, err: TextIO) -> int:
+    """Verify one commit log (the run's, or one shard's)."""
+    try:
         lo, hi, tail = log_bounds(store, descriptor, args.start, args.end)
     except (ValueError, StoreError, FormatError) as exc:
         print(f"error: {exc}", file=err)
