@@ -28,23 +28,24 @@ import msgpack
 import numpy as np
 import zstandard
 
+from . import codec_frames as frames
+from .codec_checks import IN_DTYPES as _IN_DTYPES, check_expect, field, tensor_entries, v1_payload
 from .envelope import seal, unseal
 from .errors import FormatError
 from .types import TensorSpec
 
 SCHEMES = ("int4", "int8", "bf16", "fp32")
-VERSION = 1
+VERSION = 1               # what encode writes unless told: replayed runs keep their bytes (docs/formats.md)
+VERSIONS = (1, 2)         # what decode reads; 2: framed payload (pipeline/codec_frames.py)
 _QMAX = {"int4": 7, "int8": 127}
-_IN_DTYPES = ("float16", "float32", "float64")   # what encode accepts; fp32 passthrough keeps it
-_BODY_KEYS = frozenset({"meta", "scheme", "block_size", "zstd", "tensors", "raw_len", "payload"})
+_COMMON_KEYS = frozenset({"meta", "scheme", "block_size", "tensors", "raw_len"})
+_BODY_KEYS = {1: _COMMON_KEYS | {"zstd", "payload"}, 2: _COMMON_KEYS | {"frame_bytes", "frames"}}
 _F32_MAX = float(np.finfo(np.float32).max)
 _F32_MIN_NORMAL = float(np.finfo(np.float32).tiny)
 _MAX_TENSORS = 1 << 20
-_MAX_NDIM = 32
 _STEP = 1 << 17           # values per kernel step: its temporaries (512 KiB at most) stay in L2/L3
 _ROWS = (1 << 15) - 1     # values per torch reduction call: below torch's grain size, so it runs serially
 _JOB = 1 << 20            # values per job handed to map_fn: the unit of parallelism
-_PIECE = 1 << 20          # bytes zstd decompresses at a time while decoding jobs start
 # y + MAGIC, in float32, is MAGIC + rint(y) exactly (half to even) for |y| < 2**22: the spacing of
 # float32 at 1.5 * 2**23 is 1 and MAGIC is even. The low byte of its bits is then the code: q + 8
 # for int4 (offset binary) and q mod 256 (two's complement) for int8.
@@ -344,97 +345,69 @@ def _encode_job(job: tuple[int, int, int], raw: np.ndarray, slots: list[_Slot], 
     return _quantize_range(x, lo, hi, scheme, bs, *_int_views(raw, slot, scheme, bs))
 
 
-def _encode_payload(raw: np.ndarray, slots: list[_Slot], cfg: CodecConfig, level: int, map_fn: MapFn
-                    ) -> tuple[bytes | memoryview, int | None]:
-    """Fill ``raw`` by jobs run through ``map_fn`` and compress it (``level`` 0: not at all) with the
-    one-shot call used before issue 15 (same bytes; the least CPU: streaming it tensor by tensor
-    would overlap zstd with quantisation on a pool but costs more). Returns the payload, or the index
-    of the first tensor with a non-finite value."""
+def _fill_raw(raw: np.ndarray, slots: list[_Slot], cfg: CodecConfig, map_fn: MapFn) -> int | None:
+    """Fill ``raw`` by jobs run through ``map_fn``; the index of the first tensor with a non-finite
+    value, or None."""
     work = partial(_encode_job, raw=raw, slots=slots, scheme=cfg.scheme, bs=cfg.block_size)
     jobs = _jobs(slots, cfg.block_size)
-    bad = next((i for (i, _, _), ok in zip(jobs, list(map_fn(work, jobs))) if not ok), None)
-    if bad is not None:
-        return b"", bad
-    if level:
-        return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(raw), None
-    return memoryview(raw), None
+    return next((i for (i, _, _), ok in zip(jobs, list(map_fn(work, jobs))) if not ok), None)
+
+
+def _payload_fields(raw: np.ndarray, version: int, level: int, framing: tuple[int, float], map_fn: MapFn) -> dict:
+    """Version 1: one zstd call on this thread (``level`` 0: none), the bytes written before issue 15.
+    Version 2: frames compressed on ``map_fn``, each kept only where zstd pays (codec_frames)."""
+    if version == 1:
+        if level:
+            return {"zstd": True, "payload": zstandard.ZstdCompressor(level=level, write_content_size=True)
+                    .compress(raw)}
+        return {"zstd": False, "payload": memoryview(raw)}
+    frame_bytes, min_saving = framing
+    return {"frame_bytes": frame_bytes, "frames": frames.compress_frames(raw, frame_bytes, level, min_saving, map_fn)}
 
 
 def encode(kind: str, meta: dict, tensors: Mapping[str, np.ndarray], cfg: CodecConfig, *,
-           map_fn: MapFn | None = None) -> bytes:
+           map_fn: MapFn | None = None, version: int = VERSION, min_saving: float = frames.MIN_SAVING,
+           frame_bytes: int = frames.FRAME_BYTES) -> bytes:
     """One sealed blob of ``kind`` holding ``meta`` and ``tensors`` (in the given order). ``map_fn``
-    runs the quantisation jobs (default ``map``: this thread; zstd runs on this one) and never
-    changes the bytes. ValueError naming the tensor for non-float dtypes or non-finite values (never
+    runs the quantisation jobs and, for ``version`` 2, the frames' zstd (default ``map``: this
+    thread) and never changes the bytes. Version 2 only: ``min_saving``, the share of a frame zstd
+    must save to be kept; ``frame_bytes``, raw bytes per frame. ValueError naming the tensor for non-float dtypes or non-finite values (never
     quantised silently; float64 beyond float32's range counts as non-finite for lossy schemes)."""
     if not isinstance(cfg, CodecConfig):
         raise ValueError(f"cfg must be a CodecConfig, got {type(cfg).__name__}")
     if not isinstance(meta, dict):
         raise ValueError(f"meta must be a plain dict, got {type(meta).__name__}")
+    if version not in VERSIONS or isinstance(version, bool):
+        raise ValueError(f"codec format version must be one of {VERSIONS}, got {version!r}")
+    frames.check_framing(frame_bytes, min_saving)
     slots, specs, refused = _plan(tensors, cfg.scheme, cfg.block_size)
     raw = np.empty(sum(s.length for s in slots), np.uint8)
-    level = cfg.zstd_level if refused is None else 0
-    payload, bad = _encode_payload(raw, slots, cfg, level, map_fn or map)
+    bad = _fill_raw(raw, slots, cfg, map_fn or map)
     if bad is not None:
         raise ValueError(f"tensor {slots[bad].name}: {_NON_FINITE}")
     if refused is not None:
         raise refused
+    fields = {"meta": meta, "scheme": cfg.scheme, "block_size": cfg.block_size, "tensors": specs,
+              "raw_len": raw.size}
     try:
-        body = msgpack.packb({"meta": meta, "scheme": cfg.scheme, "block_size": cfg.block_size,
-                              "zstd": level > 0, "tensors": specs, "raw_len": raw.size, "payload": payload},
-                             use_bin_type=True)
+        msgpack.packb(meta, use_bin_type=True)   # before compressing: a bad meta fails fast
     except (TypeError, ValueError, OverflowError) as exc:
         raise ValueError(f"meta is not plain msgpack-able data: {exc}") from None
-    return seal(kind, VERSION, body)
+    fields.update(_payload_fields(raw, version, cfg.zstd_level, (frame_bytes, min_saving), map_fn or map))
+    if version == 1:   # the key order of the bytes written before issue 15
+        fields = {k: fields[k] for k in ("meta", "scheme", "block_size", "zstd", "tensors", "raw_len", "payload")}
+    return seal(kind, version, msgpack.packb(fields, use_bin_type=True))
 
 
 # ------------------------------------------------------------------------------------- decode
 
-def _field(body: dict, key: str, typ: type, name: str) -> Any:
-    v = body[key]
-    if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
-        raise FormatError(f"{name}: field {key!r} has type {type(v).__name__}, expected {typ.__name__}")
-    return v
 
-
-def _tensor_entries(entries: list, name: str) -> list[tuple[str, tuple[int, ...], str]]:
-    out, seen = [], set()
-    for i, e in enumerate(entries):
-        if not isinstance(e, dict) or set(e) != {"name", "shape", "dtype"}:
-            raise FormatError(f"{name}: tensor entry {i} is not a map of name, shape, dtype")
-        tname, shape, dtype = e["name"], e["shape"], e["dtype"]
-        if not isinstance(tname, str) or not tname:
-            raise FormatError(f"{name}: tensor entry {i} has a bad name {tname!r}")
-        if tname in seen:
-            raise FormatError(f"{name}: tensor {tname} appears twice")
-        seen.add(tname)
-        if not isinstance(shape, list) or len(shape) > _MAX_NDIM or not all(
-                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < (1 << 40) for d in shape):
-            raise FormatError(f"{name}: tensor {tname} has a bad shape {shape!r}")
-        if dtype not in _IN_DTYPES:
-            raise FormatError(f"{name}: tensor {tname} has unsupported dtype {dtype!r}")
-        out.append((tname, tuple(shape), dtype))
-    return out
-
-
-def _check_expect(entries: list[tuple[str, tuple[int, ...], str]], expect: Sequence[TensorSpec],
-                  name: str) -> None:
-    got = {t: shape for t, shape, _ in entries}
-    want = {s.name: tuple(s.shape) for s in expect}
-    for t in want:
-        if t not in got:
-            raise FormatError(f"{name}: expected tensor {t} is missing")
-    for t, shape in got.items():
-        if t not in want:
-            raise FormatError(f"{name}: unexpected tensor {t}")
-        if shape != want[t]:
-            raise FormatError(f"{name}: tensor {t} has shape {shape}, expected {want[t]}")
-
-
-def _open_body(blob: bytes, kind: str, max_bytes: int, what: str | None) -> dict:
-    """Check the envelope and the body's top-level fields' presence (not yet their values)."""
+def _open_body(blob: bytes, kind: str, max_bytes: int, what: str | None) -> tuple[int, dict]:
+    """Check the envelope and the body's top-level fields' presence (not yet their values);
+    ``(format version, body)``."""
     name = what or kind
     # The sealed blob is at most the decoded size plus scales and metadata; allow generous slack.
-    _, body_bytes = unseal(blob, kind, VERSION, max_bytes=2 * max_bytes + (16 << 20), what=what)
+    version, body_bytes = unseal(blob, kind, VERSIONS, max_bytes=2 * max_bytes + (16 << 20), what=what)
     try:
         body = msgpack.unpackb(body_bytes, raw=False, strict_map_key=False, max_bin_len=len(body_bytes),
                                max_str_len=1 << 20, max_array_len=_MAX_TENSORS, max_map_len=1 << 16,
@@ -443,16 +416,17 @@ def _open_body(blob: bytes, kind: str, max_bytes: int, what: str | None) -> dict
         raise FormatError(f"{name}: tensor blob body does not decode ({exc.__class__.__name__})") from None
     if not isinstance(body, dict):
         raise FormatError(f"{name}: tensor blob body is not a map")
-    if set(body) != _BODY_KEYS:
-        missing, extra = sorted(_BODY_KEYS - set(body), key=str), sorted(set(body) - _BODY_KEYS, key=str)
+    keys = _BODY_KEYS[version]
+    if set(body) != keys:
+        missing, extra = sorted(keys - set(body), key=str), sorted(set(body) - keys, key=str)
         raise FormatError(f"{name}: tensor blob fields wrong (missing {missing}, unknown {extra})")
-    return body
+    return version, body
 
 
 def peek_meta(blob: bytes, kind: str, *, max_bytes: int = 1 << 30, what: str | None = None) -> dict:
     """The ``meta`` of a blob (e.g. a delta's header) after the envelope checks, without decompressing
     or dequantising its tensors. ``decode`` later checks the rest."""
-    return _field(_open_body(blob, kind, max_bytes, what), "meta", dict, what or kind)
+    return field(_open_body(blob, kind, max_bytes, what)[1], "meta", dict, what or kind)
 
 
 def _decode_job(job: tuple[int, int, int], buf: np.ndarray, slots: list[_Slot], scheme: str, bs: int) -> str:
@@ -533,34 +507,6 @@ def _payload_sizes(entries: list[tuple[str, tuple[int, ...], str]], scheme: str,
     return lengths
 
 
-def _raw_payload(payload: bytes, use_zstd: bool, raw_len: int, name: str) -> tuple[np.ndarray, Iterator[int]]:
-    """The raw payload's buffer, and how many of its bytes are ready: zstd fills it piece by piece
-    while the first decoding jobs run."""
-    if not use_zstd:
-        if len(payload) != raw_len:
-            raise FormatError(f"{name}: payload has {len(payload)} bytes, expected {raw_len}")
-        return np.frombuffer(payload, np.uint8), iter([raw_len])
-    try:
-        declared = zstandard.frame_content_size(payload)
-    except zstandard.ZstdError:
-        raise FormatError(f"{name}: payload is not a zstd frame") from None
-    if declared != raw_len:  # zstd would allocate the declared size, so check it first
-        raise FormatError(f"{name}: zstd frame declares {declared} bytes, expected {raw_len}")
-    buf = np.empty(raw_len, np.uint8)
-
-    def inflate(reader: Any, view: memoryview, pos: int = 0) -> Iterator[int]:
-        while pos < raw_len:
-            try:
-                n = reader.readinto(view[pos:pos + _PIECE])
-            except zstandard.ZstdError as exc:
-                raise FormatError(f"{name}: zstd payload does not decompress ({exc})") from None
-            if not n:
-                raise FormatError(f"{name}: zstd payload does not decompress (it ends after {pos} bytes)")
-            pos += n
-            yield pos
-    return buf, inflate(zstandard.ZstdDecompressor().stream_reader(payload), memoryview(buf))
-
-
 def decode(blob: bytes, kind: str, *, max_bytes: int = 1 << 30, expect: Sequence[TensorSpec] | None = None,
            what: str | None = None, map_fn: MapFn | None = None) -> Decoded:
     """Open a blob written by ``encode``; ``max_bytes`` bounds the decoded tensors' total size.
@@ -568,20 +514,24 @@ def decode(blob: bytes, kind: str, *, max_bytes: int = 1 << 30, expect: Sequence
     object (a key) in error messages; ``map_fn`` runs the decoding jobs (default ``map``: this
     thread) and never changes the result. Raises FormatError on anything wrong."""
     name = what or kind
-    body = _open_body(blob, kind, max_bytes, what)
-    meta = _field(body, "meta", dict, name)
-    scheme = _field(body, "scheme", str, name)
+    version, body = _open_body(blob, kind, max_bytes, what)
+    meta = field(body, "meta", dict, name)
+    scheme = field(body, "scheme", str, name)
     if scheme not in SCHEMES:
         raise FormatError(f"{name}: unknown codec scheme {scheme!r}")
-    block_size = _field(body, "block_size", int, name)
+    block_size = field(body, "block_size", int, name)
     if block_size < 2 or block_size % 2 or block_size > (1 << 24):
         raise FormatError(f"{name}: bad block_size {block_size}")
-    use_zstd, raw_len, payload = (_field(body, k, t, name) for k, t in (("zstd", bool), ("raw_len", int),
-                                                                         ("payload", bytes)))
-    entries = _tensor_entries(_field(body, "tensors", list, name), name)
+    raw_len = field(body, "raw_len", int, name)
+    entries = tensor_entries(field(body, "tensors", list, name), name)
     if expect is not None:
-        _check_expect(entries, expect, name)
+        check_expect(entries, expect, name)
     lengths = _payload_sizes(entries, scheme, block_size, max_bytes, raw_len, name)
-    buf, ready = _raw_payload(payload, use_zstd, raw_len, name)
+    if version == 1:   # one zstd frame, streamed: the first jobs start while it decompresses
+        buf, ready = v1_payload(field(body, "payload", bytes, name), field(body, "zstd", bool, name), raw_len, name)
+    else:              # frames, decompressed on map_fn, then the jobs
+        checked = frames.check_frames(body["frames"], raw_len, body["frame_bytes"], name)
+        buf = frames.inflate_frames(checked, raw_len, body["frame_bytes"], name, map_fn or map)
+        ready = iter([raw_len])
     tensors = _decode_tensors(buf, ready, entries, lengths, scheme, block_size, name, map_fn or map)
     return Decoded(meta=meta, tensors=tensors, scheme=scheme)

@@ -1,0 +1,140 @@
+"""Tensor blob version 2's payload: the raw payload cut into frames, each stored or zstd'd.
+
+SPEC §6 (zstd after quantisation) and issue 15 ("codec at line rate"): version 1 compresses the
+whole raw payload with one zstd call on one thread. Version 2 cuts it into frames of
+``frame_bytes`` raw bytes (the last one shorter); each frame is compressed on its own, so a pool
+(``map_fn``) compresses and decompresses frames side by side, and a frame is kept compressed only
+when zstd pays on it: it must save at least ``min_saving`` of the frame's bytes, or the frame is
+stored as it is (decoding a stored frame is a copy). A sample of the frame is tried first so a
+frame zstd cannot shrink costs a fraction of a full compression. Layout: docs/formats.md
+("Tensor blobs", version 2).
+
+Which frames are compressed is a pure function of the raw bytes, the level and ``min_saving``
+(never of timing or of the pool), so a blob's bytes are the same at any thread count.
+
+Decoding trusts nothing: every frame's method, length and zstd content size are checked against
+what ``raw_len`` and ``frame_bytes`` imply before anything is allocated or decompressed, and a
+frame that decompresses to the wrong size raises ``FormatError``.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import zstandard
+
+from .errors import FormatError
+
+STORED, ZSTD = 0, 1                 # a frame's method: its raw bytes, or one zstd frame of them
+FRAME_BYTES = 1 << 20               # raw bytes per frame written: 1 MiB (~1.9 M int4 values at block 64)
+MIN_FRAME_BYTES, MAX_FRAME_BYTES = 1 << 12, 1 << 26
+MIN_SAVING = 0.02                   # default: keep zstd's output when it saves >= 2% of the frame
+_SAMPLE = 1 << 16                   # bytes tried first: a frame whose sample does not pay is stored
+
+MapFn = Callable[[Callable[[Any], Any], Iterable[Any]], Iterable[Any]]
+
+
+def frame_ranges(raw_len: int, frame_bytes: int) -> list[tuple[int, int]]:
+    """(lo, hi) of every frame of a raw payload of ``raw_len`` bytes (none for an empty payload)."""
+    return [(lo, min(lo + frame_bytes, raw_len)) for lo in range(0, raw_len, frame_bytes)]
+
+
+def _pays(size: int, packed: int, min_saving: float) -> bool:
+    return packed <= size * (1.0 - min_saving)
+
+
+def _compress_frame(rng: tuple[int, int], raw: np.ndarray, level: int, min_saving: float) -> list:
+    """One frame as ``[method, bytes]``: zstd's output if it pays, else the raw bytes."""
+    lo, hi = rng
+    data = raw[lo:hi]
+    if level <= 0:
+        return [STORED, data.tobytes()]
+    zc = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+    if data.size >= 4 * _SAMPLE:   # a middle sample: cheap evidence that the whole frame will not pay
+        mid = (data.size - _SAMPLE) // 2
+        if not _pays(_SAMPLE, len(zc.compress(data[mid:mid + _SAMPLE])), min_saving):
+            return [STORED, data.tobytes()]
+    packed = zc.compress(data)
+    return [ZSTD, packed] if _pays(data.size, len(packed), min_saving) else [STORED, data.tobytes()]
+
+
+def check_framing(frame_bytes: Any, min_saving: Any) -> None:
+    """ValueError for a frame size or a ``min_saving`` the writer does not take."""
+    if not isinstance(frame_bytes, int) or isinstance(frame_bytes, bool) \
+            or not MIN_FRAME_BYTES <= frame_bytes <= MAX_FRAME_BYTES:
+        raise ValueError(f"frame_bytes must be an int in {MIN_FRAME_BYTES}..{MAX_FRAME_BYTES}, got {frame_bytes!r}")
+    if not isinstance(min_saving, (int, float)) or isinstance(min_saving, bool) or not 0.0 <= min_saving < 1.0:
+        raise ValueError(f"min_saving must be a number in [0, 1), got {min_saving!r}")
+
+
+def compress_frames(raw: np.ndarray, frame_bytes: int, level: int, min_saving: float,
+                    map_fn: MapFn) -> list[list]:
+    """The frames of ``raw`` (uint8), each ``[method, bytes]``, compressed on ``map_fn``."""
+    check_framing(frame_bytes, min_saving)
+    work = partial(_compress_frame, raw=raw, level=level, min_saving=min_saving)
+    return list(map_fn(work, frame_ranges(raw.size, frame_bytes)))
+
+
+def check_frames(frames: Any, raw_len: int, frame_bytes: Any, name: str) -> list[tuple[int, bytes]]:
+    """The frames of a body as ``(method, data)`` after checking their count, methods, stored
+    lengths and zstd content sizes against ``raw_len`` and ``frame_bytes``."""
+    if not isinstance(frame_bytes, int) or isinstance(frame_bytes, bool) \
+            or not MIN_FRAME_BYTES <= frame_bytes <= MAX_FRAME_BYTES:
+        raise FormatError(f"{name}: bad frame_bytes {frame_bytes!r}")
+    ranges = frame_ranges(raw_len, frame_bytes)
+    if not isinstance(frames, list) or len(frames) != len(ranges):
+        got = len(frames) if isinstance(frames, list) else type(frames).__name__
+        raise FormatError(f"{name}: payload has {got} frames, expected {len(ranges)}")
+    out = []
+    for i, (f, (lo, hi)) in enumerate(zip(frames, ranges)):
+        if not isinstance(f, list) or len(f) != 2 or f[0] not in (STORED, ZSTD) or isinstance(f[0], bool) \
+                or not isinstance(f[1], bytes):
+            raise FormatError(f"{name}: frame {i} is not [method 0|1, bytes]")
+        method, data = f
+        if method == STORED and len(data) != hi - lo:
+            raise FormatError(f"{name}: stored frame {i} has {len(data)} bytes, expected {hi - lo}")
+        if method == ZSTD:
+            try:
+                declared = zstandard.frame_content_size(data)
+            except zstandard.ZstdError:
+                raise FormatError(f"{name}: frame {i} is not a zstd frame") from None
+            if declared != hi - lo:   # zstd would allocate what the frame declares: check it first
+                raise FormatError(f"{name}: zstd frame {i} declares {declared} bytes, expected {hi - lo}")
+        out.append((method, data))
+    return out
+
+
+def _inflate_frame(job: tuple[int, tuple[int, bytes]], buf: np.ndarray, frame_bytes: int) -> str:
+    """Frame ``i`` into its bytes of ``buf``; an error, or ""."""
+    i, (method, data) = job
+    lo = i * frame_bytes
+    hi = min(lo + frame_bytes, buf.size)
+    if method == STORED:
+        buf[lo:hi] = np.frombuffer(data, np.uint8)
+        return ""
+    view, pos = memoryview(buf)[lo:hi], 0
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(data) as reader:
+            while pos < hi - lo:
+                n = reader.readinto(view[pos:])
+                if not n:
+                    break
+                pos += n
+            extra = reader.read(1)
+    except zstandard.ZstdError as exc:
+        return f"zstd frame {i} does not decompress ({exc})"
+    if pos != hi - lo or extra:
+        return f"zstd frame {i} decompresses to the wrong size"
+    return ""
+
+
+def inflate_frames(frames: list[tuple[int, bytes]], raw_len: int, frame_bytes: int, name: str,
+                   map_fn: MapFn) -> np.ndarray:
+    """The raw payload of checked ``frames``, decompressed on ``map_fn``; FormatError if one fails."""
+    buf = np.empty(raw_len, np.uint8)
+    work = partial(_inflate_frame, buf=buf, frame_bytes=frame_bytes)
+    err = next(filter(None, list(map_fn(work, enumerate(frames)))), "")
+    if err:
+        raise FormatError(f"{name}: {err}")
+    return buf
