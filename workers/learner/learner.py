@@ -386,6 +386,9 @@ class Learner:
             "bytes_received": r.bytes_received if r else 0,
             "versions_applied": self.applied, "receiver_errors": r.errors if r else 0,
             "versions_refused": r.refused if r else 0, "receiver_failed": r.failed if r else None,
+            # announced commits not in this learner's store yet (its region's copy), reads that missed them
+            "versions_awaited": getattr(r, "awaited", 0), "copy_misses": getattr(r, "copy_misses", 0),
+            "copy_wait_s": round(getattr(r, "copy_wait_s", 0.0), 4),
             "nonfinite_steps": self.health.skipped, "fragments_reloaded": self.health.reloads,
             "median_step_s": statistics.median(self.step_times) if self.step_times else 0.0,
             "mean_step_s": seconds / timed if timed else 0.0,

@@ -32,6 +32,7 @@ from pipeline.schedule import ClockRecord
 from storage.errors import NotFound, StoreError
 from storage.layout import CLOCK_KEY
 from workers.bus.bus import AnnounceListener, BusConfig
+from workers.common.aggregate import RunningMean
 from workers.common.events import EventLog
 from workers.common.versions import VersionTracker
 
@@ -51,6 +52,7 @@ class Arrival:
 FAIL_AFTER = 3            # failed polls in a row before the receiver reports itself failed
 FETCH_THREADS = 8         # parallel GETs of commits and versions
 BUS_ROUNDS_FRESH_S = 3.0   # round announcements heard this recently make the storage clock unnecessary
+COPY_WAIT_MIN_S = 0.05     # first re-read of an announced commit the store does not hold yet (a region's copy)
 
 
 class Receiver:
@@ -76,6 +78,14 @@ class Receiver:
         self._bus_round_at = -1e9                        # when a round announcement was last heard
         self._map = map                                  # the fetch pool's map while the thread runs
         self._announced = -1                             # newest commit seq an announcement named
+        # An announcement can overtake the copy in a learner's region (issue 14: the replicator
+        # writes it there a few round trips after the commit): then the receiver waits for the
+        # copy with a bounded backoff instead of re-reading on every announcement.
+        self.awaited = 0            # announced commits the store did not hold yet at the first read
+        self.copy_misses = 0        # reads that found an announced commit missing
+        self._awaiting_since = -1.0  # when the current wait began (-1: not waiting)
+        self._backoff = 0.0         # the current wait's next pause
+        self._copy_wait = RunningMean()   # announce -> found, seconds, of the commits waited for
 
     def start(self) -> None:
         self._thread.start()
@@ -135,7 +145,9 @@ class Receiver:
                         v = msg.fields.get("version")
                         p = msg.fields.get("fragment")
                         if isinstance(p, int) and isinstance(v, int) and v > self.known.get(p, -1):
-                            found_by, next_poll = "announce", 0.0
+                            found_by = "announce"
+                            if self._awaiting_since < 0:   # while waiting for a copy, the backoff decides
+                                next_poll = 0.0
                             seq = msg.fields.get("seq")
                             if isinstance(seq, int) and not isinstance(seq, bool):
                                 self._announced = max(self._announced, seq)
@@ -149,7 +161,7 @@ class Receiver:
                 if time.monotonic() >= next_poll:
                     self._poll(found_by)
                     self._poll_clock()
-                    next_poll = time.monotonic() + self.poll_s
+                    next_poll = time.monotonic() + self._after_poll()
         finally:
             pool.shutdown(wait=True)
             self._map = map
@@ -165,7 +177,10 @@ class Receiver:
         one GET when nothing is new (``VersionTracker.poll_fast``); new commits and their versions
         are fetched in parallel on the receiver's pool."""
         try:
-            records = self.tracker.poll_fast(at_least=self._announced, map_fn=self._map)
+            # While waiting for a copy, one GET of the next commit per try (not a window up to the
+            # announced seq, which would be all 404s).
+            at_least = -1 if self._awaiting_since >= 0 else self._announced
+            records = self.tracker.poll_fast(at_least=at_least, map_fn=self._map)
             self._healthy("log")
             self._healthy("thread")
         except (StoreError, FormatError) as exc:
@@ -203,6 +218,30 @@ class Receiver:
             with self._lock:
                 self._ready[p] = Arrival(p, rec.version, rec.seq, values, found_by,
                                          float(rec.info.get("committed_at", 0.0)), rec.epoch, rec.round)
+
+    def _after_poll(self) -> float:
+        """Seconds to the next poll: ``poll_s``, or while an announced commit is not in the store
+        yet, a backoff from about the usual wait for a copy (>= COPY_WAIT_MIN_S), doubling, at
+        most ``poll_s``. Counts the commits waited for and the reads that missed."""
+        now = time.monotonic()
+        if self._announced <= self.tracker.cursor:
+            if self._awaiting_since >= 0:
+                self._copy_wait.append(now - self._awaiting_since)
+            self._awaiting_since, self._backoff = -1.0, 0.0
+            return self.poll_s
+        self.copy_misses += 1
+        if self._awaiting_since < 0:
+            self.awaited += 1
+            self._awaiting_since = now
+            self._backoff = max(COPY_WAIT_MIN_S, self._copy_wait.mean if self._copy_wait else 0.0)
+        else:
+            self._backoff *= 2
+        return min(self._backoff, self.poll_s)
+
+    @property
+    def copy_wait_s(self) -> float:
+        """Mean seconds from an announcement to the commit being in the store, over the waits."""
+        return self._copy_wait.mean if self._copy_wait else 0.0
 
     def _load(self, rec: CommitRecord) -> dict[str, np.ndarray] | Exception:
         """One version (on a pool thread): its values, or the error ``_poll`` handles."""
