@@ -16,7 +16,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Sequence, TextIO
 
 import numpy as np
 
@@ -25,6 +25,7 @@ from pipeline.types import CommitRecord, RunDescriptor
 from storage.errors import NotFound, StoreError
 from storage.layout import commit_key
 from storage.log import CommitLog
+from storage.shards import owned_fragments, shard_stores
 from storage.store import ObjectStore
 from workers.tools.replay_verify import open_run
 from workers.tools.replay_cli import EXIT_DAMAGED, EXIT_USAGE, add_location_args, pipe_safe
@@ -38,32 +39,41 @@ META_PREFIX = "ddiloco."
 
 
 def versions_at(store: ObjectStore, descriptor: RunDescriptor, seq: int) -> dict[int, CommitRecord]:
-    """The newest version-carrying commit of every fragment at or before commit ``seq``."""
+    """The newest version-carrying commit of every fragment at or before commit ``seq`` (of a
+    shard's log: the fragments that shard owns, storage/shards.py)."""
     log = CommitLog(store)
-    P = descriptor.num_fragments
+    want = set(owned_fragments(store, descriptor))
     found: dict[int, CommitRecord] = {}
     s = seq
-    while s >= 0 and len(found) < P:
+    while s >= 0 and not want <= found.keys():
         try:
             rec = log.read(s)
         except NotFound:
             raise NotFound(f"missing: commit {s} (looking for the versions in force at commit {seq})",
                            uri=store.uri, key=commit_key(s)) from None
-        if rec.kind in ("init", "merge") and rec.fragment not in found:
+        if rec.kind in ("init", "merge") and rec.fragment in want and rec.fragment not in found:
             found[rec.fragment] = rec
         s -= 1
-    missing = sorted(set(range(P)) - set(found))
+    missing = sorted(want - set(found))
     if missing:
         raise FormatError(f"{store.uri}: no version of fragments {missing} at or before commit {seq}")
     return dict(sorted(found.items()))
 
 
-def model_at(store: ObjectStore, descriptor: RunDescriptor, seq: int,
+def model_at(store: ObjectStore, descriptor: RunDescriptor, seq: int | Sequence[int],
              cache: dict[str, dict[str, np.ndarray]] | None = None
              ) -> tuple[dict[str, np.ndarray], dict[int, CommitRecord]]:
     """All tensors (float32, descriptor order) as they stood after commit ``seq``, and the commit
-    of each fragment's version. ``cache`` (by version key) avoids decoding a version twice."""
-    commits = versions_at(store, descriptor, seq)
+    of each fragment's version. ``cache`` (by version key) avoids decoding a version twice.
+
+    A sharded run (issue 15) has one log per syncer shard and no single commit order: its point is
+    one seq per shard (``resolve_seq``), and fragment p's version is the newest its owner (shard
+    p % N) committed at or before that shard's seq (docs/formats.md "Export of a sharded run")."""
+    seqs = [seq] if isinstance(seq, int) else list(seq)
+    stores = shard_stores(store, descriptor)
+    if len(seqs) != len(stores):
+        raise ValueError(f"run {descriptor.run_id} has {len(stores)} commit logs: give one seq per shard, got {seqs}")
+    commits = dict(sorted(kv for s, q in zip(stores, seqs) for kv in versions_at(s, descriptor, q).items()))
     parts: dict[str, np.ndarray] = {}
     for p, rec in commits.items():
         if cache is not None and rec.output_key in cache:
@@ -78,6 +88,21 @@ def model_at(store: ObjectStore, descriptor: RunDescriptor, seq: int,
                 cache[rec.output_key] = values
         parts.update(values)
     return {t.name: parts[t.name] for t in descriptor.layout.tensors}, commits
+
+
+def resolve_point(store: ObjectStore, descriptor: RunDescriptor, text: str | int) -> int | tuple[int, ...]:
+    """``resolve_seq`` for any run: in a sharded run, one seq per shard (``S0,S1,...`` in shard
+    order; ``latest``: every shard's tail), each checked against its shard's log."""
+    stores = shard_stores(store, descriptor)
+    if len(stores) == 1:
+        return resolve_seq(store, text)
+    if isinstance(text, str) and text.lower() in ("latest", "tail"):
+        return tuple(resolve_seq(s, "latest") for s in stores)
+    parts = str(text).split(",")
+    if len(parts) != len(stores):
+        raise ValueError(f"run {descriptor.run_id} has {len(stores)} syncer shards, each with its own log: give "
+                         f"one commit per shard, S0,...,S{len(stores) - 1} (or 'latest'), not {text!r}")
+    return tuple(resolve_seq(s, q) for s, q in zip(stores, parts))
 
 
 def resolve_seq(store: ObjectStore, text: str | int) -> int:
@@ -100,9 +125,13 @@ def state_dict(values: dict[str, np.ndarray]) -> dict:
     return {n: torch.from_numpy(np.array(a, dtype=np.float32, copy=True)) for n, a in values.items()}
 
 
-def export_metadata(descriptor: RunDescriptor, seq: int, commits: dict[int, CommitRecord]) -> dict[str, str]:
+def export_metadata(descriptor: RunDescriptor, seq: int | Sequence[int],
+                    commits: dict[int, CommitRecord]) -> dict[str, str]:
     """The safetensors metadata of the model after commit ``seq`` (``commits``: each fragment's
-    version-carrying commit, as ``model_at`` returns them)."""
+    version-carrying commit, as ``model_at`` returns them). A sharded run's point is one seq per
+    shard: ``commit_seq`` is then -1 and ``shard_seqs`` lists them (fragment_commits are per shard)."""
+    if not isinstance(seq, int):
+        return {**export_metadata(descriptor, -1, commits), f"{META_PREFIX}shard_seqs": json.dumps(list(seq))}
     return {
         "format": "pt",
         f"{META_PREFIX}metadata_version": str(EXPORT_METADATA_VERSION),
@@ -195,6 +224,10 @@ def diff_models(a: dict[str, np.ndarray], b: dict[str, np.ndarray], descriptor: 
     return out
 
 
+def _point(seq: int | Sequence[int]) -> str:
+    return str(seq) if isinstance(seq, int) else "(" + ", ".join(f"shard {i}: {q}" for i, q in enumerate(seq)) + ")"
+
+
 def _fail(err: TextIO, what: str, exc: Exception) -> int:
     print(f"{what} FAILED: {exc}", file=err)
     return EXIT_DAMAGED
@@ -204,7 +237,8 @@ def configure_export(parser: argparse.ArgumentParser):
     """Write the global model as it stood after a commit: a PyTorch state dict or safetensors."""
     add_location_args(parser)
     which = parser.add_mutually_exclusive_group(required=True)
-    which.add_argument("--seq", default=None, metavar="SEQ", help="the commit after which to take the model")
+    which.add_argument("--seq", default=None, metavar="SEQ", help="the commit after which to take the model (a "
+                       "sharded run: one per syncer shard, S0,S1,... in shard order)")
     which.add_argument("--latest", action="store_true", help="the end of the log")
     parser.add_argument("-o", "--output", required=True, metavar="PATH",
                         help="file to write (e.g. model.pt, model.safetensors)")
@@ -218,7 +252,7 @@ def configure_export(parser: argparse.ArgumentParser):
 def export_command(args, out: TextIO, err: TextIO) -> int:
     try:
         store, descriptor = open_run(args.run_uri, s3_endpoint=args.s3_endpoint)
-        seq = resolve_seq(store, "latest" if args.latest else args.seq)
+        seq = resolve_point(store, descriptor, "latest" if args.latest else args.seq)
     except (ValueError, StoreError, FormatError) as exc:
         print(f"error: {exc}", file=err)
         return EXIT_USAGE
@@ -236,7 +270,7 @@ def export_command(args, out: TextIO, err: TextIO) -> int:
     params = sum(a.size for a in values.values())
     versions = ", ".join(f"f{p} v{r.version}" for p, r in commits.items())
     print(f"wrote {path} ({fmt}): {len(values)} tensors, {params} parameters (float32), the model after "
-          f"commit {seq} of run {descriptor.run_id} ({versions})", file=out)
+          f"commit {_point(seq)} of run {descriptor.run_id} ({versions})", file=out)
     return 0
 
 
@@ -252,7 +286,7 @@ def configure_diff(parser: argparse.ArgumentParser):
 def diff_command(args, out: TextIO, err: TextIO) -> int:
     try:
         store, descriptor = open_run(args.run_uri, s3_endpoint=args.s3_endpoint)
-        sa, sb = resolve_seq(store, args.seq_a), resolve_seq(store, args.seq_b)
+        sa, sb = resolve_point(store, descriptor, args.seq_a), resolve_point(store, descriptor, args.seq_b)
     except (ValueError, StoreError, FormatError) as exc:
         print(f"error: {exc}", file=err)
         return EXIT_USAGE
@@ -270,7 +304,7 @@ def diff_command(args, out: TextIO, err: TextIO) -> int:
     total_a = math.sqrt(sum(c.norm_a ** 2 for c in changes))
     total_d = math.sqrt(sum(c.norm_change ** 2 for c in changes))
     width = max(len(c.tensor) for c in changes)
-    print(f"run {descriptor.run_id}: change of the model from commit {sa} to commit {sb}", file=out)
+    print(f"run {descriptor.run_id}: change of the model from commit {_point(sa)} to commit {_point(sb)}", file=out)
     print(f"  {'tensor':<{width}} {'frag':>4} {'versions':>10} {'|A|':>10} {'|B-A|':>10} {'|B-A|/|A|':>10} "
           f"{'max|B-A|':>10}", file=out)
     for c in changes:

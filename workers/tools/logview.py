@@ -24,12 +24,13 @@ import json
 from collections import Counter
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, TextIO
+from typing import Any, Callable, Iterable, Iterator, TextIO
 
 from pipeline.errors import FormatError
 from pipeline.types import CommitRecord, DroppedRecord
 from storage.errors import StoreError
 from storage.log import CommitLog
+from storage.shards import shard_stores
 from workers.tools.accounting import default_event_dir, read_event_dir, report_lines, traffic_report
 from workers.tools.cost import parse_prices
 from workers.tools.replay_verify import open_run
@@ -263,6 +264,9 @@ def configure(parser: argparse.ArgumentParser):
     parser.add_argument("--learner", default=None, metavar="ID", help="only commits that merged or dropped a delta "
                         "of this learner (totals count only its deltas)")
     parser.add_argument("--from", dest="start", type=int, default=0, metavar="SEQ", help="first commit shown")
+    parser.add_argument("--shard", type=int, default=None, metavar="I",
+                        help="a sharded run (ddiloco run --syncers N): only shard I's log (default: every shard's "
+                             "in turn; --from/--to apply to each shard's own seqs)")
     parser.add_argument("--to", dest="end", type=int, default=None, metavar="SEQ", help="last commit shown")
     parser.add_argument("--accounting", action="store_true",
                         help="after the totals, the traffic report: requests and bytes per region, link, learner "
@@ -281,6 +285,9 @@ def log_command(args, out: TextIO, err: TextIO) -> int:
         store, descriptor = open_run(args.run_uri, s3_endpoint=args.s3_endpoint)
         if args.fragment is not None and not 0 <= args.fragment < descriptor.num_fragments:
             raise ValueError(f"--fragment {args.fragment}: the run has fragments 0..{descriptor.num_fragments - 1}")
+        shard = getattr(args, "shard", None)
+        if shard is not None and not 0 <= shard < descriptor.syncers:
+            raise ValueError(f"--shard {shard}: run {descriptor.run_id} has syncer shards 0..{descriptor.syncers - 1}")
         if args.start < 0 or (args.end is not None and args.end < args.start):
             raise ValueError(f"--from {args.start} --to {args.end}: need 0 <= from <= to")
         prices = parse_prices(getattr(args, "prices", None))
@@ -289,10 +296,9 @@ def log_command(args, out: TextIO, err: TextIO) -> int:
     except (ValueError, StoreError, FormatError) as exc:
         print(f"error: {exc}", file=err)
         return EXIT_USAGE
-    log = CommitLog(store)
     try:
-        end = log.tail() if args.end is None else args.end
-        show_log(log.read_range(args.start, end + 1), out, as_json=args.json, fragment=args.fragment,
+        show_log(_records(store, descriptor, args.start, args.end, getattr(args, "shard", None), out, args.json),
+                 out, as_json=args.json, fragment=args.fragment,
                  learner=args.learner, fragments=descriptor.num_fragments, base_of=stored_base(store, descriptor))
     except (StoreError, FormatError) as exc:
         out.flush()
@@ -301,6 +307,22 @@ def log_command(args, out: TextIO, err: TextIO) -> int:
     if not wanted:
         return 0
     return show_traffic(events_dir, descriptor, prices, out, err, as_json=args.json)
+
+
+def _records(store, descriptor, start: int, end: int | None, shard: int | None, out: TextIO,
+             as_json: bool) -> Iterator[CommitRecord]:
+    """The commits to show: ``start..end`` of the run's log; in a sharded run (issue 15) of every
+    shard's log in shard order (or ``shard``'s alone), each with a header line, the shared init
+    commits once (their totals count each commit once)."""
+    stores = shard_stores(store, descriptor)
+    for i, s in enumerate(stores):
+        if shard is not None and shard != i:
+            continue
+        log = CommitLog(s)
+        if len(stores) > 1 and not as_json:
+            print(f"syncer shard {i}/{len(stores)} (fragments {list(s.fragments)}), its own commit seqs:", file=out)
+        stop = log.tail() if end is None else end
+        yield from (r for r in log.read_range(start, stop + 1) if i == 0 or shard == i or r.kind != "init")
 
 
 def _events_dir(args):
