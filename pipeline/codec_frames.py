@@ -49,14 +49,14 @@ def _compress_frame(rng: tuple[int, int], raw: np.ndarray, level: int, min_savin
     lo, hi = rng
     data = raw[lo:hi]
     if level <= 0:
-        return [STORED, data.tobytes()]
+        return [STORED, memoryview(data)]
     zc = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
     if data.size >= 4 * _SAMPLE:   # a middle sample: cheap evidence that the whole frame will not pay
         mid = (data.size - _SAMPLE) // 2
         if not _pays(_SAMPLE, len(zc.compress(data[mid:mid + _SAMPLE])), min_saving):
-            return [STORED, data.tobytes()]
+            return [STORED, memoryview(data)]
     packed = zc.compress(data)
-    return [ZSTD, packed] if _pays(data.size, len(packed), min_saving) else [STORED, data.tobytes()]
+    return [ZSTD, packed] if _pays(data.size, len(packed), min_saving) else [STORED, memoryview(data)]
 
 
 def check_framing(frame_bytes: Any, min_saving: Any) -> None:

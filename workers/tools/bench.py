@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from pipeline.codec import SCHEMES, CodecConfig, decode, encode
+from pipeline.codec import SCHEMES, VERSIONS, CodecConfig, decode, encode
 
 MB = 1e6
 # wall: elapsed time (what a caller waits); cpu: this process's CPU time, all its threads together
@@ -54,6 +54,7 @@ class BenchConfig:
     threads: tuple[int, ...] = (1, 2)
     schemes: tuple[str, ...] = SCHEMES
     clock: str = "wall"
+    formats: tuple[int, ...] = VERSIONS   # codec format versions (docs/formats.md "Tensor blobs")
 
     def __post_init__(self) -> None:
         if self.what not in TARGETS:
@@ -71,6 +72,8 @@ class BenchConfig:
         bad = [s for s in self.schemes if s not in SCHEMES]
         if bad or not self.schemes:
             raise ValueError(f"--schemes must name some of {SCHEMES}, got {self.schemes}")
+        if not self.formats or any(f not in VERSIONS for f in self.formats):
+            raise ValueError(f"--formats must list some of {VERSIONS}, got {self.formats}")
         CodecConfig("int4", self.block_size, self.zstd_level)  # validates both
 
 
@@ -117,6 +120,16 @@ def job_runner(n: int) -> Iterator[Callable | None]:
         yield pool.map
 
 
+def _zstd_frames(blob: bytes, fmt: int, level: int) -> str:
+    """How many of a blob's frames zstd kept (format 2: where it paid), as "k/n"; format 1: one frame."""
+    if fmt == 1:
+        return "1/1" if level else "0/1"
+    import msgpack
+    from pipeline.envelope import unseal
+    frames = msgpack.unpackb(unseal(blob, "bench", fmt)[1], raw=False)["frames"]
+    return f"{sum(m for m, _ in frames)}/{len(frames)}"
+
+
 def bench_codec(cfg: BenchConfig, clock: Callable[[], float] = time.perf_counter) -> dict:
     """Encode/decode MB/s and compression ratio per scheme, with and without zstd, per thread count.
     torch is imported first where installed, as in a learner (the codec then uses its row maximum)."""
@@ -131,20 +144,21 @@ def bench_codec(cfg: BenchConfig, clock: Callable[[], float] = time.perf_counter
     for threads in cfg.threads:
         with cores(threads) as got, job_runner(threads) as map_fn:
             memcpy = memcpy_mbps(x.nbytes, cfg.repeat, clock)
-            for scheme in cfg.schemes:
-                for level in (cfg.zstd_level, 0) if cfg.zstd_level else (0,):
-                    codec = CodecConfig(scheme, cfg.block_size, level)
-                    blob = encode("bench", {}, tensors, codec, map_fn=map_fn)
-                    digest = digests.setdefault((scheme, level), hashlib.sha256(blob).hexdigest())
-                    enc = mb / _best_seconds(lambda: encode("bench", {}, tensors, codec, map_fn=map_fn),
-                                             cfg.repeat, clock)
-                    dec = mb / _best_seconds(lambda: decode(blob, "bench", max_bytes=x.nbytes, map_fn=map_fn),
-                                             cfg.repeat, clock)
-                    rows.append({"threads": threads, "cores": got, "memcpy_mbps": memcpy, "scheme": scheme,
-                                 "zstd_level": level, "encode_mbps": enc, "decode_mbps": dec,
-                                 "ratio": x.nbytes / len(blob), "blob_bytes": len(blob),
-                                 "encode_vs_memcpy": enc / memcpy, "decode_vs_memcpy": dec / memcpy,
-                                 "same_bytes": hashlib.sha256(blob).hexdigest() == digest})
+            for scheme, level, fmt in ((s, lv, f) for s in cfg.schemes for f in cfg.formats
+                                       for lv in ((cfg.zstd_level, 0) if cfg.zstd_level else (0,))):
+                codec = CodecConfig(scheme, cfg.block_size, level)
+                blob = encode("bench", {}, tensors, codec, map_fn=map_fn, version=fmt)
+                digest = digests.setdefault((scheme, level, fmt), hashlib.sha256(blob).hexdigest())
+                enc = mb / _best_seconds(lambda: encode("bench", {}, tensors, codec, map_fn=map_fn, version=fmt),
+                                         cfg.repeat, clock)
+                dec = mb / _best_seconds(lambda: decode(blob, "bench", max_bytes=x.nbytes, map_fn=map_fn),
+                                         cfg.repeat, clock)
+                rows.append({"threads": threads, "cores": got, "memcpy_mbps": memcpy, "scheme": scheme,
+                             "format": fmt, "zstd_frames": _zstd_frames(blob, fmt, level),
+                             "zstd_level": level, "encode_mbps": enc, "decode_mbps": dec,
+                             "ratio": x.nbytes / len(blob), "blob_bytes": len(blob),
+                             "encode_vs_memcpy": enc / memcpy, "decode_vs_memcpy": dec / memcpy,
+                             "same_bytes": hashlib.sha256(blob).hexdigest() == digest})
     return {"input_mb": mb, "values": n, "block_size": cfg.block_size, "rows": rows,
             "row_max": "torch" if "torch" in sys.modules else "numpy"}
 
@@ -210,11 +224,12 @@ def _print_codec(res: dict) -> None:
 
     t = Table(title=f"codec on {res['input_mb']:.1f} MB fp32 ({res['values']:,} values, block {res['block_size']}, "
                     f"row maximum by {res['row_max']})")
-    for col in ("threads", "scheme", "zstd", "encode MB/s", "× memcpy", "decode MB/s", "× memcpy", "ratio",
+    for col in ("threads", "scheme", "format", "zstd", "zstd frames", "encode MB/s", "× memcpy", "decode MB/s", "× memcpy", "ratio",
                 "memcpy MB/s", "same bytes"):
         t.add_column(col, justify="right")
     for r in res["rows"]:
-        t.add_row(f"{r['threads']} ({r['cores']} cores)", r["scheme"], str(r["zstd_level"] or "off"),
+        t.add_row(f"{r['threads']} ({r['cores']} cores)", r["scheme"], str(r["format"]), str(r["zstd_level"] or "off"),
+                  r["zstd_frames"],
                   f"{r['encode_mbps']:.0f}", f"{r['encode_vs_memcpy']:.3f}", f"{r['decode_mbps']:.0f}",
                   f"{r['decode_vs_memcpy']:.3f}", f"{r['ratio']:.2f}", f"{r['memcpy_mbps']:.0f}",
                   "yes" if r["same_bytes"] else "NO")
@@ -263,6 +278,9 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
                         help="thread counts to measure, comma-separated (default 1,2), each pinned to as many cores")
     parser.add_argument("--schemes", type=lambda s: tuple(s.split(",")), default=SCHEMES,
                         help=f"codec schemes, comma-separated (default {','.join(SCHEMES)})")
+    parser.add_argument("--formats", type=_int_list, default=VERSIONS,
+                        help="codec: format versions to measure, comma-separated (default 1,2; 2: framed, zstd "
+                             "only where it pays)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall time (default) or this process's CPU time (1 thread on a busy machine)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -279,7 +297,7 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
     def handler(args: argparse.Namespace) -> int:
         try:
             cfg = BenchConfig(args.what, args.size_mb, args.merge_mb, args.repeat, args.block_size,
-                              args.zstd_level, args.seed, args.threads, args.schemes, args.clock)
+                              args.zstd_level, args.seed, args.threads, args.schemes, args.clock, args.formats)
         except ValueError as exc:
             parser.error(str(exc))
         results: dict[str, Any] = {"config": dataclasses.asdict(cfg)}
