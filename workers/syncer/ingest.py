@@ -33,6 +33,7 @@ from storage.store import ObjectStore
 from workers.bus.bus import Message, SyncerBus
 from workers.bus.keys import Roster
 from workers.common.deltas import UNKNOWN_LEARNER, Opened, max_delta_bytes, open_stored
+from workers.syncer.remote_inbox import RemoteInbox
 from workers.syncer.records import BELOW_HIGH_WATER, Held, InboxRef, PendingKey, Refusal, Source
 from workers.syncer.rounds import RoundBook
 
@@ -57,12 +58,17 @@ class Ingest:
     def __init__(self, store: ObjectStore, descriptor: RunDescriptor, roster: Roster | None, rounds: RoundBook,
                  high_water: HighWater, events, clock: Callable[[], float], sleep: Callable[[float], None],
                  io: Executor, *, max_pending: int, max_per_poll: int,
-                 inboxes: Sequence[ObjectStore] | None = None, wake_members: Callable[[], None] | None = None):
+                 inboxes: Sequence[ObjectStore] | None = None, wake_members: Callable[[], None] | None = None,
+                 remote_threads: int = 4):
         self.store, self.descriptor, self.roster, self.rounds = store, descriptor, roster, rounds
         self.high_water, self.events, self.clock, self.sleep, self.io = high_water, events, clock, sleep, io
         self.max_pending, self.max_per_poll = max_pending, max_per_poll
         self.inboxes = list(inboxes) if inboxes else [store]
         self.wake_members = wake_members
+        # Other regions' inboxes are listed and fetched off the loop (workers/syncer/remote_inbox.py);
+        # 0: read on the loop, as the home inbox is.
+        self.remote_threads = remote_threads
+        self.remote: dict[int, RemoteInbox] = {}    # id(store) -> its background reader
         self.max_delta = max_delta_bytes(descriptor)
         self.bus: SyncerBus | None = None
         self.pending: list[dict[PendingKey, Held]] = [{} for _ in range(descriptor.num_fragments)]
@@ -102,7 +108,10 @@ class Ingest:
     # -- the bus -----------------------------------------------------------------------------------
     def poll_bus(self, timeout_s: float) -> None:
         """Handle what the bus holds, waiting up to ``timeout_s`` for the first message (just sleep
-        when there is no bus)."""
+        when there is no bus). Remote inbox objects fetched meanwhile are admitted first."""
+        for store in self.inboxes:      # between spill polls too: a remote delta waits <= one loop turn
+            if id(store) in self.remote:
+                self._take_remote(store, self.remote[id(store)])
         if self.bus is None:
             self.sleep(timeout_s)
             return
@@ -281,6 +290,9 @@ class Ingest:
 
     def _poll_inbox(self, store: ObjectStore, known: set[str]) -> None:
         home = store is self.store
+        if not home and self.remote_threads:
+            self._poll_remote(store)
+            return
         try:
             keys = store.list(SPILL_PREFIX)
         except StoreError as exc:
@@ -298,26 +310,55 @@ class Ingest:
             except StoreError as exc:
                 self.events.emit("store-error", op="read-inbox", key=key, error=str(exc), store=store.uri)
                 return
-            if got is None:
-                continue
-            opened, blob = got
-            if opened.reason == UNKNOWN_LEARNER:
-                self.refuse(Refusal.UNKNOWN_LEARNER, f"learner {opened.header.learner} is not listed",
-                            opened.header, delta=key)
-                self.bad.add(key)
-                self.unknown.add(key)
-                if self.wake_members is not None:
-                    self.wake_members()
-                continue
-            if self.admit(opened.header, blob, InboxRef(key, None if home else store), Source.SPILL,
-                          opened) is not None:
-                self.stats.from_spill += 1
+            if got is not None:
+                self._admit_spill(store, key, *got)
+
+    def _poll_remote(self, store: ObjectStore) -> None:
+        """Another region's inbox: what its background reader fetched is checked and admitted here
+        (never waiting on the link); then it lists again, skipping what is now held or refused."""
+        reader = self.remote.get(id(store))
+        if reader is None:
+            reader = self.remote[id(store)] = RemoteInbox(store, self.max_delta, threads=self.remote_threads,
+                                                          max_held=self.max_per_poll)
+        self._take_remote(store, reader)
+        reader.refresh({h.inbox_key for pend in self.pending for h in pend.values()} | self.bad)
+
+    def _take_remote(self, store: ObjectStore, reader: RemoteInbox) -> None:
+        fetched, error = reader.take()
+        if error is not None:
+            self.events.emit("store-error", op="list-inbox", error=str(error), store=store.uri)
+        for f in fetched:
+            if f.error is not None:
+                if not isinstance(f.error, NotFound):
+                    self.events.emit("store-error", op="read-inbox", key=f.key, error=str(f.error), store=store.uri)
+            elif f.blob is None:
+                self.refuse(Refusal.OVERSIZE, f"{f.key}: {f.size} bytes exceeds the run's delta size limit "
+                                              f"{self.max_delta}", delta=f.key)
+                self.bad.add(f.key)
+            else:
+                got = self._open_inbox_object(f.key, f.blob)
+                if got is not None:
+                    self._admit_spill(store, f.key, *got)
+
+    def _admit_spill(self, store: ObjectStore, key: str, opened: Opened, blob: bytes) -> None:
+        """An inbox object of ``store`` that passed its checks: admitted, or refused for an unlisted learner."""
+        if opened.reason == UNKNOWN_LEARNER:
+            self.refuse(Refusal.UNKNOWN_LEARNER, f"learner {opened.header.learner} is not listed",
+                        opened.header, delta=key)
+            self.bad.add(key)
+            self.unknown.add(key)
+            if self.wake_members is not None:
+                self.wake_members()
+            return
+        if self.admit(opened.header, blob, InboxRef(key, None if store is self.store else store), Source.SPILL,
+                      opened) is not None:
+            self.stats.from_spill += 1
 
     def _read_inbox_object(self, store: ObjectStore, key: str) -> tuple[Opened, bytes] | None:
         """The inbox object ``key``, opened and checked against the id its key names, and its bytes;
         None when it is refused (or gone). StoreError: the store failed (the caller stops listing it)."""
         try:
-            named = parse_spill_key(key)
+            parse_spill_key(key)
             size = store.head(key).size
             if size > self.max_delta:   # checked before reading: a planted huge object must not exhaust memory
                 self.refuse(Refusal.OVERSIZE, f"{key}: {size} bytes exceeds the run's delta size limit "
@@ -325,18 +366,28 @@ class Ingest:
                 self.bad.add(key)
                 return None
             blob = store.get(key)
+        except NotFound:
+            return None
+        except ValueError as exc:
+            return self._undecodable(key, exc)
+        return self._open_inbox_object(key, blob)
+
+    def _open_inbox_object(self, key: str, blob: bytes) -> tuple[Opened, bytes] | None:
+        """Inbox object ``key``'s bytes, opened and checked against the id its key names; None when refused."""
+        try:
+            named = parse_spill_key(key)
             opened = open_stored(blob, self.descriptor, self.roster, key)
             if (opened.header.learner, opened.header.incarnation, opened.header.seq) != tuple(named):
                 raise FormatError(f"{key}: holds delta {opened.header.id}, not the one its key names")
             return opened, blob
-        except NotFound:
-            return None
         except (FormatError, ValueError) as exc:
-            # A damaged or foreign object in the inbox: logged once and left untouched (never
-            # deleted: it is evidence), and kept out of every round.
-            self.refuse(Refusal.UNDECODABLE, str(exc), delta=key)
-            self.bad.add(key)
-            return None
+            return self._undecodable(key, exc)
+
+    def _undecodable(self, key: str, exc: Exception) -> None:
+        # A damaged or foreign object in the inbox: logged once and left untouched (never
+        # deleted: it is evidence), and kept out of every round.
+        self.refuse(Refusal.UNDECODABLE, str(exc), delta=key)
+        self.bad.add(key)
 
     # -- after a commit ------------------------------------------------------------------------------
     def committed(self, p: int, held: Sequence[Held]) -> None:
