@@ -30,6 +30,7 @@ from pipeline.errors import FormatError
 from storage.errors import StoreError
 from storage.log import CommitLog
 from storage.retention import RetentionPlan, apply_retention, plan_retention
+from storage.shards import shard_stores
 from storage.store import ObjectStore
 from workers.common.events import EventLog
 
@@ -114,20 +115,34 @@ def configure(parser: argparse.ArgumentParser):
 
 
 def gc_command(args, out: TextIO, err: TextIO) -> int:
+    """Plan (and apply) retention; in a sharded run (issue 15) for each shard's partition on its
+    own (storage/shards.py: a shard's plan sees only its log, checkpoints, inbox and versions)."""
     from workers.tools.replay_verify import open_run     # never creates a mistyped local directory
     try:
-        store, _ = open_run(args.run_uri, s3_endpoint=args.s3_endpoint)
+        root, desc = open_run(args.run_uri, s3_endpoint=args.s3_endpoint)
         if args.keep_commits < 0:
             raise ValueError(f"--keep-commits must be >= 0, got {args.keep_commits}")
-        tail = CommitLog(store).tail()
-        plan = plan_retention(store, args.keep_checkpoints, args.keep_versions,
-                              newest_horizon=tail - args.keep_commits if args.keep_commits else None)
+        plans = []
+        for store in shard_stores(root, desc):
+            tail = CommitLog(store).tail()
+            plans.append((store, plan_retention(store, args.keep_checkpoints, args.keep_versions,
+                                                newest_horizon=tail - args.keep_commits if args.keep_commits else None)))
     except ValueError as exc:
         print(f"error: {exc}", file=err)
         return EXIT_USAGE
     except (StoreError, FormatError) as exc:
         print(f"error: {exc} — check the location (and for S3 the endpoint and credentials)", file=err)
         return EXIT_USAGE
+    for i, (store, plan) in enumerate(plans):
+        if len(plans) > 1 and not args.json:
+            print(f"syncer shard {i}/{len(plans)}:", file=out)
+        code = _apply(store, plan, args, out, err)
+        if code != EXIT_OK:
+            return code
+    return EXIT_OK
+
+
+def _apply(store: ObjectStore, plan: RetentionPlan, args, out: TextIO, err: TextIO) -> int:
     for item in plan.items if not args.quiet else ():
         print(json.dumps({"type": "key", "key": item.key, "reason": item.reason}) if args.json
               else f"{'delete' if args.delete else 'would delete'} {item.key}  ({item.reason})", file=out)
