@@ -113,19 +113,14 @@ def _inflate_frame(job: tuple[int, tuple[int, bytes]], buf: np.ndarray, frame_by
     if method == STORED:
         buf[lo:hi] = np.frombuffer(data, np.uint8)
         return ""
-    view, pos = memoryview(buf)[lo:hi], 0
-    try:
-        with zstandard.ZstdDecompressor().stream_reader(data) as reader:
-            while pos < hi - lo:
-                n = reader.readinto(view[pos:])
-                if not n:
-                    break
-                pos += n
-            extra = reader.read(1)
+    dobj = zstandard.ZstdDecompressor().decompressobj()
+    try:   # the declared content size was checked: zstd writes no more than hi - lo bytes
+        out = dobj.decompress(data)
     except zstandard.ZstdError as exc:
         return f"zstd frame {i} does not decompress ({exc})"
-    if pos != hi - lo or extra:
-        return f"zstd frame {i} decompresses to the wrong size"
+    if len(out) != hi - lo or not dobj.eof or dobj.unused_data:
+        return f"zstd frame {i} decompresses to the wrong size or has bytes after it"
+    buf[lo:hi] = np.frombuffer(out, np.uint8)
     return ""
 
 

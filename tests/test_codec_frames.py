@@ -129,13 +129,15 @@ def _edit(name):
                      "zstd frame 0 declares 99 bytes, expected 16384"),
         "corrupt": (frames(lambda f: f[1].__setitem__(1, f[1][1][:-3] + b"\xff\xff\xff")),
                     "zstd frame 1 (does not decompress|decompresses to the wrong size)"),
+        "trailing": (frames(lambda f: f[0].__setitem__(1, f[0][1] + zstandard.ZstdCompressor().compress(b"x"))),
+                     "zstd frame 0 decompresses to the wrong size or has bytes after it"),
         "frame_bytes": (lambda b: {**b, "frame_bytes": 100}, "bad frame_bytes 100"),
         "raw_len": (lambda b: {**b, "raw_len": b["raw_len"] + 4}, "payload length"),
     }[name]
 
 
 @pytest.mark.parametrize("name", ["count", "not list", "method", "bool method", "stored length", "not zstd",
-                                  "declared", "corrupt", "frame_bytes", "raw_len"])
+                                  "declared", "corrupt", "trailing", "frame_bytes", "raw_len"])
 def test_rejects_lies_in_a_resealed_v2_body(blob, name):
     edit, message = _edit(name)
     with pytest.raises(FormatError, match=message):
