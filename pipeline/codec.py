@@ -3,13 +3,17 @@
 SPEC §6: outer deltas travel as int4 (symmetric, per-block absmax scale, round half to even, never
 stochastic so replay is exact), int8, bf16 or fp32, then zstd; merged versions travel as fp32 or
 bf16. The byte layout is in docs/formats.md ("Tensor blobs"); the blob is sealed with
-``pipeline.envelope.seal(kind, 1, body)`` so it carries a version and a checksum.
+``pipeline.envelope.seal(kind, version, body)`` so it carries a version and a checksum. Version 1
+(what ``encode`` writes unless told) holds one zstd frame of the raw payload; version 2 cuts the
+same raw payload into frames, each zstd'd on ``map_fn`` or stored where zstd does not pay
+(pipeline/codec_frames.py). ``decode`` reads both.
 
 Speed (issue 15): vectorised kernels go through a tensor in steps of ``_STEP`` values whose
 temporaries stay in cache; steps form jobs of ``_JOB`` values that a caller may run on its threads
-(``map_fn``, e.g. ``ThreadPoolExecutor.map``: numpy releases the GIL). zstd is the one-shot call
-used before issue 15: a blob's bytes are what they were, whatever ``map_fn`` (docs/formats.md).
-Decoding streams zstd's output and starts each job as soon as its bytes are out.
+(``map_fn``, e.g. ``ThreadPoolExecutor.map``: numpy releases the GIL). Version 1's zstd is the
+one-shot call used before issue 15: a blob's bytes are what they were, whatever ``map_fn``
+(docs/formats.md). Decoding version 1 streams zstd's output and starts each job as soon as its
+bytes are out; version 2 decompresses its frames on ``map_fn`` first.
 
 Decoding trusts nothing in the body: it checks every field, bounds the decoded size before it
 allocates, bounds zstd's output, checks the payload length against what the shapes imply, checks
