@@ -291,8 +291,8 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
     parser.add_argument("--version-dtype", choices=("fp32", "bf16"), default="fp32", help="load: versions' dtype")
     parser.add_argument("--rtt-ms", type=float, default=20.0, help="versions: milliseconds each request waits")
     parser.add_argument("--keep-memory", action="store_true",
-                        help="load: keep freed memory in the process first (workers/common/memory.py), "
-                             "as a syncer process can")
+                        help="load, codec: keep freed memory in the process first (workers/common/memory.py), "
+                             "as a syncer process can, so decoded arrays reuse pages instead of fresh zeroed ones")
 
     def handler(args: argparse.Namespace) -> int:
         try:
@@ -300,7 +300,11 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
                               args.zstd_level, args.seed, args.threads, args.schemes, args.clock, args.formats)
         except ValueError as exc:
             parser.error(str(exc))
-        results: dict[str, Any] = {"config": dataclasses.asdict(cfg)}
+        results: dict[str, Any] = {"config": dataclasses.asdict(cfg), "keep_memory": bool(args.keep_memory)}
+        if args.keep_memory:   # before anything allocates: the codec's outputs and the load's rounds
+            from workers.common.memory import keep_freed_memory
+            if not keep_freed_memory():
+                parser.error("--keep-memory: this platform's allocator does not take the setting (glibc only)")
         if cfg.what == "load":
             from workers.tools.bench_load import LoadConfig, bench_load, print_load
             try:
@@ -308,10 +312,6 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
                                   cfg.zstd_level, args.version_dtype, cfg.seed)
             except ValueError as exc:
                 parser.error(str(exc))
-            if args.keep_memory:
-                from workers.common.memory import keep_freed_memory
-                if not keep_freed_memory():
-                    parser.error("--keep-memory: this platform's allocator does not take the setting (glibc only)")
             results["load"] = bench_load(load, CLOCKS[cfg.clock])
             results["load"]["keep_memory"] = bool(args.keep_memory)
             print_load(results["load"])
