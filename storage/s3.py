@@ -18,6 +18,7 @@ credentials and region: the standard AWS chain (region defaults to us-east-1 for
 """
 from __future__ import annotations
 
+import io
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -80,6 +81,18 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     return bucket, prefix
 
 
+EXPECT_CONTINUE_MIN = 1 << 20   # bodies below this are sent without "Expect: 100-continue"
+
+
+def _no_expect_for_small_bodies(request, **_) -> None:
+    """botocore asks every PutObject to wait for "100 Continue" before sending the body: a second
+    round trip on every PUT (0.21 s instead of 0.11 s at rtt 100 ms, docs/regions.md). It only saves
+    sending a body the server refuses, which for a small one costs less than that round trip."""
+    body = request.body
+    if isinstance(body, io.BytesIO) and len(body.getbuffer()) < EXPECT_CONTINUE_MIN:
+        request.headers.pop("Expect", None)
+
+
 class S3Store:
     """An ``ObjectStore`` on one bucket and prefix. Thread-safe (one boto3 client)."""
 
@@ -118,6 +131,7 @@ class S3Store:
             request_checksum_calculation="when_required", response_checksum_validation="when_required",
         )
         self._client = session.client("s3", endpoint_url=self.endpoint, region_name=region, config=config)
+        self._client.meta.events.register("before-send.s3", _no_expect_for_small_bodies)
 
     def __repr__(self) -> str:
         return f"S3Store({self.uri!r}, endpoint={self.endpoint!r})"
