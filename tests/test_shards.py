@@ -170,9 +170,10 @@ def _replay(uri: str) -> subprocess.CompletedProcess:
 
 
 def test_ddiloco_run_with_two_syncers(tmp_path):
+    """Signed (the default): both shards sign with the run's syncer key, learners verify both."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "workers.cli", "run", "--learners", "2", "--steps", "80", "--fragments", "4",
-           "--sync-every", "8", "--layers", "1", "--width", "32", "--batch-size", "4", "--plain", "--insecure",
+           "--sync-every", "8", "--layers", "1", "--width", "32", "--batch-size", "4", "--plain",
            "--eval-every", "1000", "--syncers", "2", "--out", str(out)]
     done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

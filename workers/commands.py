@@ -53,8 +53,11 @@ def _stop_flag() -> threading.Event:
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", required=True, help="the run's location: a directory or s3://bucket/prefix")
     parser.add_argument("--s3-endpoint", default=None, help="S3 endpoint URL (default: AWS_ENDPOINT_URL or AWS)")
-    parser.add_argument("--ingest", default="tcp://127.0.0.1:5555", help="syncer ingest endpoint")
-    parser.add_argument("--announce", default="tcp://127.0.0.1:5556", help="syncer announce endpoint")
+    parser.add_argument("--ingest", default="tcp://127.0.0.1:5555",
+                        help="syncer ingest endpoint (a learner of a sharded run: every shard's, comma-separated "
+                             "in shard order)")
+    parser.add_argument("--announce", default="tcp://127.0.0.1:5556",
+                        help="syncer announce endpoint (a learner of a sharded run: every shard's, comma-separated)")
     parser.add_argument("--no-bus", action="store_true", help="storage only (no ZeroMQ): slower, same result")
     parser.add_argument("--log", default=None, help="JSONL event log path (default: stdout)")
     parser.add_argument("--keys", metavar="DIR", default=None,

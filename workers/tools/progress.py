@@ -63,7 +63,7 @@ class Progress:
         return sum(r.tokens for r in self.rows.values())
 
     def update(self, name: str, events: list[dict], returncode: int | None) -> None:
-        if name == "syncer":
+        if name == "syncer" or name.startswith("syncer-s"):   # syncer-s<i>: a shard (--syncers N): added up
             self._update_syncer(events, returncode)
         else:
             row = self.rows.setdefault(name, _Row())
