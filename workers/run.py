@@ -80,6 +80,7 @@ def configure(parser):
     a("--keep-progress", action="store_true",
       help="learners keep their steps since answering a round when its version lands (instead of overwriting)")
     a("--no-bus", action="store_true", help="no ZeroMQ: deltas and versions go through storage only")
+    a("--slow", type=float, default=1.0, help="stretch every learner step by this factor (>= 1; ddiloco learner --slow)")
     a("--metrics-port", type=int, default=None, metavar="N",
       help="Prometheus metrics: the syncer at http://127.0.0.1:N/metrics, learner m at N+1+m (0: every process "
            "takes a free port and logs it as a metrics-listening event); off unless given (README \"Metrics\")")
@@ -167,6 +168,8 @@ def local_regions(args, store_uri: str, out: Path) -> RegionsConfig | None:
 def run(args, topologies=()) -> int:
     if args.learners < 1:
         raise SystemExit(f"--learners must be >= 1, got {args.learners}")
+    if not args.slow >= 1.0:
+        raise SystemExit(f"--slow must be >= 1, got {args.slow}")
     if not 1 <= args.syncers <= args.fragments:
         raise SystemExit(f"--syncers must be in 1..--fragments ({args.fragments}): every shard owns a fragment, "
                          f"got {args.syncers}")
@@ -223,10 +226,12 @@ def _run_decoupled(args, out: Path, gcfg: GPTConfig, job: JobSettings, steps: in
                          learner_nice=LEARNER_NICE, syncers=args.syncers)
     cluster = topology.cluster(ccfg) if topology is not None else LocalCluster(ccfg)
     t_start = time.time()
-    cluster.start_syncers(metrics_flags(args.metrics_port, 0) if args.syncers == 1 else [])
+    # shards (--syncers > 1) take free metrics ports (logged): base + 1 + m already belongs to learner m
+    cluster.start_syncers(metrics_flags(args.metrics_port if args.syncers == 1 else args.metrics_port and 0, 0))
     for m, lid in enumerate(names):
         region = ["--region", f"r{m % args.regions}"] if desc.regions is not None else []
-        cluster.start_learner(lid, ["--shard", str(m), *region, *metrics_flags(args.metrics_port, m + 1)])
+        slow = ["--slow", str(args.slow)] if args.slow != 1.0 else []
+        cluster.start_learner(lid, ["--shard", str(m), *region, *slow, *metrics_flags(args.metrics_port, m + 1)])
     init_loss = evaluate(model, corpus)
     events.emit("eval", tokens=0, loss=init_loss, versions={})
     progress = Progress(args.learners, steps, desc, plain=args.plain or not sys.stdout.isatty())
