@@ -150,3 +150,23 @@ def test_v2_checksum_and_peek_meta(blob):
     damaged[len(blob) // 2] ^= 1
     with pytest.raises(FormatError, match="checksum mismatch"):
         decode(bytes(damaged), "delta")
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8", "bf16", "fp32"])
+def test_v2_edge_cases_round_trip(scheme):
+    cases = [{}, {"empty": np.zeros((0, 3), np.float32)},
+             {"h": np.linspace(-2, 2, 5).astype(np.float16), "d": np.linspace(-1, 1, 3), "s": np.array(0.5, np.float32)}]
+    for tensors in cases:
+        blob = encode("delta", {}, tensors, CodecConfig(scheme, 64, 3), version=2)
+        assert len(_body(blob)["frames"]) == (1 if tensors and any(np.size(v) for v in tensors.values()) else 0)
+        got = decode(blob, "delta").tensors
+        want = decode(encode("delta", {}, tensors, CodecConfig(scheme, 64, 3)), "delta").tensors
+        assert list(got) == list(tensors)
+        for name in tensors:
+            assert got[name].shape == np.shape(tensors[name]) and got[name].dtype == want[name].dtype
+            np.testing.assert_array_equal(got[name], want[name])
+
+
+def test_v2_checks_the_decoded_size_before_inflating(blob):
+    with pytest.raises(FormatError, match="exceed the limit of 100 bytes"):
+        decode(blob, "delta", max_bytes=100)
