@@ -238,3 +238,23 @@ def test_one_shard_dies_and_restarts_alone(tmp_path):
     assert global_eval_loss(store, desc)[0] > 0
     rep = _replay(uri)
     assert rep.returncode == 0, rep.stdout[-2000:] + rep.stderr
+
+
+def test_a_shard_syncer_owns_its_fragments_only(tmp_path):
+    from workers.syncer.syncer import Syncer, SyncerConfig
+    from workers.learner.shards import ShardedTracker
+    store = open_store(str(tmp_path / "store"))
+    job = JobSettings(steps=10, batch_size=4, max_bytes=300_000, shards=1)
+    desc, model = create_job_run(store, RunSettings(fragments=4, sync_every=8, model=TINY.to_dict(),
+                                                    job=job.to_dict(), syncers=2), TINY, 0, None, ["l0"])
+    s1 = Syncer(store, SyncerConfig(syncer_id="s1", shard=1))
+    assert isinstance(s1.store, ShardStore) and s1.ingest.owned == {1, 3} and s1.rounds.owned == {1, 3}
+    opened = [p for t in range(1, 40) for _, p in s1.rounds.tick(t * 0.1)]   # 0.1 s per global step
+    assert opened and set(opened) == {1, 3}                # rounds only for its own fragments
+    with pytest.raises(ValueError, match="--shard"):
+        Syncer(store, SyncerConfig(syncer_id="s"))
+    s1.recover()                                      # its own epoch, in its own partition
+    assert store.exists("shards/s0001/epochs/0000000001") and not store.exists("shards/s0000/epochs/0000000001")
+    values, versions = ShardedTracker(store, desc).load_all()
+    assert versions == {0: 0, 1: 0, 2: 0, 3: 0}
+    assert set(values) == {n for n, _ in model.named_parameters()}

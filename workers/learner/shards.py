@@ -57,12 +57,10 @@ class ShardedTracker:
     def load_all(self) -> tuple[dict[str, np.ndarray], dict[int, int]]:
         values: dict[str, np.ndarray] = {}
         versions: dict[int, int] = {}
-        for t in self.trackers:
-            newest = t.latest()
-            for p in owned_fragments(t.store, self.descriptor):
-                part, rec = t._load_intact(p, newest[p])
-                values.update(part)
-                versions[p] = rec.version
+        for t in self.trackers:     # a shard's tracker loads the fragments its shard owns
+            part, vs = t.load_all()
+            values.update(part)
+            versions.update(vs)
         return values, versions
 
     def next_incarnation(self, learner: str) -> int:
