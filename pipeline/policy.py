@@ -61,16 +61,20 @@ class Pending:
 
 @dataclass(frozen=True)
 class Timing:
-    """Smoothed measurements: learners' inner step time (None until measured) and the syncer's
-    merge+commit+publish time."""
+    """Smoothed measurements: learners' inner step time (None until measured), the syncer's
+    merge+commit+publish time, and ``answer_spread_s``: how much later after a round opens the
+    slowest live learner's answers arrive than the fastest's (workers/syncer/rounds.py; e.g. a
+    learner across a WAN link hears the round and is heard back a round trip later)."""
 
     step_time_s: float | None = None
     sync_time_s: float = 0.0
+    answer_spread_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.step_time_s is not None:
             _finite("step_time_s", self.step_time_s)
         _finite("sync_time_s", self.sync_time_s)
+        _finite("answer_spread_s", self.answer_spread_s)
 
 
 class Verdict(str, Enum):
@@ -129,14 +133,21 @@ class Ewma:
 
 
 def grace_window(cfg: PolicyConfig, timing: Timing, quorum_wait_s: float) -> float:
-    """The grace window in seconds for a round whose quorum took ``quorum_wait_s`` to gather."""
+    """The grace window in seconds for a round whose quorum took ``quorum_wait_s`` to gather.
+
+    Learners whose answers take longer to arrive (``timing.answer_spread_s``: a region across a
+    link) get that much more window, at most ``overlap`` steps more: without it an answer one
+    round trip late misses its round whenever the round trip exceeds the window (about one step)
+    and waits H steps for the next (docs/regions.md "Rounds over a link"); waiting costs every
+    learner at most the spread. A straggler cannot hold rounds longer than the bound."""
     _finite("quorum_wait_s", quorum_wait_s)
     step = timing.step_time_s
     cap = cfg.cap_s if cfg.cap_s > 0 else (step if step is not None else 0.0)
     if step is None:
         return cap                                  # no measurement yet: the cap (0 if it is unknown too)
-    slack = cfg.gamma * (cfg.overlap * step - quorum_wait_s - timing.sync_time_s)
-    return min(max(slack, 0.0), cap)
+    spread = min(timing.answer_spread_s, cfg.overlap * step)
+    slack = cfg.gamma * (cfg.overlap * step + spread - quorum_wait_s - timing.sync_time_s)
+    return min(max(slack, 0.0), cap + spread)
 
 
 def decide(pending: Sequence[Pending], now: float, cfg: PolicyConfig, timing: Timing,

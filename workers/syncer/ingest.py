@@ -245,6 +245,7 @@ class Ingest:
         pend[held.pkey] = held
         if held.candidate:
             self.rounds.delta_arrived(header.learner, header.learner_step, held.arrived_at)
+            self.rounds.answered(header.learner, header.fragment, header.round, held.arrived_at)
         return self._bound_pending(header.fragment).get(held.pkey, held)
 
     def _bound_pending(self, p: int) -> dict[PendingKey, Held]:

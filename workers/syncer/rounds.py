@@ -35,6 +35,7 @@ class _Pace:
     heard: float                 # last time anything was heard from the learner
     period_s: float = 0.0        # its step-to-step period (0: unknown)
     ref: tuple[int, float] | None = None   # (learner step, arrival) of an earlier delta, for the period
+    lag_s: float | None = None   # smoothed time from a round opening to this learner's answer arriving
 
 
 class RoundBook:
@@ -52,6 +53,9 @@ class RoundBook:
         # A syncer shard opens rounds only for its own fragments (issue 15); its clock still
         # counts every global step, so each shard's round ids are the run's global steps.
         self.owned = frozenset(range(descriptor.num_fragments) if owned is None else owned)
+        # (fragment, round) -> when it opened, the last few per fragment: an answer's lag is
+        # measured against its own round's opening even after that round closed (late answers).
+        self.opened_at: dict[tuple[int, int], float] = {}
 
     # -- the learners' pace ----------------------------------------------------------------------
     def heartbeat(self, learner: str, period_s: float, now: float) -> None:
@@ -72,6 +76,23 @@ class RoundBook:
             pace.period_s = sample if pace.period_s <= 0 else 0.5 * (pace.period_s + sample)
             pace.ref = (learner_step, now)
 
+    def answered(self, learner: str, fragment: int, round_id: int, now: float) -> None:
+        """A delta answering round ``round_id`` of ``fragment`` arrived at ``now``: a sample of how
+        long the learner's answers take after a round opens (hearing it, the step boundary, the
+        way back; issue 14: a learner across a link answers a round trip later)."""
+        opened = self.opened_at.get((fragment, round_id))
+        if opened is None or now < opened:
+            return
+        pace = self.learners.setdefault(learner, _Pace(now))
+        lag = now - opened
+        pace.lag_s = lag if pace.lag_s is None else pace.lag_s + 0.2 * (lag - pace.lag_s)
+
+    def answer_spread(self, now: float) -> float:
+        """How much later the slowest live learner's answers arrive than the fastest's (0 with
+        fewer than two measured): pipeline/policy.py widens the grace window by it (bounded there)."""
+        lags = [self.learners[m].lag_s for m in self.live(now) if self.learners[m].lag_s is not None]
+        return max(lags) - min(lags) if len(lags) >= 2 else 0.0
+
     def live(self, now: float) -> list[str]:
         return sorted(m for m, p in self.learners.items() if now - p.heard < self.live_timeout_s)
 
@@ -91,6 +112,9 @@ class RoundBook:
                   if p in self.owned]
         for r, p in opened:
             self.open[p] = OpenRound(r, now)
+            self.opened_at[(p, r)] = now
+        while len(self.opened_at) > 4 * len(self.open):
+            del self.opened_at[next(iter(self.opened_at))]     # the oldest opening (insertion order)
         return opened
 
     def close(self, fragment: int) -> None:

@@ -323,7 +323,7 @@ class Syncer:
 
     # -- rounds ----------------------------------------------------------------------------------
     def _timing(self) -> Timing:
-        return Timing(self.rounds.period.value, self.sync_time.value or 0.0)
+        return Timing(self.rounds.period.value, self.sync_time.value or 0.0, self.rounds.answer_spread(self.clock()))
 
     def _live_count(self) -> int | None:
         return len(self.rounds.live(self.clock())) or None
