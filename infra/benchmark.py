@@ -48,6 +48,8 @@ def configure(parser: argparse.ArgumentParser):
                         help="instead: 2 regions over the emulated WAN vs none, bus and bucket-only (infra/wan_benchmark.py)")
     parser.add_argument("--wan", default="rtt=100ms,bw=100mbit", help="with --regions: the link spec between regions")
     parser.add_argument("--sync-every", type=int, default=None, help="with --regions: H of both runs (default: ddiloco run's)")
+    parser.add_argument("--slow", type=float, default=1.0,
+                        help="with --regions: stretch every learner step by this factor (ddiloco run --slow)")
     return _handle
 
 

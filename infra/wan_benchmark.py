@@ -18,7 +18,12 @@ none`` (the same two S3 servers, no links). Reported per path:
 - ``cross_region_bytes_per_r1_learner_token``: every byte through every link (both ways: deltas,
   replication of commit records and versions, inbox listings, the bus) over the tokens r1's
   learners trained, and its ratio to a data-parallel ring all-reduce of the same model (each
-  replica sends and receives 2(N-1)/N of the bf16 gradient every step; goal <= 1/200 at int4).
+  replica sends and receives 2(N-1)/N of the bf16 gradient every step; goal <= 1/200 at int4);
+- per run (suffix ``_wan`` / ``_none``, ``run_extras``): the answer-to-version latency in seconds
+  (r1, home), r1's and home's late share (merged answers to an earlier round than their commit's),
+  the replication delay to r1, commits and the longest gap between two, and how often r1's
+  learners waited for r1's copy of an announced commit. ``--slow F`` stretches every step (a step
+  of ~0.5-1 s, where <= 2 steps of latency is physically possible over rtt 100 ms).
 Timing figures live here, never in tests.
 """
 from __future__ import annotations
@@ -40,7 +45,8 @@ PATHS = (("bus", []), ("bucket-only", ["--no-bus"]))
 def _start(out: Path, wan: str, extra: list[str], args) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "workers.cli", "run", "--out", str(out), "--plain", "--regions", "2", "--wan", wan,
            "--learners", str(args.learners), "--steps", str(args.steps), "--eval-every", "100000", *extra,
-           *(["--sync-every", str(args.sync_every)] if getattr(args, "sync_every", None) else [])]
+           *(["--sync-every", str(args.sync_every)] if getattr(args, "sync_every", None) else []),
+           *(["--slow", str(args.slow)] if getattr(args, "slow", 1.0) != 1.0 else [])]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -118,7 +124,66 @@ def path_figures(wan: dict, none: dict, wan_out: Path, none_out: Path) -> dict:
             "cross_region_bytes_per_r1_learner_token": cross / tokens_r1 if tokens_r1 else None,
             "final_eval_wan": wan["final_eval_loss"], "final_eval_none": none["final_eval_loss"],
             "regions_verified": all(r.get("ok") for r in wan["wan"]["regions_verified"].values()),
-            "ok": wan["ok"] and none["ok"]}
+            "ok": wan["ok"] and none["ok"],
+            **{f"{k}_{side}": v for side, (s, o) in (("wan", (wan, wan_out)), ("none", (none, none_out)))
+               for k, v in run_extras(o, s, r1).items()}}
+
+
+def answers(out: Path, lids: list[str]) -> dict[str, dict]:
+    """Per learner, from the run's event logs (its commit log is gone with its S3 servers): for
+    every version it applied that merged one of its own deltas, the inner steps and the seconds
+    from that answer (its ``delta`` event) to applying the version; and of its merged deltas, the
+    share that answered an earlier round than the commit that merged them closed ("late": they
+    missed their round and waited H steps for the next one, SPEC §4)."""
+    commits = {e["seq"]: e for e in read_events(out / "logs" / "syncer.jsonl") if e.get("event") == "commit"}
+    out_: dict[str, dict] = {}
+    for lid in lids:
+        ev = read_events(out / "logs" / f"{lid}.jsonl")
+        made = {e["delta"]: e for e in ev if e.get("event") == "delta"}
+        steps, secs = [], []
+        for e in ev:
+            c = commits.get(e.get("seq")) if e.get("event") == "version-applied" else None
+            mine = [made[i] for i in (c or {}).get("inputs", ()) if i in made]
+            if mine:
+                last = max(mine, key=lambda d: d["step"])
+                steps.append(e["step"] - (last["step"] + 1))
+                secs.append(e["t"] - last["t"])
+        merged = [(made[i].get("round", -1), c.get("round", -1)) for c in commits.values()
+                  for i in c.get("inputs", ()) if i in made]
+        timed = [(a, r) for a, r in merged if a >= 0 and r >= 0]
+        out_[lid] = {"latency_steps": steps, "latency_s": secs,
+                     "late_share": sum(a < r for a, r in timed) / len(timed) if timed else None}
+    return out_
+
+
+def run_extras(out: Path, summary: dict, r1: list[str]) -> dict:
+    """What a run says beyond its summary: r1's and home's answer-to-version latency in seconds and
+    late share, the replication delay to r1, and how often r1's learners waited for r1's copy of
+    an announced commit (receiver: versions_awaited, copy_misses)."""
+    home = [lid for lid in summary["per_learner"] if lid not in r1]
+    a = answers(out, list(summary["per_learner"]))
+    stop = [e for e in read_events(out / "logs" / "syncer.jsonl") if e.get("event") == "syncer-stop"]
+    rep = (stop[-1].get("regions") or {}).get("r1", {}) if stop else {}
+    lstop = {lid: next((e for e in reversed(read_events(out / "logs" / f"{lid}.jsonl"))
+                        if e.get("event") == "learner-stop"), {}) for lid in r1}
+    commits = [e["t"] for e in read_events(out / "logs" / "syncer.jsonl") if e.get("event") == "commit"]
+    gaps = [b - x for x, b in zip(commits, commits[1:])]
+
+    def pooled(lids, key):
+        return _median([x for lid in lids for x in a[lid][key]])
+
+    def share(lids):
+        xs = [a[lid]["late_share"] for lid in lids if a[lid]["late_share"] is not None]
+        return statistics.fmean(xs) if xs else None
+    return {"r1_latency_s_p50": pooled(r1, "latency_s"), "home_latency_s_p50": pooled(home, "latency_s"),
+            "r1_latency_steps_pooled_p50": pooled(r1, "latency_steps"),
+            "r1_late_share": share(r1), "home_late_share": share(home),
+            "median_step_s": _median([summary["per_learner"][lid].get("median_step_s") for lid in r1]),
+            "commits": len(commits), "max_commit_gap_s": max(gaps) if gaps else None,
+            "replication_delay_s_mean": rep.get("delay_s_mean"), "replication_delay_s_max": rep.get("delay_s_max"),
+            "replication_home_reads": rep.get("home_reads"),
+            "r1_versions_awaited": sum(e.get("versions_awaited", 0) for e in lstop.values()),
+            "r1_copy_misses": sum(e.get("copy_misses", 0) for e in lstop.values())}
 
 
 def _median(xs) -> float | None:
@@ -135,6 +200,7 @@ def run_benchmark(args) -> int:
     params = sum(p.numel() for p in build_model(gcfg, 0).parameters())
     dp = dp_bytes_per_learner_token(params, args.learners, DEMO_BATCH_SIZE * gcfg.block_size)
     figures: dict = {"wan": args.wan, "learners": args.learners, "steps": args.steps, "params": params,
+                     "slow": getattr(args, "slow", 1.0),
                      "sync_every": args.sync_every or default_sync_every(4),
                      "dp_bf16_bytes_per_learner_token": dp}
     t0 = time.time()
