@@ -16,46 +16,26 @@ from pipeline.types import CommitRecord
 from storage.layout import HEAD_HINT_KEY, LOG_PREFIX, commit_key, pack_head_hint
 from storage.log import CommitLog
 from storage.store import open_store
+from storage.wrapper import StoreWrapper
 from workers.common.versions import FETCH_WINDOW, VersionTracker
 from workers.launch import RunSettings, create_run
 
 
-class Counting:
-    """A store that counts requests by method (and GETs of the hint apart)."""
+class Counting(StoreWrapper):
+    """A store that counts reads by method (and GETs of the hint apart)."""
 
     def __init__(self, inner):
-        self.inner, self.uri = inner, inner.uri
+        super().__init__(inner)
         self.calls: Counter = Counter()
         self.lock = threading.Lock()
 
-    def _count(self, what):
-        with self.lock:
-            self.calls[what] += 1
-
-    def get(self, key):
-        self._count("get hint" if key == HEAD_HINT_KEY else "get log" if key.startswith(LOG_PREFIX) else "get")
-        return self.inner.get(key)
-
-    def head(self, key):
-        self._count("head")
-        return self.inner.head(key)
-
-    def exists(self, key):
-        self._count("exists")
-        return self.inner.exists(key)
-
-    def list(self, *a, **kw):
-        self._count("list")
-        return self.inner.list(*a, **kw)
-
-    def put(self, key, data):
-        return self.inner.put(key, data)
-
-    def put_if_absent(self, key, data):
-        return self.inner.put_if_absent(key, data)
-
-    def delete(self, key):
-        return self.inner.delete(key)
+    def _call(self, op, key, fn, *args):
+        if op == "get":
+            op = "get hint" if key == HEAD_HINT_KEY else "get log" if key.startswith(LOG_PREFIX) else "get"
+        if op in ("get", "get hint", "get log", "head", "exists", "list"):
+            with self.lock:
+                self.calls[op] += 1
+        return fn(*args)
 
     def take(self) -> Counter:
         with self.lock:

@@ -293,12 +293,7 @@ class LearnerLink:
             drain_wake(self.wake_fd)
         if self.sock not in ready:
             return None
-        frames = self.sock.recv_multipart()
-        self.counters.received(frames)
-        try:
-            return decode_message(frames, HEAD_MAX_BYTES)
-        except FormatError:
-            return None
+        return _receive(self.sock, self.counters)
 
     def close(self) -> None:
         self.sock.close(0)
@@ -321,15 +316,21 @@ class AnnounceListener:
     def recv(self, timeout_s: float) -> Message | None:
         if not self.poller.poll(max(0, int(timeout_s * 1000))):
             return None
-        frames = self.sock.recv_multipart()
-        self.counters.received(frames)
-        try:
-            return decode_message(frames, HEAD_MAX_BYTES)
-        except FormatError:
-            return None
+        return _receive(self.sock, self.counters)
 
     def close(self) -> None:
         self.sock.close(0)
+
+
+def _receive(sock: zmq.Socket, counters: BusCounters) -> Message | None:
+    """One ready message from a learner-side socket, counted; None if it is not a valid message
+    (dropped: the syncer's side never sends one, and a learner must not stop on it)."""
+    frames = sock.recv_multipart()
+    counters.received(frames)
+    try:
+        return decode_message(frames, HEAD_MAX_BYTES)
+    except FormatError:
+        return None
 
 
 def drain_wake(fd: int) -> None:

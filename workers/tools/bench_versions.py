@@ -27,46 +27,26 @@ from pipeline.types import CommitRecord
 from storage.layout import version_key
 from storage.log import CommitLog
 from storage.store import ObjectStore, open_store
+from storage.wrapper import READS, StoreWrapper
 from workers.common.versions import VersionTracker, encode_version
 
 
-class SlowStore:
-    """A store whose every request first waits ``rtt_s`` (``sleep`` injected) and is counted."""
+class SlowStore(StoreWrapper):
+    """A store whose every read first waits ``rtt_s`` (``sleep`` injected) and is counted (``exists``
+    as the HEAD it is); writes pass straight through (the benchmark times a learner's reads)."""
 
     def __init__(self, inner: ObjectStore, rtt_s: float, sleep: Callable[[float], None] = time.sleep):
-        self.inner, self.uri, self.rtt_s, self.sleep = inner, inner.uri, rtt_s, sleep
+        super().__init__(inner)
+        self.rtt_s, self.sleep = rtt_s, sleep
         self.requests: Counter = Counter()
         self._lock = threading.Lock()
 
-    def _wait(self, op: str) -> None:
-        with self._lock:
-            self.requests[op] += 1
-        self.sleep(self.rtt_s)
-
-    def get(self, key):
-        self._wait("get")
-        return self.inner.get(key)
-
-    def head(self, key):
-        self._wait("head")
-        return self.inner.head(key)
-
-    def exists(self, key):
-        self._wait("head")
-        return self.inner.exists(key)
-
-    def list(self, *a, **kw):
-        self._wait("list")
-        return self.inner.list(*a, **kw)
-
-    def put(self, key, data):
-        return self.inner.put(key, data)
-
-    def put_if_absent(self, key, data):
-        return self.inner.put_if_absent(key, data)
-
-    def delete(self, key):
-        return self.inner.delete(key)
+    def _call(self, op, key, fn, *args):
+        if op in READS:
+            with self._lock:
+                self.requests["head" if op == "exists" else op] += 1
+            self.sleep(self.rtt_s)
+        return fn(*args)
 
 
 def _commit_versions(store: ObjectStore, desc, fragments: list[int], rng: np.random.Generator) -> None:
