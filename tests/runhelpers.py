@@ -131,3 +131,19 @@ class Recorder(EventLog):
 
     def named(self, event):
         return [e for e in list(self.seen) if e["event"] == event]
+
+
+def syncer_thread(store, *, bus=None, keys=None, until=lambda s: False, timeout: float = 20.0, **cfg):
+    """An in-process syncer (recovered, its bus open) running on a thread until ``until(syncer)`` or
+    ``timeout`` seconds; returns ``(syncer, thread)``. ``cfg``: SyncerConfig fields (spill poll 0.1 s)."""
+    import threading
+    import time
+
+    from workers.syncer.syncer import Syncer, SyncerConfig
+    syncer = Syncer(store, SyncerConfig(**{"spill_poll_s": 0.1, **cfg}), bus=bus, keys=keys)
+    syncer.recover()
+    syncer.open_bus()
+    deadline = time.time() + timeout
+    t = threading.Thread(target=syncer.run, args=(lambda: until(syncer) or time.time() > deadline,))
+    t.start()
+    return syncer, t

@@ -13,7 +13,6 @@ import signal
 import stat
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -41,10 +40,10 @@ from workers.learner.learner import Learner, LearnerConfig
 from workers.learner.receiver import Receiver
 from workers.tools.replay import rebuild
 from workers.bus.signing import seal_delta
-from workers.syncer.syncer import Syncer, SyncerConfig
+from workers.syncer.syncer import Syncer
 from workers.common.versions import VersionTracker, decode_version, version_codec
 
-from runhelpers import free_port
+from runhelpers import free_port, syncer_thread
 
 pytestmark = pytest.mark.timeout(60)
 LEARNERS = ("l0", "l1")
@@ -81,13 +80,7 @@ def _signed(desc, ident, learner: str, seq: int, **kw):
 
 def _syncer(store, ids, bus=None, until=lambda s: False, timeout=20.0, **cfg):
     keys = KeyRing(ids["syncer"], ids["syncer"].public) if ids else None
-    syncer = Syncer(store, SyncerConfig(spill_poll_s=0.1, **cfg), bus=bus, keys=keys)
-    syncer.recover()
-    syncer.open_bus()
-    deadline = time.time() + timeout
-    t = threading.Thread(target=syncer.run, args=(lambda: until(syncer) or time.time() > deadline,))
-    t.start()
-    return syncer, t
+    return syncer_thread(store, bus=bus, keys=keys, until=until, timeout=timeout, **cfg)
 
 
 def _commits(store) -> list[CommitRecord]:

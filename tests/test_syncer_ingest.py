@@ -19,7 +19,7 @@ from workers.bus.bus import BusConfig, LearnerLink, Message
 from workers.launch import RunSettings, create_run
 from workers.syncer.syncer import Syncer, SyncerConfig
 
-from runhelpers import free_port
+from runhelpers import free_port, syncer_thread
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,14 +48,8 @@ def _send(link: LearnerLink, msg: Message, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-def _run_syncer(store, bus, until, timeout=20.0) -> Syncer:
-    syncer = Syncer(store, SyncerConfig(spill_poll_s=0.1), bus=bus)
-    syncer.recover()
-    syncer.open_bus()
-    deadline = time.time() + timeout
-    t = threading.Thread(target=syncer.run, args=(lambda: until(syncer) or time.time() > deadline,))
-    t.start()
-    return syncer, t
+def _run_syncer(store, bus, until, timeout=20.0):
+    return syncer_thread(store, bus=bus, until=until, timeout=timeout)
 
 
 def test_same_delta_twice_and_spilled_is_merged_once(tiny):
