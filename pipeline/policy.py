@@ -136,16 +136,17 @@ def grace_window(cfg: PolicyConfig, timing: Timing, quorum_wait_s: float) -> flo
     """The grace window in seconds for a round whose quorum took ``quorum_wait_s`` to gather.
 
     Learners whose answers take longer to arrive (``timing.answer_spread_s``: a region across a
-    link) get that much more window, at most ``overlap`` steps more: without it an answer one
-    round trip late misses its round whenever the round trip exceeds the window (about one step)
-    and waits H steps for the next (docs/regions.md "Rounds over a link"); waiting costs every
-    learner at most the spread. A straggler cannot hold rounds longer than the bound."""
+    link) get that much more window: without it an answer one round trip late misses its round
+    whenever the round trip exceeds the window (about one step) and waits H steps for the next
+    (docs/regions.md "Rounds over a link"); waiting costs every learner at most the spread, which
+    the caller bounds (workers/syncer/rounds.py: a quarter of a round period), so a straggler
+    cannot hold rounds for long."""
     _finite("quorum_wait_s", quorum_wait_s)
     step = timing.step_time_s
     cap = cfg.cap_s if cfg.cap_s > 0 else (step if step is not None else 0.0)
     if step is None:
         return cap                                  # no measurement yet: the cap (0 if it is unknown too)
-    spread = min(timing.answer_spread_s, cfg.overlap * step)
+    spread = timing.answer_spread_s
     slack = cfg.gamma * (cfg.overlap * step + spread - quorum_wait_s - timing.sync_time_s)
     return min(max(slack, 0.0), cap + spread)
 

@@ -89,9 +89,15 @@ class RoundBook:
 
     def answer_spread(self, now: float) -> float:
         """How much later the slowest live learner's answers arrive than the fastest's (0 with
-        fewer than two measured): pipeline/policy.py widens the grace window by it (bounded there)."""
+        fewer than two measured), at most a quarter of a round period (H steps): pipeline/policy.py
+        widens the grace window by it. Why a quarter: an answer that misses its round waits a
+        whole period for the next; a round that waits for it delays everyone's version by at most
+        this much - and a straggler or a learner whose answers spill holds no round for long."""
         lags = [self.learners[m].lag_s for m in self.live(now) if self.learners[m].lag_s is not None]
-        return max(lags) - min(lags) if len(lags) >= 2 else 0.0
+        if len(lags) < 2:
+            return 0.0
+        period = self.clock.H * (self.period.value or self.initial_step_s)
+        return min(max(lags) - min(lags), period / 4)
 
     def live(self, now: float) -> list[str]:
         return sorted(m for m, p in self.learners.items() if now - p.heard < self.live_timeout_s)
