@@ -156,7 +156,9 @@ def test_syncer_killed_and_restarted_loses_nothing(tmp_path):
     fences = [r for r in records if r.kind == "fence"]
     assert [r.epoch for r in fences] == [1, 2]
     assert fences[1].seq > before
-    assert [r for r in records if r.seq > fences[1].seq and r.kind == "merge"], "the new syncer committed"
+    # The new syncer took over the learners' deltas: merged, or recorded as dropped (when the learners
+    # end their budget while it recovers, as on a loaded machine, every spill may be superseded).
+    assert [r for r in records if r.seq > fences[1].seq and (r.inputs or r.dropped)], "the new syncer committed"
     recovered = [e for e in run.events("syncer2") if e.get("event") == "syncer-recovered"]
     assert recovered and recovered[0]["fence_seq"] == fences[1].seq
     _, stats = rebuild(run.store, run.descriptor, records[-1].seq, use_checkpoint=False)
