@@ -137,3 +137,21 @@ def test_the_reader_refuses_to_read_an_oversize_object_and_reports_a_failed_list
         time.sleep(0.01)
     assert err is not None and "cut" in str(err)
     reader.close()
+
+
+def test_a_dropped_reader_ends_its_threads(tmp_path):
+    import gc
+    store = open_store(str(tmp_path / "r"))
+    before = {t for t in threading.enumerate() if t.name.startswith("remote-inbox-")}
+    reader = RemoteInbox(store, max_bytes=50, threads=3)
+    reader.refresh(set())
+    t_end = time.monotonic() + 5
+    while reader._listing and time.monotonic() < t_end:
+        time.sleep(0.01)
+    mine = {t for t in threading.enumerate() if t.name.startswith("remote-inbox-")} - before
+    assert len(mine) == 3
+    del reader
+    gc.collect()
+    for t in mine:
+        t.join(timeout=5)
+        assert not t.is_alive()

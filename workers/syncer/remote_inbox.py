@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Collection
 
@@ -23,6 +24,20 @@ from storage.layout import SPILL_PREFIX
 from storage.store import ObjectStore
 
 __all__ = ["Fetched", "RemoteInbox"]
+
+
+def _work(jobs: "queue.SimpleQueue") -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        job()
+        del job          # a finished job must not keep its reader alive while this thread waits
+
+
+def _end(jobs: "queue.SimpleQueue", threads: int) -> None:
+    for _ in range(threads):
+        jobs.put(None)
 
 
 @dataclass(frozen=True)
@@ -51,10 +66,12 @@ class RemoteInbox:
         self._listing = False                       # a listing is queued or running
         self._list_error: StoreError | None = None  # the last listing's failure, until taken
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name=f"remote-inbox-{i}", daemon=True)
+        self._threads = [threading.Thread(target=_work, args=(self._jobs,), name=f"remote-inbox-{i}", daemon=True)
                          for i in range(threads)]
         for t in self._threads:
             t.start()
+        # The threads hold only the queue: once the syncer drops this reader they are told to end.
+        self._finalizer = weakref.finalize(self, _end, self._jobs, threads)
 
     # -- the loop's side ---------------------------------------------------------------------------
     def take(self) -> tuple[list[Fetched], StoreError | None]:
@@ -79,16 +96,9 @@ class RemoteInbox:
 
     def close(self) -> None:
         """Stop the threads once their current request ends (what they fetch then is dropped)."""
-        for _ in self._threads:
-            self._jobs.put(None)
+        self._finalizer()
 
     # -- the threads -------------------------------------------------------------------------------
-    def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            job()
 
     def _list(self, known: frozenset[str]) -> None:
         try:
