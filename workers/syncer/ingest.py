@@ -324,6 +324,12 @@ class Ingest:
         self._take_remote(store, reader)
         reader.refresh({h.inbox_key for pend in self.pending for h in pend.values()} | self.bad)
 
+    def close(self, wait_s: float = 2.0) -> None:
+        """Stop the remote inbox readers (a stopping syncer), waiting up to ``wait_s`` in all."""
+        for reader in self.remote.values():
+            reader.close(wait_s)
+        self.remote.clear()
+
     def _take_remote(self, store: ObjectStore, reader: RemoteInbox) -> None:
         fetched, error = reader.take()
         if error is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Collection
@@ -94,9 +95,14 @@ class RemoteInbox:
         self._jobs.put(lambda: self._list(known))
         return True
 
-    def close(self) -> None:
-        """Stop the threads once their current request ends (what they fetch then is dropped)."""
+    def close(self, wait_s: float = 0.0) -> None:
+        """Stop the threads once their current request ends (what they fetch then is dropped),
+        waiting up to ``wait_s`` for them (a stopping syncer's last requests are then counted in
+        its final accounting; a store that hangs delays the stop by at most ``wait_s``)."""
         self._finalizer()
+        deadline = time.monotonic() + wait_s
+        for t in self._threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
 
     # -- the threads -------------------------------------------------------------------------------
 

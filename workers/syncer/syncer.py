@@ -313,6 +313,7 @@ class Syncer:
         finally:
             if self.bus is not None:
                 self.bus.close()
+            self.ingest.close()
             self.io.shutdown(wait=True)
             if self.compute is not None:
                 self.compute.shutdown(wait=True)
