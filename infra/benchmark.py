@@ -207,6 +207,24 @@ def _pct(xs: list[float], q: float) -> float | None:
     return float(np.percentile(xs, q)) if xs else None
 
 
+def step_tails(out: Path, control_times: list[float]) -> dict:
+    """p95/p99 step times with sync on (the median over learners of each learner's own tail, from
+    its ``learner-stop`` event) and off (the control's), and the on p99 over the on median (issue
+    15: p99 <= 1.1x median)."""
+    stops = [e for f in sorted((out / "logs").glob("l*.jsonl")) for e in read_events(f)
+             if e.get("event") == "learner-stop" and e.get("p99_step_s")]
+    res: dict = {}
+    for q in (95, 99):
+        on = [e[f"p{q}_step_s"] for e in stops]
+        res[f"step_time_sync_on_p{q}_s"] = statistics.median(on) if on else None
+        res[f"step_time_sync_off_p{q}_s"] = _pct(control_times, q)
+    on99 = [e["p99_step_s"] / e["median_step_s"] for e in stops if e.get("median_step_s")]
+    res["step_time_sync_on_p99_over_median"] = statistics.median(on99) if on99 else None
+    off = statistics.median(control_times) if control_times else None
+    res["step_time_sync_off_p99_over_median"] = _pct(control_times, 99) / off if off else None
+    return res
+
+
 def _handle(args) -> int:
     if args.regions:
         from .wan_benchmark import run_benchmark
@@ -222,6 +240,7 @@ def _handle(args) -> int:
     figures["step_time_sync_on_s"] = statistics.median(learner_steps)
     figures["step_time_sync_off_s"] = control
     figures["step_time_ratio_on_off"] = figures["step_time_sync_on_s"] / control
+    figures.update(step_tails(out / "decoupled-local", local["control_step_times"]))
     lat = version_latencies(out / "decoupled-local", local["run_uri"])
     figures["latency_local_p50_s"], figures["latency_local_p99_s"] = _pct(lat, 50), _pct(lat, 99)
     from workers.job.model import GPTConfig, build_model

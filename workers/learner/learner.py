@@ -391,6 +391,9 @@ class Learner:
             "copy_wait_s": round(getattr(r, "copy_wait_s", 0.0), 4),
             "nonfinite_steps": self.health.skipped, "fragments_reloaded": self.health.reloads,
             "median_step_s": statistics.median(self.step_times) if self.step_times else 0.0,
+            # tails over the same window (issue 15: p99 <= 1.1x the median with sync on)
+            "p95_step_s": float(np.percentile(self.step_times, 95)) if self.step_times else 0.0,
+            "p99_step_s": float(np.percentile(self.step_times, 99)) if self.step_times else 0.0,
             "mean_step_s": seconds / timed if timed else 0.0,
             "max_gap_s": self._max_gap, "median_gap_s": statistics.median(self.gaps) if self.gaps else 0.0,
         }
