@@ -4,6 +4,7 @@ read, and never misses or delays a commit when the advisory hint lags, is lost, 
 wrong (``VersionTracker.poll_fast``, workers/learner/receiver.py)."""
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -83,9 +84,20 @@ def test_new_commits_are_read_in_parallel_in_order(run):
     start = tracker.cursor
     seqs = append(store, 5)
     threads = set()
+    # The first two reads wait for each other: they can only both pass if they are in flight at once
+    # (a serial reader breaks the barrier), however fast the store is.
+    together = threading.Barrier(2, timeout=10)
+    started = itertools.count()
+
+    def job(fn, j):
+        threads.add(threading.current_thread().name)
+        if next(started) < 2:
+            together.wait()
+        return fn(j)
+
     with ThreadPoolExecutor(4) as pool:
         def spy(fn, jobs):
-            return pool.map(lambda j: (threads.add(threading.current_thread().name), fn(j))[1], jobs)
+            return pool.map(lambda j: job(fn, j), jobs)
         got = tracker.poll_fast(map_fn=spy)
     assert [r.seq for r in got] == seqs == list(range(start + 1, start + 6))
     assert tracker.cursor == seqs[-1]
