@@ -95,11 +95,17 @@ def _spilled_during_fault(run: ChaosRun, obs: inv.Observation) -> Check:
             spans.append([m["t"], float("inf")])
         elif m["what"] == "restore" and spans:
             spans[-1][1] = m["t"]
-    spilled = sum(1 for ev in obs.learner_events.values() for e in ev if e.get("event") == "delta-spilled"
-                  and any(a <= e["t"] <= b for a, b in spans))
+    spilled = {e["delta"] for ev in obs.learner_events.values() for e in ev if e.get("event") == "delta-spilled"
+               and any(a <= e["t"] <= b for a, b in spans)}
     merged = sum(1 for r in obs.merges() if any(a <= (r.info.get("committed_at") or 0) <= b for a, b in spans))
-    ok = bool(spans) and spilled > 0 and merged > 0
-    return Check("spilled-during-fault", ok, f"during the blackhole: {spilled} deltas spilled, {merged} merges")
+    # What the fast path lost went through the inbox: every delta spilled during the blackhole is in
+    # the log, merged or recorded. Merges *during* it are reported, not required: with few spills they
+    # can land just after the restore on a loaded machine (the commit-gap bound covers liveness).
+    named = {i.delta_id for r in obs.records for i in r.inputs}
+    recorded = named | {d.delta_id for r in obs.records for d in r.dropped}
+    ok = bool(spans) and bool(spilled) and spilled <= recorded
+    return Check("spilled-during-fault", ok, f"during the blackhole: {len(spilled)} deltas spilled "
+                 f"({len(spilled & named)} merged, {len(spilled - recorded)} not in the log), {merged} merges")
 
 
 EXTRA_CHECKS: dict[str, Callable[[ChaosRun, inv.Observation], Check]] = {

@@ -182,6 +182,13 @@ class DataParallelGroup:
 
     def close(self) -> None:
         if self._own and dist.is_initialized():
+            # Leave together: a rank that tears the group down while a peer still drains (rank 0
+            # flushing its deltas) can make gloo's connection thread abort the peer at exit
+            # ("terminate called without an active exception", seen once in CI).
+            try:
+                dist.barrier()
+            except RuntimeError:   # a peer is already gone: nothing left to wait for
+                pass
             dist.destroy_process_group()
 
 
