@@ -132,6 +132,10 @@ def configure_syncer(parser: argparse.ArgumentParser,
     parser.add_argument("--threads", type=int, default=1, metavar="N",
                         help="threads for a round's decode, guard, fold and version encode (same bits at any N; "
                              "docs/scale.md)")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="keep freed memory in the process (glibc mallopt): large rounds reuse mapped pages "
+                             "instead of the kernel zeroing fresh ones; the process keeps its peak memory "
+                             "(docs/scale.md; worth it from ~10M-parameter fragments)")
     parser.add_argument("--shard", metavar="I/N", type=_shard_spec, default=None,
                         help="be syncer shard I of a run of N shards (ddiloco run --syncers N): own the fragments "
                              "p with p %% N == I, with its own epochs and log (docs/scale.md \"Sharded syncer\")")
@@ -141,7 +145,8 @@ def configure_syncer(parser: argparse.ArgumentParser,
         from workers.syncer.gc import RetentionConfig
         if args.threads < 1:
             raise SystemExit(f"--threads must be >= 1, got {args.threads}")
-        keep_freed_memory()   # a round's large arrays reuse mapped pages (docs/scale.md: kernel zeroing dominated)
+        if args.keep_freed_memory:
+            keep_freed_memory()   # a round's large arrays reuse mapped pages (docs/scale.md: kernel zeroing dominated)
         retention = RetentionConfig(enabled=not args.keep_all, keep_checkpoints=args.keep_checkpoints,
                                     keep_commits=args.keep_commits)
         store = open_store(args.store, s3_endpoint=args.s3_endpoint, create=False)
