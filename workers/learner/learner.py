@@ -165,9 +165,12 @@ class Learner:
             self.sender.stop()
         if self.receiver is not None:
             self.receiver.stop()
+        # Stats first, then the store's counters: a spill still in flight (the sender's join timed
+        # out) counts its bytes at the store before the sender counts it, so the final report's
+        # bytes_written always covers the bytes_spilled reported here (issue 14 accounting).
+        stats = self.stats()
         self._report_traffic(final=True)
-        self.events.emit("learner-stop", step=self.step_count, tokens=self.tokens, drained=drained,
-                         **self.stats())
+        self.events.emit("learner-stop", step=self.step_count, tokens=self.tokens, drained=drained, **stats)
         return drained
 
     def __enter__(self) -> "Learner":
@@ -382,7 +385,7 @@ class Learner:
             "evicted": s.evicted, "evicted_tokens": s.evicted_tokens, "nonfinite_deltas": s.nonfinite,
             "undelivered": self.sender.undelivered() if self.sender else 0,
             "spill_errors": s.spill_errors, "last_error": s.last_error,
-            "bytes_sent": s.bytes_sent, "bytes_spilled": s.bytes_spilled,
+            "bytes_sent": s.bytes_sent, "bytes_spilled": s.bytes_spilled, "spill_found": s.spill_found,
             "bytes_received": r.bytes_received if r else 0,
             "versions_applied": self.applied, "receiver_errors": r.errors if r else 0,
             "versions_refused": r.refused if r else 0, "receiver_failed": r.failed if r else None,

@@ -99,7 +99,8 @@ class SenderStats:
     nonfinite: int = 0             # dropped: its values were not finite (could not be encoded)
     rejected: int = 0
     bytes_sent: int = 0
-    bytes_spilled: int = 0
+    bytes_spilled: int = 0         # bytes this sender's spills wrote (a spill found already stored wrote none)
+    spill_found: int = 0           # spills that found the delta already stored (counted in ``spilled`` too)
     spill_errors: int = 0          # failed spill attempts (each is retried)
     last_error: str = ""
     peak_held: int = 0             # most deltas held at once
@@ -366,10 +367,14 @@ class Sender:
             if not self._encode(p):
                 continue
             key = spill_key(p.header.learner, p.header.incarnation, p.header.seq)
+            wrote = True
             try:
                 self.store.put_if_absent(key, p.blob)
             except AlreadyExists:
-                pass   # the syncer (or an earlier try of ours) already made it durable there
+                # The syncer (it writes a bus delta under this key before acking: an ack slower than
+                # ack_timeout_s) or an earlier try of ours already made it durable there. Durable, so
+                # it counts as spilled; but this learner wrote no bytes (its store counts none either).
+                wrote = False
             except StoreError as exc:
                 self._spill_failed(p, exc, now)
                 return   # the store is failing: do not block on every other delta too
@@ -378,8 +383,10 @@ class Sender:
                 self._spill_failures = 0
             if self._release(did) is not None:
                 self.stats.spilled += 1
-                self.stats.bytes_spilled += len(p.blob)
-                self.events.emit("delta-spilled", delta=did, fragment=p.header.fragment, bytes=len(p.blob))
+                self.stats.bytes_spilled += len(p.blob) if wrote else 0
+                self.stats.spill_found += 0 if wrote else 1
+                self.events.emit("delta-spilled", delta=did, fragment=p.header.fragment, bytes=len(p.blob) if wrote else 0,
+                                 **({} if wrote else {"found": True}))
 
     def _spill_failed(self, p: _Pending, exc: StoreError, now: float) -> None:
         """Keep the delta (bounded by the caps) and retry with backoff; report the 1st, 2nd, 4th...
