@@ -233,4 +233,5 @@ def test_a_learner_waits_for_its_regions_copy_instead_of_hammering(tmp_path, mon
     assert rcv.awaited == 1 and rcv.copy_misses >= 2
     # ~100 announcements in 1.2 s, but reads back off (0.05, 0.1, 0.2, 0.4, 0.5 s ...), one GET each
     assert 2 <= misses_before_copy <= 8, misses_before_copy
-    assert rcv.copy_wait_s > 1.0
+    # the copy landed ~1.2 s after the announcement: the estimate lies between the last miss and the find
+    assert 0.7 <= rcv.copy_wait_s <= 1.3, rcv.copy_wait_s

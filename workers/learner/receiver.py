@@ -53,6 +53,7 @@ FAIL_AFTER = 3            # failed polls in a row before the receiver reports it
 FETCH_THREADS = 8         # parallel GETs of commits and versions
 BUS_ROUNDS_FRESH_S = 3.0   # round announcements heard this recently make the storage clock unnecessary
 COPY_WAIT_MIN_S = 0.05     # first re-read of an announced commit the store does not hold yet (a region's copy)
+COPY_EST_ALPHA = 0.5       # weight of the latest copy time in the smoothed one
 
 
 class Receiver:
@@ -84,6 +85,8 @@ class Receiver:
         self.awaited = 0            # announced commits the store did not hold yet at the first read
         self.copy_misses = 0        # reads that found an announced commit missing
         self._awaiting_since = -1.0  # when the current wait began (-1: not waiting)
+        self._last_miss = -1.0       # when the current wait's latest read missed
+        self._copy_est = -1.0        # smoothed announce -> copy time (-1: none yet): where a wait starts
         self._backoff = 0.0         # the current wait's next pause
         self._copy_wait = RunningMean()   # announce -> found, seconds, of the commits waited for
 
@@ -221,21 +224,30 @@ class Receiver:
 
     def _after_poll(self) -> float:
         """Seconds to the next poll: ``poll_s``, or while an announced commit is not in the store
-        yet, a backoff from about the usual wait for a copy (>= COPY_WAIT_MIN_S), doubling, at
-        most ``poll_s``. Counts the commits waited for and the reads that missed."""
+        yet, first the smoothed copy time (>= COPY_WAIT_MIN_S), then pauses from COPY_WAIT_MIN_S
+        doubling, at most ``poll_s``. Counts the commits waited for and the reads that missed."""
         now = time.monotonic()
         if self._announced <= self.tracker.cursor:
             if self._awaiting_since >= 0:
-                self._copy_wait.append(now - self._awaiting_since)
+                # The copy landed between the last miss and now: the midpoint, not ``now``. Found
+                # times alone only ratchet up (a wait starts at their mean, so none is shorter than
+                # it): at 0.4 s steps the wait grew to ~poll_s and versions missed a step boundary.
+                waited = (self._last_miss + now) / 2 - self._awaiting_since
+                self._copy_wait.append(waited)
+                # recent copies decide the next wait's start (a run's early slow copies must not)
+                self._copy_est = waited if self._copy_est < 0 else self._copy_est + COPY_EST_ALPHA * (waited - self._copy_est)
             self._awaiting_since, self._backoff = -1.0, 0.0
             return self.poll_s
         self.copy_misses += 1
+        self._last_miss = now
         if self._awaiting_since < 0:
             self.awaited += 1
             self._awaiting_since = now
-            self._backoff = max(COPY_WAIT_MIN_S, self._copy_wait.mean if self._copy_wait else 0.0)
-        else:
-            self._backoff *= 2
+            # First re-read when a copy usually lands, then probes 0.05, 0.1, 0.2 ... s apart (a
+            # copy just after the estimate is found soon; a region that is down costs one GET a poll_s).
+            self._backoff = COPY_WAIT_MIN_S / 2
+            return min(max(COPY_WAIT_MIN_S, self._copy_est), self.poll_s)
+        self._backoff *= 2
         return min(self._backoff, self.poll_s)
 
     @property
