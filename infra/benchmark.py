@@ -50,6 +50,14 @@ def configure(parser: argparse.ArgumentParser):
     parser.add_argument("--sync-every", type=int, default=None, help="with --regions: H of both runs (default: ddiloco run's)")
     parser.add_argument("--slow", type=float, default=1.0,
                         help="with --regions: stretch every learner step by this factor (ddiloco run --slow)")
+    parser.add_argument("--pace", type=float, default=None, metavar="SECONDS",
+                        help="with --regions: pad every learner step to this many seconds (ddiloco run --pace)")
+    parser.add_argument("--pairs", type=int, default=3,
+                        help="with --regions: side-by-side WAN/baseline pairs per path (start order alternates)")
+    parser.add_argument("--baseline", default="rtt=0ms",
+                        help="with --regions: the other run's links ('rtt=0ms': the same proxies, unshaped; "
+                             "'none': no proxies)")
+    parser.add_argument("--paths", default="bus,bucket-only", help="with --regions: which paths to measure")
     return _handle
 
 

@@ -8,8 +8,8 @@ same shape start *together* and train side by side under the same machine load: 
 none`` (the same two S3 servers, no links). Reported per path:
 
 - ``r1_tokens_per_s_ratio``: tokens/s of r1's learners, WAN / no WAN (goal >= 0.97), over the
-  window in which every learner of *both* runs was training (from the last ``learner-start`` to
-  the first ``learner-stop``; the cumulative tokens of each learner's ``step`` reports,
+  window in which every learner of *both* runs was training (from the latest first ``step``
+  report to the earliest last one; the cumulative tokens of each learner's ``step`` reports,
   interpolated at the window's ends): a run that finishes first leaves the other a quieter machine;
   ``home_tokens_per_s_ratio`` is the same for the home learners (no link on their path): the
   spread that the two runs' shares of the machine alone give;
@@ -43,10 +43,12 @@ PATHS = (("bus", []), ("bucket-only", ["--no-bus"]))
 
 
 def _start(out: Path, wan: str, extra: list[str], args) -> subprocess.Popen:
+    pace = getattr(args, "pace", None)
     cmd = [sys.executable, "-m", "workers.cli", "run", "--out", str(out), "--plain", "--regions", "2", "--wan", wan,
            "--learners", str(args.learners), "--steps", str(args.steps), "--eval-every", "100000", *extra,
            *(["--sync-every", str(args.sync_every)] if getattr(args, "sync_every", None) else []),
-           *(["--slow", str(args.slow)] if getattr(args, "slow", 1.0) != 1.0 else [])]
+           *(["--slow", str(args.slow)] if getattr(args, "slow", 1.0) != 1.0 else []),
+           *(["--pace", str(pace)] if pace else [])]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -62,19 +64,23 @@ def region_learners(summary: dict, region: int = 1, regions: int = 2) -> list[st
     return [lid for lid in summary["per_learner"] if int(lid[1:]) % regions == region]
 
 
+def _progress(out: Path, lid: str) -> list[tuple[float, int]]:
+    """(time, cumulative tokens) of one learner's ``step`` reports (every ``log_every`` steps)."""
+    return [(e["t"], e["tokens"]) for e in read_events(out / "logs" / f"{lid}.jsonl")
+            if e.get("event") == "step" and "tokens" in e]
+
+
 def training_span(out: Path, lid: str) -> tuple[float, float] | None:
-    """(``learner-start``, ``learner-stop``) times of one learner."""
-    ev = read_events(out / "logs" / f"{lid}.jsonl")
-    start = next((e["t"] for e in ev if e.get("event") == "learner-start"), None)
-    stop = next((e["t"] for e in reversed(ev) if e.get("event") == "learner-stop"), None)
-    return (start, stop) if start is not None and stop is not None else None
+    """The first and the last ``step`` report of one learner: it trained all along in between (its
+    start-up and its drain at close, when it makes no tokens, are outside)."""
+    rows = _progress(out, lid)
+    return (rows[0][0], rows[-1][0]) if len(rows) >= 2 else None
 
 
 def tokens_per_s(out: Path, lid: str, window: tuple[float, float]) -> float | None:
-    """One learner's tokens/s inside ``window`` (its cumulative tokens at its start (0), its step
-    reports and its stop, interpolated at the window's ends)."""
-    rows = [(e["t"], 0 if e["event"] == "learner-start" else e["tokens"]) for e in read_events(out / "logs" / f"{lid}.jsonl")
-            if e.get("event") in ("learner-start", "step", "learner-stop") and ("tokens" in e or e["event"] == "learner-start")]
+    """One learner's tokens/s inside ``window`` (its cumulative tokens at its step reports,
+    interpolated at the window's ends)."""
+    rows = _progress(out, lid)
     a, b = window
     if len(rows) < 2 or b <= a or rows[0][0] > a or rows[-1][0] < b:
         return None
@@ -83,10 +89,10 @@ def tokens_per_s(out: Path, lid: str, window: tuple[float, float]) -> float | No
 
 
 def common_window(outs: list[Path], learners: list[str]) -> tuple[float, float]:
-    """From the last learner-start to the first learner-stop over every learner of every run."""
+    """From the latest first step report to the earliest last one, over every learner of every run."""
     spans = [training_span(o, lid) for o in outs for lid in learners]
     if any(s is None for s in spans):
-        raise SystemExit(f"a learner of {outs} has no learner-start/stop: cannot compare throughput")
+        raise SystemExit(f"a learner of {outs} has fewer than two step reports: cannot compare throughput")
     return max(s[0] for s in spans), min(s[1] for s in spans)
 
 
@@ -156,6 +162,34 @@ def answers(out: Path, lids: list[str]) -> dict[str, dict]:
     return out_
 
 
+def latency_parts(out: Path, lids: list[str], region: str = "r1") -> dict:
+    """Where the answer-to-version time of ``lids`` (learners in ``region``) goes, medians over
+    every (answer, applied version that merged it) pair, in seconds:
+    ``to_close`` answer -> the round closed (the answer crossing up, the other answers, the grace
+    window; ``grace`` is the window alone), ``commit`` the merge and its writes at home, ``replicate``
+    commit -> its record copied into ``region`` (``replicated`` events), ``to_apply`` copied -> applied
+    (the announcement or a poll, the read in the region, the wait for the learner's next step)."""
+    syncer = read_events(out / "logs" / "syncer.jsonl")
+    commits = {e["seq"]: e for e in syncer if e.get("event") == "commit"}
+    copied = {e["seq"]: e["t"] for e in syncer if e.get("event") == "replicated" and e.get("region") == region}
+    parts: dict[str, list[float]] = {k: [] for k in ("to_close", "grace", "commit", "replicate", "to_apply", "total")}
+    for lid in lids:
+        ev = read_events(out / "logs" / f"{lid}.jsonl")
+        made = {e["delta"]: e for e in ev if e.get("event") == "delta"}
+        for e in ev:
+            c = commits.get(e.get("seq")) if e.get("event") == "version-applied" else None
+            mine = [made[i] for i in (c or {}).get("inputs", ()) if i in made]
+            if not mine or e["seq"] not in copied:
+                continue
+            answer = max(mine, key=lambda d: d["step"])["t"]
+            closed = c["t"] - (c.get("sync_s") or 0.0)
+            for k, v in (("to_close", closed - answer), ("grace", c.get("grace_s") or 0.0),
+                         ("commit", c.get("sync_s") or 0.0), ("replicate", copied[e["seq"]] - c["t"]),
+                         ("to_apply", e["t"] - copied[e["seq"]]), ("total", e["t"] - answer)):
+                parts[k].append(v)
+    return {k: (round(_median(v), 4) if v else None) for k, v in parts.items()}
+
+
 def run_extras(out: Path, summary: dict, r1: list[str]) -> dict:
     """What a run says beyond its summary: r1's and home's answer-to-version latency in seconds and
     late share, the replication delay to r1, and how often r1's learners waited for r1's copy of
@@ -175,7 +209,8 @@ def run_extras(out: Path, summary: dict, r1: list[str]) -> dict:
     def share(lids):
         xs = [a[lid]["late_share"] for lid in lids if a[lid]["late_share"] is not None]
         return statistics.fmean(xs) if xs else None
-    return {"r1_latency_s_p50": pooled(r1, "latency_s"), "home_latency_s_p50": pooled(home, "latency_s"),
+    return {"r1_latency_parts_s": latency_parts(out, r1),
+            "r1_latency_s_p50": pooled(r1, "latency_s"), "home_latency_s_p50": pooled(home, "latency_s"),
             "r1_latency_steps_pooled_p50": pooled(r1, "latency_steps"),
             "r1_late_share": share(r1), "home_late_share": share(home),
             "median_step_s": _median([summary["per_learner"][lid].get("median_step_s") for lid in r1]),
@@ -183,7 +218,11 @@ def run_extras(out: Path, summary: dict, r1: list[str]) -> dict:
             "replication_delay_s_mean": rep.get("delay_s_mean"), "replication_delay_s_max": rep.get("delay_s_max"),
             "replication_home_reads": rep.get("home_reads"),
             "r1_versions_awaited": sum(e.get("versions_awaited", 0) for e in lstop.values()),
-            "r1_copy_misses": sum(e.get("copy_misses", 0) for e in lstop.values())}
+            "r1_copy_misses": sum(e.get("copy_misses", 0) for e in lstop.values()),
+            # a stall of r1's learners shows here: the longest step-to-step gap against the median one
+            "r1_max_gap_s": max((e.get("max_gap_s") or 0.0 for e in lstop.values()), default=None),
+            "r1_median_gap_s": _median([e.get("median_gap_s") for e in lstop.values()]),
+            "r1_p99_step_s": _median([e.get("p99_step_s") for e in lstop.values()])}
 
 
 def _median(xs) -> float | None:
@@ -191,33 +230,65 @@ def _median(xs) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+KEY_FIGURES = ("r1_tokens_per_s_ratio", "home_tokens_per_s_ratio", "r1_over_home", "r1_version_latency_steps_p50_wan",
+               "r1_version_latency_steps_p50_none", "r1_latency_s_p50_wan", "r1_latency_s_p50_none",
+               "r1_max_gap_s_wan", "r1_max_gap_s_none", "r1_median_gap_s_wan", "r1_median_gap_s_none",
+               "ratio_to_dp_bf16")
+
+
+def _pair(out: Path, name: str, extra: list[str], i: int, args, dp: float) -> dict:
+    """One side-by-side pair of one path: the WAN run and the baseline run start together; the
+    one started first alternates with ``i`` (a launcher started first gets the machine first)."""
+    dirs = {side: out / f"{name}-{i}-{side}" for side in ("wan", "none")}
+    specs = {"wan": args.wan, "none": getattr(args, "baseline", "none")}
+    order = ("wan", "none") if i % 2 == 0 else ("none", "wan")
+    procs = {side: _start(dirs[side], specs[side], extra, args) for side in order}
+    runs = {side: _finish(dirs[side], procs[side]) for side in order}
+    f = path_figures(runs["wan"], runs["none"], dirs["wan"], dirs["none"])
+    per_token = f["cross_region_bytes_per_r1_learner_token"]
+    f["ratio_to_dp_bf16"] = per_token / dp if per_token is not None else None
+    r1, home = f["r1_tokens_per_s_ratio"], f["home_tokens_per_s_ratio"]
+    # r1's ratio over the home learners' one: the link's share, with the two runs' machine shares divided out
+    f["r1_over_home"] = r1 / home if r1 and home else None
+    f["started_first"] = order[0]
+    return f
+
+
 def run_benchmark(args) -> int:
+    """``--pairs`` side-by-side pairs per path (module docstring), each pair's figures and, per
+    key figure, the median over the pairs."""
     from workers.job.model import GPTConfig, build_model
     from workers.run import DEMO_BATCH_SIZE, default_sync_every
     out = Path(args.out) / "regions"
     out.mkdir(parents=True, exist_ok=True)
+    pairs = getattr(args, "pairs", 1)
+    names = [n.strip() for n in getattr(args, "paths", "bus,bucket-only").split(",") if n.strip()]
+    known = dict(PATHS)
+    if pairs < 1 or not names or any(n not in known for n in names):
+        raise SystemExit(f"--pairs must be >= 1 and --paths a subset of {sorted(known)}, got {pairs}, {names}")
     gcfg = GPTConfig()
     params = sum(p.numel() for p in build_model(gcfg, 0).parameters())
     dp = dp_bytes_per_learner_token(params, args.learners, DEMO_BATCH_SIZE * gcfg.block_size)
-    figures: dict = {"wan": args.wan, "learners": args.learners, "steps": args.steps, "params": params,
-                     "slow": getattr(args, "slow", 1.0),
+    figures: dict = {"wan": args.wan, "baseline": getattr(args, "baseline", "none"), "learners": args.learners,
+                     "steps": args.steps, "params": params, "slow": getattr(args, "slow", 1.0),
+                     "pace": getattr(args, "pace", None), "pairs": pairs,
                      "sync_every": args.sync_every or default_sync_every(4),
                      "dp_bf16_bytes_per_learner_token": dp}
     t0 = time.time()
-    for name, extra in PATHS:
-        dirs = {side: out / f"{name}-{side}" for side in ("wan", "none")}
-        procs = {side: _start(d, args.wan if side == "wan" else "none", extra, args) for side, d in dirs.items()}
-        runs = {side: _finish(dirs[side], p) for side, p in procs.items()}
-        f = path_figures(runs["wan"], runs["none"], dirs["wan"], dirs["none"])
-        per_token = f["cross_region_bytes_per_r1_learner_token"]
-        f["ratio_to_dp_bf16"] = per_token / dp if per_token is not None else None
-        figures[name] = f
+    for name in names:
+        runs = [_pair(out, name, known[name], i, args, dp) for i in range(pairs)]
+        figures[name] = {"pairs": runs, "median": {k: _median([r.get(k) for r in runs]) for k in KEY_FIGURES}}
     figures["wall_s"] = round(time.time() - t0, 1)
-    for name, _ in PATHS:
+    for name in names:
         print(f"{name}:")
-        for k, v in figures[name].items():
-            print(f"  {k:<40} {v:.4g}" if isinstance(v, float) else f"  {k:<40} {v}")
+        for k in KEY_FIGURES:
+            vals = ", ".join(_fmt(r.get(k)) for r in figures[name]["pairs"])
+            print(f"  {k:<36} median {_fmt(figures[name]['median'][k]):>8}   pairs: {vals}")
     print(f"dp_bf16_bytes_per_learner_token          {dp:.4g}  (params {params}, {args.learners} learners)")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     return 0
+
+
+def _fmt(x) -> str:
+    return f"{x:.4g}" if isinstance(x, float) else str(x)

@@ -214,6 +214,9 @@ def configure_learner(parser: argparse.ArgumentParser):
     parser.add_argument("--shard", type=int, default=None, help="data shard (default: the number in --id)")
     parser.add_argument("--steps", type=int, default=None, help="inner steps (default: the run's)")
     parser.add_argument("--slow", type=float, default=1.0, help="stretch every step by this factor (>= 1)")
+    parser.add_argument("--pace", type=float, default=None, metavar="SECONDS",
+                        help="instead: pad every step to this many seconds (a learner that owns its accelerator: "
+                             "its speed does not follow a shared machine's load; benchmarks)")
     parser.add_argument("--ack-timeout", type=float, default=2.0, help="seconds before an unacked delta spills")
     parser.add_argument("--poll", type=float, default=0.5, help="seconds between storage polls for versions")
     parser.add_argument("--syncer-key", metavar="PATH", default=None,
@@ -241,6 +244,10 @@ def configure_learner(parser: argparse.ArgumentParser):
         from workers.learner.sender import SenderConfig
         if args.slow < 1.0:
             raise SystemExit(f"--slow must be >= 1, got {args.slow}")
+        if args.pace is not None and (not args.pace > 0 or args.slow != 1.0):
+            raise SystemExit(f"--pace must be > 0 seconds and takes no --slow, got --pace {args.pace}")
+        from workers.job.job import Pace
+        pace = Pace(args.pace) if args.pace is not None else None
         shard = _shard(args)
         store = open_store(args.store, s3_endpoint=args.s3_endpoint, create=False)
         if args.region is not None:   # --store may be any copy of the run; from here on only the region's
@@ -252,7 +259,7 @@ def configure_learner(parser: argparse.ArgumentParser):
         cfg = LearnerConfig(sender=SenderConfig(ack_timeout_s=args.ack_timeout), poll_s=args.poll, keys=keys)
         try:
             stats = learner_process(store, args.id, shard, _bus(args), events, steps=args.steps, slow=args.slow,
-                                    config=cfg, stop=flag.is_set, group=group)
+                                    config=cfg, stop=flag.is_set, group=group, pace=pace)
         finally:
             if metrics is not None:
                 metrics.close()

@@ -81,6 +81,8 @@ def configure(parser):
       help="learners keep their steps since answering a round when its version lands (instead of overwriting)")
     a("--no-bus", action="store_true", help="no ZeroMQ: deltas and versions go through storage only")
     a("--slow", type=float, default=1.0, help="stretch every learner step by this factor (>= 1; ddiloco learner --slow)")
+    a("--pace", type=float, default=None, metavar="SECONDS",
+      help="instead: pad every learner step to this many seconds (ddiloco learner --pace)")
     a("--metrics-port", type=int, default=None, metavar="N",
       help="Prometheus metrics: the syncer at http://127.0.0.1:N/metrics, learner m at N+1+m (0: every process "
            "takes a free port and logs it as a metrics-listening event); off unless given (README \"Metrics\")")
@@ -170,6 +172,8 @@ def run(args, topologies=()) -> int:
         raise SystemExit(f"--learners must be >= 1, got {args.learners}")
     if not args.slow >= 1.0:
         raise SystemExit(f"--slow must be >= 1, got {args.slow}")
+    if args.pace is not None and (not args.pace > 0 or args.slow != 1.0):
+        raise SystemExit(f"--pace must be > 0 seconds and takes no --slow, got --pace {args.pace}")
     if not 1 <= args.syncers <= args.fragments:
         raise SystemExit(f"--syncers must be in 1..--fragments ({args.fragments}): every shard owns a fragment, "
                          f"got {args.syncers}")
@@ -231,6 +235,7 @@ def _run_decoupled(args, out: Path, gcfg: GPTConfig, job: JobSettings, steps: in
     for m, lid in enumerate(names):
         region = ["--region", f"r{m % args.regions}"] if desc.regions is not None else []
         slow = ["--slow", str(args.slow)] if args.slow != 1.0 else []
+        slow += ["--pace", str(args.pace)] if args.pace is not None else []
         cluster.start_learner(lid, ["--shard", str(m), *region, *slow, *metrics_flags(args.metrics_port, m + 1)])
     init_loss = evaluate(model, corpus)
     events.emit("eval", tokens=0, loss=init_loss, versions={})

@@ -250,12 +250,17 @@ class Replicator:
         """Commit ``seq``'s record is in region ``r``: the cursor passes it (only it: no gap)."""
         with self._lock:
             noted = self._noted.get(seq)
-            if noted is not None:
-                r.delay.append(self.clock() - noted)
+            delay = self.clock() - noted if noted is not None else None
+            if delay is not None:
+                r.delay.append(delay)
             r.next = seq + 1
             r.copied += 1
             r.bytes += n
             self._trim_cache()
+        # One event per commit copied: when each commit reached each region (the benchmark's
+        # version latency breakdown, infra/wan_benchmark.py), outside the lock (the log writes a line).
+        self.events.emit("replicated", region=r.name, seq=seq, bytes=n,
+                         delay_s=round(delay, 4) if delay is not None else None)
 
     def _copy_version(self, r: _Region, seq: int) -> tuple[str, bytes, int]:
         """On the region's pool: commit ``seq``'s version in region ``r`` (for a commit that
