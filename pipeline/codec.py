@@ -33,6 +33,7 @@ import numpy as np
 import zstandard
 
 from . import codec_frames as frames
+from . import kernels
 from .codec_checks import IN_DTYPES as _IN_DTYPES, check_expect, field, tensor_entries, v1_payload
 from .envelope import seal, unseal
 from .errors import FormatError
@@ -54,6 +55,8 @@ _JOB = 1 << 20            # values per job handed to map_fn: the unit of paralle
 # float32 at 1.5 * 2**23 is 1 and MAGIC is even. The low byte of its bits is then the code: q + 8
 # for int4 (offset binary) and q mod 256 (two's complement) for int8.
 _MAGIC = {"int4": np.float32(1.5 * 2**23 + 8), "int8": np.float32(1.5 * 2**23)}
+_BAD_CODE = {"int4": "int4 data has nibble 0, which the encoder never writes",
+             "int8": "int8 data has code -128, which the encoder never writes"}
 _NON_FINITE = "has non-finite values (NaN/Inf or beyond float32 range); refusing to encode it"
 
 MapFn = Callable[[Callable[[Any], Any], Iterable[Any]], Iterable[Any]]   # map, ThreadPoolExecutor.map ...
@@ -227,7 +230,12 @@ def _quantize_step(x: np.ndarray, scheme: str, bs: int, sc: np.ndarray, codes: n
 
 def _quantize_range(x: np.ndarray, lo: int, hi: int, scheme: str, bs: int, scales: np.ndarray,
                     codes: np.ndarray) -> bool:
-    """Values ``lo:hi`` (``lo`` on a block boundary) of ``x`` into ``scales``, ``codes``; False if not finite."""
+    """Values ``lo:hi`` (``lo`` on a block boundary) of ``x`` into ``scales``, ``codes``; False if not finite.
+    The C kernel when built (pipeline/kernels.py), else numpy steps: the same bytes."""
+    if kernels.enabled():
+        b0, b1, per_byte = lo // bs, _nblocks(hi, bs), 2 if scheme == "int4" else 1
+        xs = x[lo:hi] if x.dtype == np.float32 else _f32(x[lo:hi])   # float64 beyond range: inf, refused
+        return kernels.quantize(xs, _QMAX[scheme], bs, scales[b0:b1], codes[b0 * bs // per_byte:b1 * bs // per_byte])
     step = _whole_blocks(min(_STEP, hi - lo), bs)
     tmp, amax = np.empty(step, np.float32), np.empty(step // bs, np.float32)
     u8, u16 = np.empty(step, np.uint8), np.empty(step // 2, np.uint16)
@@ -242,9 +250,16 @@ def _quantize_range(x: np.ndarray, lo: int, hi: int, scheme: str, bs: int, scale
 
 def _dequantize_range(scales: np.ndarray, codes: np.ndarray, out: np.ndarray, lo: int, hi: int, scheme: str,
                       bs: int) -> str:
-    """Values ``lo:hi`` into ``out[lo:hi]`` (scales checked before); an error for bad codes, or ""."""
-    step = _whole_blocks(min(_STEP, hi - lo), bs)
+    """Values ``lo:hi`` into ``out[lo:hi]`` (scales checked before); an error for bad codes, or "".
+    The C kernel when built (pipeline/kernels.py), else numpy steps: the same values."""
     per_byte = 2 if scheme == "int4" else 1
+    if kernels.enabled():
+        b0, b1 = lo // bs, _nblocks(hi, bs)
+        if kernels.dequantize(scales[b0:b1], codes[b0 * bs // per_byte:b1 * bs // per_byte], out[lo:hi],
+                              _QMAX[scheme], bs):
+            return ""
+        return _BAD_CODE[scheme]
+    step = _whole_blocks(min(_STEP, hi - lo), bs)
     w, t = np.empty(step // 2, np.uint16), np.empty(step // 2, np.uint16)
     for s, e in _ranges(hi - lo, step):
         b0, b1 = (lo + s) // bs, _nblocks(lo + e, bs)
@@ -252,7 +267,7 @@ def _dequantize_range(scales: np.ndarray, codes: np.ndarray, out: np.ndarray, lo
         c = codes[b0 * bs // per_byte:b1 * bs // per_byte]
         if scheme == "int8":
             if c.view(np.int8).min() < -_QMAX["int8"]:
-                return "int8 data has code -128, which the encoder never writes"
+                return _BAD_CODE["int8"]
             q = c.view(np.int8)
         else:   # byte c -> uint16 (c & 15) | (c >> 4) << 8: the two values' codes, low one first
             v = w[:n // 2]
@@ -260,7 +275,7 @@ def _dequantize_range(scales: np.ndarray, codes: np.ndarray, out: np.ndarray, lo
             np.bitwise_and(np.bitwise_or(v, np.left_shift(v, 4, out=t[:n // 2]), out=v), 0x0F0F, out=v)
             q = v.view(np.uint8)
             if q.min() == 0:
-                return "int4 data has nibble 0, which the encoder never writes"
+                return _BAD_CODE["int4"]
             np.subtract(q, 8, out=q)                   # offset binary -> two's complement
             q = q.view(np.int8)
         dst = out[lo + s:lo + e]
