@@ -142,8 +142,11 @@ class Receiver:
         try:
             while not self._stop.is_set():
                 found_by = "poll"
+                # Wake for the next poll on time: a re-read for a region's copy is due sooner than
+                # 0.2 s (it used to wait for the next message, up to 0.2 s late, a step boundary missed).
+                wait = max(0.0, min(self.poll_s, 0.2, next_poll - time.monotonic()))
                 if listener is not None:
-                    msg = listener.recv(min(self.poll_s, 0.2))
+                    msg = listener.recv(wait)
                     if msg is not None and msg.type == "version":
                         v = msg.fields.get("version")
                         p = msg.fields.get("fragment")
@@ -160,7 +163,7 @@ class Receiver:
                     elif msg is not None and msg.type == "syncer-heartbeat":
                         self.syncer_epoch = msg.fields.get("epoch", -1)
                 else:
-                    self._stop.wait(min(self.poll_s, 0.2))
+                    self._stop.wait(wait)
                 if time.monotonic() >= next_poll:
                     self._poll(found_by)
                     self._poll_clock()
