@@ -25,8 +25,8 @@ def configure_run(parser):
     """Add ``--wan`` to ``ddiloco run``; returns ``select(args, out)`` (None without ``--wan``)."""
     parser.add_argument("--wan", default=None, metavar="SPEC",
                         help="with --regions N >= 2: one local S3 server per region and an emulated link on every "
-                             "cross-region path, e.g. 'rtt=100ms,bw=100mbit' (docs/regions.md; 'none': servers, no "
-                             "links); --no-bus: the bucket-only path")
+                             "cross-region path, e.g. 'rtt=100ms,bw=100mbit', per region 'rtt=100ms;r2:rtt=250ms' "
+                             "(docs/regions.md; 'none': servers, no links); --no-bus: the bucket-only path")
     parser.add_argument("--wan-seed", type=int, default=0, help="seed of the links' jitter and loss")
     return select
 

@@ -54,15 +54,17 @@ def region_name(k: int) -> str:
 class WanConfig:
     """``regions``: how many (r0 home, r1..); ``link``: the link spec of every cross-region path,
     or None for the same servers without proxies (the side-by-side baseline: every side reaches
-    every server directly); ``bus``: learners outside home use ZeroMQ through the link (False: the
-    bucket-only path); ``prefix``: the run's key prefix in every bucket; ``seed``: the links'
-    randomness (jitter, loss)."""
+    every server directly); ``per_region``: (region, spec) pairs that replace ``link`` on every
+    path between home and that region (each region its own distance; not with ``link`` None);
+    ``bus``: learners outside home use ZeroMQ through the link (False: the bucket-only path);
+    ``prefix``: the run's key prefix in every bucket; ``seed``: the links' randomness (jitter, loss)."""
 
     regions: int
     link: LinkSpec | None
     bus: bool = True
     prefix: str = "run"
     seed: int = 0
+    per_region: tuple[tuple[str, LinkSpec], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.regions, int) or self.regions < 2:
@@ -71,12 +73,52 @@ class WanConfig:
             raise ValueError(f"WanConfig.link must be a LinkSpec or None, got {type(self.link).__name__}")
         if not re.match(r"^[a-z0-9][a-z0-9-]{0,62}$", self.prefix):
             raise ValueError(f"WanConfig.prefix must be a plain key prefix (a-z, 0-9, -), got {self.prefix!r}")
+        others = [region_name(k) for k in range(1, self.regions)]
+        names = [name for name, _ in self.per_region]
+        for name, spec in self.per_region:
+            if name not in others:
+                raise ValueError(f"WanConfig.per_region: region {name!r} is not one of {others} (home {HOME} "
+                                 "has no link of its own)")
+            if not isinstance(spec, LinkSpec):
+                raise ValueError(f"WanConfig.per_region[{name!r}] must be a LinkSpec, got {type(spec).__name__}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"WanConfig.per_region names a region twice: {names}")
+        if self.per_region and self.link is None:
+            raise ValueError("WanConfig.per_region needs a link for the other regions (with no links, 'none', "
+                             "there is nothing to override)")
+
+    def link_for(self, region: str) -> LinkSpec | None:
+        """The spec of the paths between home and ``region``."""
+        return dict(self.per_region).get(region, self.link)
 
     @classmethod
     def parse(cls, regions: int, wan: str, bus: bool = True, seed: int = 0, prefix: str = "run") -> "WanConfig":
-        """From ``--regions N --wan SPEC``; SPEC ``none`` (or ``off``): servers without proxies."""
-        link = None if wan.strip().lower() in ("none", "off") else LinkSpec.parse(wan)
-        return cls(regions, link, bus, prefix=prefix, seed=seed)
+        """From ``--regions N --wan SPEC``; SPEC ``none`` (or ``off``): servers without proxies.
+        Per region: ``"rtt=100ms,bw=100mbit;r2:rtt=250ms,bw=50mbit"`` - parts split by ``;``, a part
+        ``rK:SPEC`` for region rK, the part without a name for every other region (needed unless
+        every region is named)."""
+        if wan.strip().lower() in ("none", "off"):
+            return cls(regions, None, bus, prefix=prefix, seed=seed)
+        default, named = None, []
+        for part in (p.strip() for p in wan.split(";")):
+            m = re.match(r"^(r\d+):(.*)$", part)
+            if m:
+                named.append((m.group(1), LinkSpec.parse(m.group(2))))
+            elif default is not None:
+                raise ValueError(f"--wan {wan!r}: more than one spec without a region name")
+            else:
+                default = LinkSpec.parse(part)
+        others = {region_name(k) for k in range(1, regions)}
+        for name, _ in named:
+            if name not in others:
+                raise ValueError(f"--wan {wan!r}: region {name!r} is not one of {sorted(others)} (home {HOME} has "
+                                 "no link of its own)")
+        if default is None:
+            missing = sorted(others - {n for n, _ in named})
+            if missing:
+                raise ValueError(f"--wan {wan!r}: no spec for {missing} (add one without a region name for the rest)")
+            default = named[0][1]
+        return cls(regions, default, bus, prefix=prefix, seed=seed, per_region=tuple(named))
 
 
 @dataclass
@@ -128,9 +170,10 @@ class WanTopology:
                 self._link(f"{kind}:{name}", name, int(endpoint.rsplit(":", 1)[1]))
 
     def _link(self, name: str, region: str, port: int) -> None:
-        if self.cfg.link is None:
+        spec = self.cfg.link_for(region)
+        if spec is None:
             return
-        proxy = WanProxy("127.0.0.1", port, self.cfg.link, seed=self.cfg.seed + len(self.links), name=name)
+        proxy = WanProxy("127.0.0.1", port, spec, seed=self.cfg.seed + len(self.links), name=name)
         proxy.start()
         self.links.append(_Link(name, region, proxy))
 
@@ -226,6 +269,7 @@ class WanTopology:
         """The links' figures for a run summary: per link and in total, bytes both ways."""
         links = {n: vars(s) for n, s in self.stats().items()}
         return {"wan": {"link": None if self.cfg.link is None else vars(self.cfg.link),
+                        "per_region": {name: vars(spec) for name, spec in self.cfg.per_region},
                         "regions": self.names, "bus_across": self.cfg.bus, "links": links,
                         "cross_region_bytes": sum(s["bytes_up"] + s["bytes_down"] for s in links.values())}}
 

@@ -106,8 +106,27 @@ def test_each_side_reaches_its_own_region_directly_and_the_other_through_the_lin
         topo.close()
 
 
+def test_each_region_can_have_its_own_link(tmp_path):
+    """``--wan "SPEC;rK:SPEC"``: every path between home and rK gets rK's spec, the other regions the default."""
+    cfg = WanConfig.parse(3, "rtt=100ms,bw=100mbit;r2:rtt=250ms,bw=50mbit")
+    assert cfg.link_for("r1") == LinkSpec.parse("rtt=100ms,bw=100mbit")
+    assert cfg.link_for("r2") == LinkSpec.parse("rtt=250ms,bw=50mbit")
+    topo = WanTopology(tmp_path, WanConfig.parse(2, "r1:rtt=30ms", prefix="t")).start()
+    try:
+        topo.bus_links("tcp://127.0.0.1:1", "tcp://127.0.0.1:2")
+        assert {link.name for link in topo.links} == {"s3:r1", "s3:r0@r1", "ingest:r1", "announce:r1"}
+        assert all(link.proxy.up == link.proxy.down == LinkSpec.parse("rtt=30ms") for link in topo.links)
+        assert topo.summary()["wan"]["per_region"] == {"r1": vars(LinkSpec.parse("rtt=30ms"))}
+    finally:
+        topo.close()
+
+
 @pytest.mark.parametrize("regions, wan, error", [(1, "rtt=10ms", "at least 2 regions"),
-                                                 (2, "bw=100mb", "ambiguous")])
+                                                 (2, "bw=100mb", "ambiguous"),
+                                                 (3, "r1:rtt=20ms", r"no spec for \['r2'\]"),
+                                                 (2, "r0:rtt=1ms", "home r0 has no link"),
+                                                 (2, "rtt=1ms;rtt=2ms", "more than one spec without a region"),
+                                                 (2, "rtt=1ms;r1:bw=10mb", "field 'bw'")])
 def test_bad_wan_settings_are_refused_naming_the_field(regions, wan, error):
     with pytest.raises(ValueError, match=error):
         WanConfig.parse(regions, wan)
