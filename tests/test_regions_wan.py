@@ -140,3 +140,31 @@ def test_ddiloco_run_refuses_wan_flags_it_cannot_honour(tmp_path, capsys, flags,
     assert cli.main(["run", "--out", str(tmp_path / "out"), "--plain", *flags]) == 2
     assert error in capsys.readouterr().err
     assert not (tmp_path / "out" / "wan").exists()        # refused before any server started
+
+
+def test_region_blackhole_cuts_with_hold_and_heals_the_same_region():
+    """The region-blackhole scenario (a run of it: docs/regions.md) cuts r1 with ``hold`` - bytes and
+    new connections stall instead of failing - and heals r1 after the fault's duration."""
+    from infra.chaos.runner import _Schedule, _apply
+    sc = get("region-blackhole")
+    (fault,) = sc.faults
+    calls = []
+
+    class Run:
+        timeline = [type("Mark", (), {"t": 0.0})()]
+
+        def partition_region(self, region, mode):
+            calls.append(("partition", region, mode))
+
+        def heal_region(self, region):
+            calls.append(("heal", region))
+
+    sched = _Schedule()
+    _apply(Run(), sc, fault, sched, [], say=lambda line: None)
+    assert calls == [("partition", "r1", "hold")]
+    (what, heal), = sched.due(float("inf"))
+    heal()
+    assert what == "heal-region" and calls[-1] == ("heal", "r1")
+    partition = get("region-partition").faults[0]
+    _apply(Run(), get("region-partition"), partition, _Schedule(), [], say=lambda line: None)
+    assert calls[-1] == ("partition", "r1", "reset")

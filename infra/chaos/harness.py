@@ -298,10 +298,12 @@ class ChaosRun:
             r.restore()
         self.mark("bus", "restore")
 
-    def partition_region(self, region: str) -> None:
-        """Cut every link between home and ``region`` (storage "wan"): S3 both ways and the bus."""
-        self.topology.partition(region, "reset")
-        self.mark(region, "partition")
+    def partition_region(self, region: str, mode: str = "reset") -> None:
+        """Cut every link between home and ``region`` (storage "wan"): S3 both ways and the bus;
+        ``reset`` (connections fail at once) or ``hold`` (a blackhole: every byte and new
+        connection stalls until the heal, as on a real partition; infra/wan.py)."""
+        self.topology.partition(region, mode)
+        self.mark(region, "partition", mode)
 
     def heal_region(self, region: str) -> None:
         self.topology.heal(region)

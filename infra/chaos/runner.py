@@ -250,9 +250,10 @@ def _apply(run: ChaosRun, sc: Scenario, f: Fault, sched: _Schedule, injections: 
         sched.add(now + f.duration_s, "restore", run.restore)
     elif f.action == "rogue":
         _rogue(run, f, injections)
-    elif f.action == "partition-region":
-        run.partition_region(f.target)
-        sched.add(now + f.duration_s, "heal-region", lambda: run.heal_region(f.target))
+    elif f.action == "partition-region":      # target "r1" (a reset cut) or "r1:hold" (a blackhole)
+        region, _, mode = f.target.partition(":")
+        run.partition_region(region, mode or "reset")
+        sched.add(now + f.duration_s, "heal-region", lambda: run.heal_region(region))
 
 
 def _restart_learner(run: ChaosRun, lid: str) -> None:

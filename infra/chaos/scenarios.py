@@ -145,6 +145,15 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              # (docs/regions.md "Partition over the WAN"; 10.2 s for ~40 deltas at H=30, 0.1 s steps).
              Bounds(max_commit_gap_s=15.0),
              checks=("all-learners-merged", "region-kept-training", "regions-verified")),
+    Scenario("region-blackhole", "blackhole a region for 20 s",
+             "as region-partition, but the cut holds every byte and new connection between home and r1 "
+             "(a blackhole, what a real partition does) instead of resetting them: calls across the link "
+             "hang rather than fail; r1's learners must still keep their pace and spill into r1's bucket, "
+             "the held bytes (bus deltas, S3 calls) arrive after the heal and are merged at most once",
+             dataclasses.replace(_BASE, learners=4, steps=190, slow=1.0, storage="wan", pace_s=0.2, sync_every=30),
+             (Fault(2.0, "partition-region", "r1:hold", 20.0),),
+             Bounds(max_commit_gap_s=15.0),
+             checks=("all-learners-merged", "region-kept-training", "regions-verified")),
     Scenario("event-log", "schedule from a failure event log",
              "learners fail (SIGKILL) and recover (restart) as a failure event log says: by default one "
              "drawn from --seed (Poisson, 6 failures per learner-minute, 3 s repair), or --events PATH",
