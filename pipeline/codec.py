@@ -6,7 +6,8 @@ bf16. The byte layout is in docs/formats.md ("Tensor blobs"); the blob is sealed
 ``pipeline.envelope.seal(kind, version, body)`` so it carries a version and a checksum. Version 1
 (what ``encode`` writes unless told) holds one zstd frame of the raw payload; version 2 cuts the
 same raw payload into frames, each zstd'd on ``map_fn`` or stored where zstd does not pay
-(pipeline/codec_frames.py). ``decode`` reads both.
+(pipeline/codec_frames.py); version 3 is version 2's body sealed with a blake3 checksum instead of
+sha256 (4.5x faster: the largest serial cost left, docs/scale.md). ``decode`` reads all three.
 
 Speed (issue 15): vectorised kernels go through a tensor in steps of ``_STEP`` values whose
 temporaries stay in cache; steps form jobs of ``_JOB`` values that a caller may run on its threads
@@ -41,10 +42,12 @@ from .types import TensorSpec
 
 SCHEMES = ("int4", "int8", "bf16", "fp32")
 VERSION = 1               # what encode writes unless told: replayed runs keep their bytes (docs/formats.md)
-VERSIONS = (1, 2)         # what decode reads; 2: framed payload (pipeline/codec_frames.py)
+VERSIONS = (1, 2, 3)      # what decode reads; 2: framed payload (pipeline/codec_frames.py); 3: 2 + blake3
+CHECKSUMS = {3: "blake3"}   # the envelope checksum a version carries (others: sha256)
 _QMAX = {"int4": 7, "int8": 127}
 _COMMON_KEYS = frozenset({"meta", "scheme", "block_size", "tensors", "raw_len"})
-_BODY_KEYS = {1: _COMMON_KEYS | {"zstd", "payload"}, 2: _COMMON_KEYS | {"frame_bytes", "frames"}}
+_FRAMED = _COMMON_KEYS | {"frame_bytes", "frames"}
+_BODY_KEYS = {1: _COMMON_KEYS | {"zstd", "payload"}, 2: _FRAMED, 3: _FRAMED}
 _F32_MAX = float(np.finfo(np.float32).max)
 _F32_MIN_NORMAL = float(np.finfo(np.float32).tiny)
 _MAX_TENSORS = 1 << 20
@@ -374,22 +377,23 @@ def _fill_raw(raw: np.ndarray, slots: list[_Slot], cfg: CodecConfig, map_fn: Map
 
 def _payload_fields(raw: np.ndarray, version: int, level: int, framing: tuple[int, float], map_fn: MapFn) -> dict:
     """Version 1: one zstd call on this thread (``level`` 0: none), the bytes written before issue 15.
-    Version 2: frames compressed on ``map_fn``, each kept only where zstd pays (codec_frames)."""
+    Versions 2 and 3: frames compressed on ``map_fn``, each kept only where zstd pays (codec_frames)."""
     if version == 1:
         if level:
             return {"zstd": True, "payload": zstandard.ZstdCompressor(level=level, write_content_size=True)
                     .compress(raw)}
         return {"zstd": False, "payload": memoryview(raw)}
     frame_bytes, min_saving = framing
-    return {"frame_bytes": frame_bytes, "frames": frames.compress_frames(raw, frame_bytes, level, min_saving, map_fn)}
+    return {"frame_bytes": frame_bytes,
+            "frames": frames.compress_frames(raw, frame_bytes, level, min_saving, map_fn, version)}
 
 
 def encode(kind: str, meta: dict, tensors: Mapping[str, np.ndarray], cfg: CodecConfig, *,
            map_fn: MapFn | None = None, version: int = VERSION, min_saving: float = frames.MIN_SAVING,
            frame_bytes: int = frames.FRAME_BYTES) -> bytes:
     """One sealed blob of ``kind`` holding ``meta`` and ``tensors`` (in the given order). ``map_fn``
-    runs the quantisation jobs and, for ``version`` 2, the frames' zstd (default ``map``: this
-    thread) and never changes the bytes. Version 2 only: ``min_saving``, the share of a frame zstd
+    runs the quantisation jobs and, for ``version`` 2 and 3, the frames' zstd (default ``map``: this
+    thread) and never changes the bytes. Versions 2 and 3 only: ``min_saving``, the share of a frame zstd
     must save to be kept; ``frame_bytes``, raw bytes per frame. ValueError naming the tensor for non-float dtypes or non-finite values (never
     quantised silently; float64 beyond float32's range counts as non-finite for lossy schemes)."""
     if not isinstance(cfg, CodecConfig):
@@ -415,7 +419,7 @@ def encode(kind: str, meta: dict, tensors: Mapping[str, np.ndarray], cfg: CodecC
     fields.update(_payload_fields(raw, version, cfg.zstd_level, (frame_bytes, min_saving), map_fn or map))
     if version == 1:   # the key order of the bytes written before issue 15
         fields = {k: fields[k] for k in ("meta", "scheme", "block_size", "zstd", "tensors", "raw_len", "payload")}
-    return seal(kind, version, msgpack.packb(fields, use_bin_type=True))
+    return seal(kind, version, msgpack.packb(fields, use_bin_type=True), checksum=CHECKSUMS.get(version, "sha256"))
 
 
 # ------------------------------------------------------------------------------------- decode
@@ -426,7 +430,8 @@ def _open_body(blob: bytes, kind: str, max_bytes: int, what: str | None) -> tupl
     ``(format version, body)``."""
     name = what or kind
     # The sealed blob is at most the decoded size plus scales and metadata; allow generous slack.
-    version, body_bytes = unseal(blob, kind, VERSIONS, max_bytes=2 * max_bytes + (16 << 20), what=what)
+    version, body_bytes = unseal(blob, kind, VERSIONS, max_bytes=2 * max_bytes + (16 << 20), what=what,
+                                 checksums=CHECKSUMS)
     try:
         body = msgpack.unpackb(body_bytes, raw=False, strict_map_key=False, max_bin_len=len(body_bytes),
                                max_str_len=1 << 20, max_array_len=_MAX_TENSORS, max_map_len=1 << 16,

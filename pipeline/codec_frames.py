@@ -5,9 +5,11 @@ whole raw payload with one zstd call on one thread. Version 2 cuts it into frame
 ``frame_bytes`` raw bytes (the last one shorter); each frame is compressed on its own, so a pool
 (``map_fn``) compresses and decompresses frames side by side, and a frame is kept compressed only
 when zstd pays on it: it must save at least ``min_saving`` of the frame's bytes, or the frame is
-stored as it is (decoding a stored frame is a copy). A sample of the frame is tried first so a
-frame zstd cannot shrink costs a fraction of a full compression. Layout: docs/formats.md
-("Tensor blobs", version 2).
+stored as it is (decoding a stored frame is a copy). A sample from the middle of the frame is
+tried first so a frame zstd cannot shrink costs a fraction of a full compression: 64 KiB in
+version 2, 16 KiB in version 3 (``SAMPLE``; on int4 deltas, where every frame pays, the sample is
+pure overhead: 6% of zstd's time at 64 KiB, 1.6% at 16 KiB). Layout: docs/formats.md ("Tensor
+blobs", versions 2 and 3).
 
 Which frames are compressed is a pure function of the raw bytes, the level and ``min_saving``
 (never of timing or of the pool), so a blob's bytes are the same at any thread count.
@@ -30,7 +32,8 @@ STORED, ZSTD = 0, 1                 # a frame's method: its raw bytes, or one zs
 FRAME_BYTES = 1 << 20               # raw bytes per frame written: 1 MiB (~1.9 M int4 values at block 64)
 MIN_FRAME_BYTES, MAX_FRAME_BYTES = 1 << 12, 1 << 26
 MIN_SAVING = 0.02                   # default: keep zstd's output when it saves >= 2% of the frame
-_SAMPLE = 1 << 16                   # bytes tried first: a frame whose sample does not pay is stored
+SAMPLE = {2: 1 << 16, 3: 1 << 14}  # per format version, bytes tried first: a frame whose sample does not pay
+                                    # is stored (frames of at least 4 samples; smaller ones are tried whole)
 
 MapFn = Callable[[Callable[[Any], Any], Iterable[Any]], Iterable[Any]]
 
@@ -44,16 +47,16 @@ def _pays(size: int, packed: int, min_saving: float) -> bool:
     return packed <= size * (1.0 - min_saving)
 
 
-def _compress_frame(rng: tuple[int, int], raw: np.ndarray, level: int, min_saving: float) -> list:
+def _compress_frame(rng: tuple[int, int], raw: np.ndarray, level: int, min_saving: float, sample: int) -> list:
     """One frame as ``[method, bytes]``: zstd's output if it pays, else the raw bytes."""
     lo, hi = rng
     data = raw[lo:hi]
     if level <= 0:
         return [STORED, memoryview(data)]
     zc = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
-    if data.size >= 4 * _SAMPLE:   # a middle sample: cheap evidence that the whole frame will not pay
-        mid = (data.size - _SAMPLE) // 2
-        if not _pays(_SAMPLE, len(zc.compress(data[mid:mid + _SAMPLE])), min_saving):
+    if data.size >= 4 * sample:   # a middle sample: cheap evidence that the whole frame will not pay
+        mid = (data.size - sample) // 2
+        if not _pays(sample, len(zc.compress(data[mid:mid + sample])), min_saving):
             return [STORED, memoryview(data)]
     packed = zc.compress(data)
     return [ZSTD, packed] if _pays(data.size, len(packed), min_saving) else [STORED, memoryview(data)]
@@ -69,10 +72,11 @@ def check_framing(frame_bytes: Any, min_saving: Any) -> None:
 
 
 def compress_frames(raw: np.ndarray, frame_bytes: int, level: int, min_saving: float,
-                    map_fn: MapFn) -> list[list]:
-    """The frames of ``raw`` (uint8), each ``[method, bytes]``, compressed on ``map_fn``."""
+                    map_fn: MapFn, version: int = 2) -> list[list]:
+    """The frames of ``raw`` (uint8), each ``[method, bytes]``, compressed on ``map_fn`` with the
+    sample size of format ``version`` (2 or 3)."""
     check_framing(frame_bytes, min_saving)
-    work = partial(_compress_frame, raw=raw, level=level, min_saving=min_saving)
+    work = partial(_compress_frame, raw=raw, level=level, min_saving=min_saving, sample=SAMPLE[version])
     return list(map_fn(work, frame_ranges(raw.size, frame_bytes)))
 
 

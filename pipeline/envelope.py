@@ -1,15 +1,16 @@
 """One versioned, checksummed envelope for every blob the project writes or sends.
 
 Layout (documented in docs/formats.md): a msgpack array
-``[MAGIC, kind, version, body, sha256(body)]`` where ``body`` is raw bytes. Records (commits,
-descriptors, headers) put a msgpack map in ``body``; tensor blobs put the codec payload there.
+``[MAGIC, kind, version, body, sha256(body)]`` where ``body`` is raw bytes, or, for a version
+whose reader asks for it (tensor blobs of codec version 3), ``[..., body, blake3(body), "blake3"]``.
+Records (commits, descriptors, headers) put a msgpack map in ``body``; tensor blobs put the codec payload there.
 Decoding checks size before unpacking, then magic, kind, version and checksum, and raises
 ``FormatError`` naming what is wrong; it never returns damaged data.
 """
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import msgpack
 
@@ -24,21 +25,36 @@ def digest(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def seal(kind: str, version: int, body: bytes) -> bytes:
-    """Wrap ``body`` in the envelope."""
+CHECKSUMS = ("sha256", "blake3")   # blake3: 4.5x faster on big bodies (issue 15; docs/formats.md)
+
+
+def _checksum(algorithm: str, body: bytes | memoryview) -> bytes:
+    if algorithm == "blake3":   # imported here: only tensor blobs of codec version 3 use it
+        import blake3
+        return blake3.blake3(body).digest()
+    return hashlib.sha256(body).digest()
+
+
+def seal(kind: str, version: int, body: bytes, checksum: str = "sha256") -> bytes:
+    """Wrap ``body`` in the envelope; ``checksum`` "blake3" adds the algorithm's name as a sixth
+    element (docs/formats.md), "sha256" (the default) writes the five elements as always."""
     if not kind or not isinstance(kind, str):
         raise ValueError(f"envelope kind must be a non-empty string, got {kind!r}")
     if not isinstance(version, int) or version < 1:
         raise ValueError(f"envelope version must be a positive int, got {version!r}")
-    return msgpack.packb([MAGIC, kind, version, bytes(body), hashlib.sha256(body).digest()],
-                         use_bin_type=True)
+    if checksum not in CHECKSUMS:
+        raise ValueError(f"envelope checksum must be one of {CHECKSUMS}, got {checksum!r}")
+    fields = [MAGIC, kind, version, bytes(body), _checksum(checksum, body)]
+    return msgpack.packb(fields + ([checksum] if checksum != "sha256" else []), use_bin_type=True)
 
 
 def unseal(blob: bytes, kind: str, versions: Iterable[int] | int,
-           max_bytes: int = DEFAULT_MAX_BYTES, what: str | None = None) -> tuple[int, bytes]:
+           max_bytes: int = DEFAULT_MAX_BYTES, what: str | None = None,
+           checksums: Mapping[int, str] | None = None) -> tuple[int, bytes]:
     """Check and open an envelope of ``kind``; return ``(version, body)``.
 
-    ``what`` names the object (a key, a message) in error messages.
+    ``what`` names the object (a key, a message) in error messages. ``checksums`` maps a version
+    to the checksum algorithm it must carry (default and unlisted versions: sha256).
     """
     name = what or kind
     if not isinstance(blob, (bytes, bytearray, memoryview)):
@@ -51,9 +67,10 @@ def unseal(blob: bytes, kind: str, versions: Iterable[int] | int,
                               max_map_len=0, max_ext_len=0)
     except Exception as exc:  # msgpack raises several types; never leak them
         raise FormatError(f"{name}: not a valid envelope (truncated or corrupted: {exc.__class__.__name__})") from None
-    if not isinstance(obj, list) or len(obj) != 5:
+    if not isinstance(obj, list) or len(obj) not in (5, 6):
         raise FormatError(f"{name}: not a valid envelope (wrong structure)")
-    magic, got_kind, version, body, checksum = obj
+    magic, got_kind, version, body, checksum = obj[:5]
+    algorithm = obj[5] if len(obj) == 6 else "sha256"
     if magic != MAGIC:
         raise FormatError(f"{name}: bad magic {magic!r} (not a decoupled-diloco object)")
     if got_kind != kind:
@@ -64,7 +81,10 @@ def unseal(blob: bytes, kind: str, versions: Iterable[int] | int,
                           f"(this build reads {sorted(allowed)})")
     if not isinstance(body, bytes) or not isinstance(checksum, bytes):
         raise FormatError(f"{name}: not a valid envelope (wrong field types)")
-    if hashlib.sha256(body).digest() != checksum:
+    want = (checksums or {}).get(version, "sha256")
+    if algorithm != want or (len(obj) == 6 and algorithm == "sha256"):   # one way to write each
+        raise FormatError(f"{name}: {kind} version {version} must carry a {want} checksum, not {algorithm!r}")
+    if _checksum(algorithm, body) != checksum:
         raise FormatError(f"{name}: checksum mismatch (the body was altered or corrupted)")
     return version, body
 

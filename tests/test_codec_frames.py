@@ -95,7 +95,7 @@ def test_zstd_is_kept_only_on_frames_where_it_pays():
 def test_encode_refuses_bad_version_and_framing():
     x = {"w": np.ones(10, np.float32)}
     with pytest.raises(ValueError, match="format version must be one of"):
-        encode("delta", {}, x, CodecConfig(), version=3)
+        encode("delta", {}, x, CodecConfig(), version=4)
     with pytest.raises(ValueError, match="frame_bytes"):
         encode("delta", {}, x, CodecConfig(), version=2, frame_bytes=100)
     with pytest.raises(ValueError, match="min_saving"):

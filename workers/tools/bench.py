@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from pipeline import kernels
 from pipeline.codec import SCHEMES, VERSIONS, CodecConfig, decode, encode
 
 MB = 1e6
@@ -38,6 +39,7 @@ MB = 1e6
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 # all: codec and merge; scaling: workers/tools/bench_scaling.py; load: workers/tools/bench_load.py
 TARGETS = ("codec", "merge", "all", "scaling", "load", "versions")   # versions: workers/tools/bench_versions.py
+KERNELS = ("c", "numpy")   # the codec's fused C kernels or its numpy path (same bytes; pipeline/kernels.py)
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class BenchConfig:
     schemes: tuple[str, ...] = SCHEMES
     clock: str = "wall"
     formats: tuple[int, ...] = VERSIONS   # codec format versions (docs/formats.md "Tensor blobs")
+    kernels: tuple[str, ...] = ("c",) if kernels.AVAILABLE else ("numpy",)   # codec paths (pipeline/kernels.py)
 
     def __post_init__(self) -> None:
         if self.what not in TARGETS:
@@ -74,6 +77,10 @@ class BenchConfig:
             raise ValueError(f"--schemes must name some of {SCHEMES}, got {self.schemes}")
         if not self.formats or any(f not in VERSIONS for f in self.formats):
             raise ValueError(f"--formats must list some of {VERSIONS}, got {self.formats}")
+        if not self.kernels or any(k not in KERNELS for k in self.kernels):
+            raise ValueError(f"--kernels must list some of {KERNELS}, got {self.kernels}")
+        if "c" in self.kernels and not kernels.AVAILABLE:
+            raise ValueError("--kernels c: the C codec kernels were not built (pipeline/_ckernels.c)")
         CodecConfig("int4", self.block_size, self.zstd_level)  # validates both
 
 
@@ -121,17 +128,19 @@ def job_runner(n: int) -> Iterator[Callable | None]:
 
 
 def _zstd_frames(blob: bytes, fmt: int, level: int) -> str:
-    """How many of a blob's frames zstd kept (format 2: where it paid), as "k/n"; format 1: one frame."""
+    """How many of a blob's frames zstd kept (formats 2, 3: where it paid), as "k/n"; format 1: one frame."""
     if fmt == 1:
         return "1/1" if level else "0/1"
     import msgpack
+    from pipeline.codec import CHECKSUMS
     from pipeline.envelope import unseal
-    frames = msgpack.unpackb(unseal(blob, "bench", fmt)[1], raw=False)["frames"]
+    frames = msgpack.unpackb(unseal(blob, "bench", fmt, checksums=CHECKSUMS)[1], raw=False)["frames"]
     return f"{sum(m for m, _ in frames)}/{len(frames)}"
 
 
 def bench_codec(cfg: BenchConfig, clock: Callable[[], float] = time.perf_counter) -> dict:
-    """Encode/decode MB/s and compression ratio per scheme, with and without zstd, per thread count.
+    """Encode/decode MB/s and compression ratio per scheme, format, kernel path (C or numpy), with and
+    without zstd, per thread count; "same bytes": as the first row of its scheme, level and format.
     torch is imported first where installed, as in a learner (the codec then uses its row maximum)."""
     try:
         import torch  # noqa: F401  (loaded, as in a learner)
@@ -144,16 +153,18 @@ def bench_codec(cfg: BenchConfig, clock: Callable[[], float] = time.perf_counter
     for threads in cfg.threads:
         with cores(threads) as got, job_runner(threads) as map_fn:
             memcpy = memcpy_mbps(x.nbytes, cfg.repeat, clock)
-            for scheme, level, fmt in ((s, lv, f) for s in cfg.schemes for f in cfg.formats
-                                       for lv in ((cfg.zstd_level, 0) if cfg.zstd_level else (0,))):
+            for scheme, level, fmt, path in ((s, lv, f, k) for s in cfg.schemes for f in cfg.formats
+                                             for lv in ((cfg.zstd_level, 0) if cfg.zstd_level else (0,))
+                                             for k in cfg.kernels):
                 codec = CodecConfig(scheme, cfg.block_size, level)
-                blob = encode("bench", {}, tensors, codec, map_fn=map_fn, version=fmt)
+                with kernels.use(path == "c"):
+                    blob = encode("bench", {}, tensors, codec, map_fn=map_fn, version=fmt)
+                    enc = mb / _best_seconds(lambda: encode("bench", {}, tensors, codec, map_fn=map_fn,
+                                                            version=fmt), cfg.repeat, clock)
+                    dec = mb / _best_seconds(lambda: decode(blob, "bench", max_bytes=x.nbytes, map_fn=map_fn),
+                                             cfg.repeat, clock)
                 digest = digests.setdefault((scheme, level, fmt), hashlib.sha256(blob).hexdigest())
-                enc = mb / _best_seconds(lambda: encode("bench", {}, tensors, codec, map_fn=map_fn, version=fmt),
-                                         cfg.repeat, clock)
-                dec = mb / _best_seconds(lambda: decode(blob, "bench", max_bytes=x.nbytes, map_fn=map_fn),
-                                         cfg.repeat, clock)
-                rows.append({"threads": threads, "cores": got, "memcpy_mbps": memcpy, "scheme": scheme,
+                rows.append({"threads": threads, "cores": got, "memcpy_mbps": memcpy, "scheme": scheme, "kernel": path,
                              "format": fmt, "zstd_frames": _zstd_frames(blob, fmt, level),
                              "zstd_level": level, "encode_mbps": enc, "decode_mbps": dec,
                              "ratio": x.nbytes / len(blob), "blob_bytes": len(blob),
@@ -224,11 +235,11 @@ def _print_codec(res: dict) -> None:
 
     t = Table(title=f"codec on {res['input_mb']:.1f} MB fp32 ({res['values']:,} values, block {res['block_size']}, "
                     f"row maximum by {res['row_max']})")
-    for col in ("threads", "scheme", "format", "zstd", "zstd frames", "encode MB/s", "× memcpy", "decode MB/s", "× memcpy", "ratio",
+    for col in ("threads", "scheme", "kernel", "format", "zstd", "zstd frames", "encode MB/s", "× memcpy", "decode MB/s", "× memcpy", "ratio",
                 "memcpy MB/s", "same bytes"):
         t.add_column(col, justify="right")
     for r in res["rows"]:
-        t.add_row(f"{r['threads']} ({r['cores']} cores)", r["scheme"], str(r["format"]), str(r["zstd_level"] or "off"),
+        t.add_row(f"{r['threads']} ({r['cores']} cores)", r["scheme"], r["kernel"], str(r["format"]), str(r["zstd_level"] or "off"),
                   r["zstd_frames"],
                   f"{r['encode_mbps']:.0f}", f"{r['encode_vs_memcpy']:.3f}", f"{r['decode_mbps']:.0f}",
                   f"{r['decode_vs_memcpy']:.3f}", f"{r['ratio']:.2f}", f"{r['memcpy_mbps']:.0f}",
@@ -279,8 +290,10 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
     parser.add_argument("--schemes", type=lambda s: tuple(s.split(",")), default=SCHEMES,
                         help=f"codec schemes, comma-separated (default {','.join(SCHEMES)})")
     parser.add_argument("--formats", type=_int_list, default=VERSIONS,
-                        help="codec: format versions to measure, comma-separated (default 1,2; 2: framed, zstd "
-                             "only where it pays)")
+                        help="codec: format versions to measure, comma-separated (default 1,2,3; 2: framed, zstd "
+                             "only where it pays; 3: 2 with a blake3 checksum)")
+    parser.add_argument("--kernels", type=lambda s: tuple(s.split(",")), default=BenchConfig.kernels,
+                        help="codec: c (the fused C kernels, default where built), numpy, or c,numpy side by side")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall time (default) or this process's CPU time (1 thread on a busy machine)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -297,7 +310,8 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
     def handler(args: argparse.Namespace) -> int:
         try:
             cfg = BenchConfig(args.what, args.size_mb, args.merge_mb, args.repeat, args.block_size,
-                              args.zstd_level, args.seed, args.threads, args.schemes, args.clock, args.formats)
+                              args.zstd_level, args.seed, args.threads, args.schemes, args.clock, args.formats,
+                              args.kernels)
         except ValueError as exc:
             parser.error(str(exc))
         results: dict[str, Any] = {"config": dataclasses.asdict(cfg), "keep_memory": bool(args.keep_memory)}

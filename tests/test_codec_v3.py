@@ -1,0 +1,96 @@
+"""Codec format version 3 (issue 15): version 2's framed body under a blake3 envelope checksum
+(pipeline/codec.py, pipeline/envelope.py; docs/formats.md "Tensor blobs", version 3)."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import blake3
+import msgpack
+import numpy as np
+import pytest
+
+from pipeline.codec import CHECKSUMS, CodecConfig, decode, encode, peek_meta
+from pipeline.codec_frames import SAMPLE, STORED, ZSTD
+from pipeline.envelope import MAGIC, pack_record, seal, unpack_record, unseal
+from pipeline.errors import FormatError
+
+META = {"learner": "L0", "seq": 9}
+
+
+def _tensors():
+    rng = np.random.default_rng(11)
+    return {"w": rng.standard_normal(700_001).astype(np.float32),          # several 64 KiB frames
+            "half": rng.standard_normal(150_000).astype(np.float16),
+            "b": (rng.standard_normal(77) * 1e-3).astype(np.float64)}
+
+
+def _parts(blob: bytes) -> list:
+    return msgpack.unpackb(blob, raw=False)
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8", "bf16", "fp32"])
+def test_version_3_is_version_2s_body_under_a_blake3_checksum(scheme):
+    cfg = CodecConfig(scheme, 64, 1)
+    v2 = encode("delta", META, _tensors(), cfg, version=2, frame_bytes=1 << 16)
+    v3 = encode("delta", META, _tensors(), cfg, version=3, frame_bytes=1 << 16)
+    magic, kind, version, body, digest, algorithm = _parts(v3)
+    assert (magic, kind, version, algorithm) == (MAGIC, "delta", 3, "blake3")
+    assert digest == blake3.blake3(body).digest()
+    b2, b3 = msgpack.unpackb(_parts(v2)[3], raw=False), msgpack.unpackb(body, raw=False)
+    assert b2.keys() == b3.keys()
+    # the raw payload is the same bytes; only the frame sample (16 KiB, not 64 KiB) may differ
+    assert {k: b2[k] for k in b2 if k != "frames"} == {k: b3[k] for k in b3 if k != "frames"}
+    for name, a in decode(v2, "delta").tensors.items():
+        assert decode(v3, "delta").tensors[name].tobytes() == a.tobytes()
+    assert peek_meta(v3, "delta") == META
+    with ThreadPoolExecutor(3) as pool:
+        assert encode("delta", META, _tensors(), cfg, version=3, frame_bytes=1 << 16, map_fn=pool.map) == v3
+
+
+def test_the_frame_sample_decides_alone_when_it_does_not_pay():
+    # One 256 KiB frame of noise with zeros at 96-120 KiB and 136-160 KiB, then a frame of zeros.
+    # Version 2's 64 KiB middle sample (96-160 KiB) is 3/4 zeros: it pays, the whole frame is
+    # compressed and pays too (it saves > 10%). Version 3's 16 KiB sample (120-136 KiB) is noise: the
+    # frame is stored without compressing the rest (the price of a cheap sample: docs/formats.md).
+    assert (SAMPLE[2], SAMPLE[3]) == (1 << 16, 1 << 14)
+    k = 1 << 10
+    frame = np.random.default_rng(2).integers(0, 256, 256 * k, dtype=np.uint8)
+    frame[96 * k:120 * k] = 0
+    frame[136 * k:160 * k] = 0
+    frame[3::4] &= 0x3F                  # no NaN/Inf among the float32s (fp32 refuses them): noise saves ~6%
+    x = {"x": np.concatenate([frame, np.zeros(256 * k, np.uint8)]).view(np.float32)}
+    for version, first in ((2, ZSTD), (3, STORED)):
+        blob = encode("delta", {}, x, CodecConfig("fp32", zstd_level=1), version=version, frame_bytes=256 * k,
+                      min_saving=0.1)
+        frames = msgpack.unpackb(unseal(blob, "delta", version, checksums=CHECKSUMS)[1], raw=False)["frames"]
+        assert [m for m, _ in frames] == [first, ZSTD]
+        assert decode(blob, "delta").tensors["x"].tobytes() == x["x"].tobytes()
+
+
+def test_a_damaged_or_relabelled_version_3_blob_is_refused():
+    blob = encode("delta", META, {"w": np.ones(5000, np.float32)}, CodecConfig("int4", 64, 1), version=3)
+    magic, kind, version, body, digest, algorithm = _parts(blob)
+    flipped = bytearray(body)
+    flipped[len(body) // 2] ^= 1
+    cases = [
+        (msgpack.packb([magic, kind, version, bytes(flipped), digest, algorithm]), "checksum mismatch"),
+        (seal("delta", 3, body), "version 3 must carry a blake3 checksum, not 'sha256'"),     # 5 elements
+        (msgpack.packb([magic, kind, version, body, digest, "sha256"]), "must carry a blake3 checksum"),
+        (msgpack.packb([magic, kind, version, body, digest, "md5"]), "must carry a blake3 checksum, not 'md5'"),
+        (seal("delta", 2, body, checksum="blake3"), "version 2 must carry a sha256 checksum, not 'blake3'"),
+        (msgpack.packb([magic, kind, version, body, digest, "blake3", 1]), "wrong structure"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(FormatError, match=message):
+            decode(bad, "delta")
+
+
+def test_other_records_keep_the_five_element_sha256_envelope():
+    blob = pack_record("commit", 1, {"a": 1})
+    assert len(_parts(blob)) == 5
+    assert unpack_record(blob, "commit", 1) == (1, {"a": 1})
+    relabelled = seal("commit", 1, _parts(blob)[3], checksum="blake3")
+    with pytest.raises(FormatError, match="commit version 1 must carry a sha256 checksum, not 'blake3'"):
+        unpack_record(relabelled, "commit", 1)
+    with pytest.raises(ValueError, match="checksum must be one of"):
+        seal("commit", 1, b"", checksum="crc32")
