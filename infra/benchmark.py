@@ -58,6 +58,16 @@ def configure(parser: argparse.ArgumentParser):
                         help="with --regions: the other run's links ('rtt=0ms': the same proxies, unshaped; "
                              "'none': no proxies)")
     parser.add_argument("--paths", default="bus,bucket-only", help="with --regions: which paths to measure")
+    parser.add_argument("--overhead", action="store_true",
+                        help="instead: a learner's step time sync on / off, the two run one after the other "
+                             "(infra/overhead.py)")
+    parser.add_argument("--repeats", type=int, default=4, help="with --overhead: alternating on/off pairs")
+    parser.add_argument("--cpus-learner", default=None,
+                        help="with --overhead: cores of the learner and of the control (e.g. 0)")
+    parser.add_argument("--cpus-syncer", default=None, help="with --overhead: cores of the syncer (e.g. 1)")
+    parser.add_argument("--sync-process", action="store_true",
+                        help="with --overhead: the learner's sender and receiver in a child process "
+                             "(LearnerConfig.sync_process)")
     return _handle
 
 
@@ -237,6 +247,9 @@ def _handle(args) -> int:
     if args.regions:
         from .wan_benchmark import run_benchmark
         return run_benchmark(args)
+    if args.overhead:
+        from .overhead import run_overhead
+        return run_overhead(args)
     seeds = parse_seeds(args.seeds)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

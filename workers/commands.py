@@ -230,6 +230,9 @@ def configure_learner(parser: argparse.ArgumentParser):
                              "torchrun\")")
     parser.add_argument("--log-path", dest="log", default=None,
                         help="same as --log (plain torchrun's parser takes --log for its own --log-dir)")
+    parser.add_argument("--sync-process", action="store_true",
+                        help="run the sender and receiver in a child process, off the training process's GIL "
+                             "(issue 15; docs/scale.md)")
     parser.add_argument("--group-digests", action="store_true",
                         help="torchrun learner: every rank logs a digest of its weights after each applied "
                              "version (for tests; costs a copy of the model)")
@@ -256,7 +259,8 @@ def configure_learner(parser: argparse.ArgumentParser):
         flag = _stop_flag()
         events = _events(args, "learner", args.id)
         store, metrics = start_metrics(args, events, "learner", args.id, store)  # (store, None) without the flag
-        cfg = LearnerConfig(sender=SenderConfig(ack_timeout_s=args.ack_timeout), poll_s=args.poll, keys=keys)
+        cfg = LearnerConfig(sender=SenderConfig(ack_timeout_s=args.ack_timeout), poll_s=args.poll, keys=keys,
+                            sync_process=args.sync_process)
         try:
             stats = learner_process(store, args.id, shard, _bus(args), events, steps=args.steps, slow=args.slow,
                                     config=cfg, stop=flag.is_set, group=group, pace=pace)

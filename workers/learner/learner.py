@@ -46,6 +46,7 @@ from workers.learner.nonfinite import NonFiniteGuard
 from workers.learner.receiver import Receiver
 from workers.learner.sender import Sender, SenderConfig, SenderStats
 from workers.learner.shards import learner_tracker, make_receiver, make_sender
+from workers.learner.steptrace import StepParts, StepTrace
 from workers.bus.signing import seal_delta
 from workers.common.traffic import TrafficMeter, counted, region_names
 from workers.common.versions import VersionTracker
@@ -62,6 +63,8 @@ class LearnerConfig:
     log_every: int = 10               # steps between progress events
     stats_window: int = 1024          # recent steps kept for step-time and gap figures (bounded memory)
     keys: KeyRing | None = field(default=None, repr=False)   # required in a signed run, refused otherwise
+    trace_steps: bool = False         # keep each step's parts; close() logs them (workers/learner/steptrace.py)
+    sync_process: bool = False        # sender and receiver in a child process (workers/learner/agent.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.stats_window, int) or self.stats_window < 20:
@@ -112,6 +115,7 @@ class Learner:
         self.receiver: Receiver | None = None
         self.applied = 0
         self.health = NonFiniteGuard()
+        self.trace = StepTrace(config.stats_window) if config.trace_steps else None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "Learner":
@@ -138,14 +142,20 @@ class Learner:
             self.answered[p] = (-1, -1)
         self.c_steps = [0] * d.num_fragments
         self.c_tokens = [0] * d.num_fragments
-        # one of each, or one per syncer shard (workers/learner/shards.py: fragment p to shard p % N)
-        self.sender = make_sender(self.store, d, self.bus, lambda store, bus: Sender(
-            store, d.codec, self.cfg.sender, self.events, bus, self.id.encode(), self._heartbeat, curve=curve, seal=seal))
-        self.receiver = make_receiver(tracker, versions, self.bus, lambda t, known, bus: Receiver(
-            t, known, self.events, bus, self.cfg.poll_s, curve=curve))
+        agent = self.cfg.sync_process and d.syncers == 1   # off the training process's GIL (issue 15)
+        if agent:
+            from workers.learner.agent import agent_for
+            self.sender, self.receiver = agent_for(self, d, tracker.cursor, versions, curve)
+        else:   # one of each, or one per syncer shard (workers/learner/shards.py: fragment p to shard p % N)
+            self.sender = make_sender(self.store, d, self.bus, lambda store, bus: Sender(
+                store, d.codec, self.cfg.sender, self.events, bus, self.id.encode(), self._heartbeat, curve=curve,
+                seal=seal))
+            self.receiver = make_receiver(tracker, versions, self.bus, lambda t, known, bus: Receiver(
+                t, known, self.events, bus, self.cfg.poll_s, curve=curve))
         self.sender.start()
         self.receiver.start()
         self.events.emit("learner-start", incarnation=self.incarnation, pid=os.getpid(),
+                         **({"sync_process": True} if agent else {}),
                          versions={str(p): v for p, v in versions.items()})
         return self
 
@@ -171,6 +181,9 @@ class Learner:
         stats = self.stats()
         self._report_traffic(final=True)
         self.events.emit("learner-stop", step=self.step_count, tokens=self.tokens, drained=drained, **stats)
+        if self.trace is not None:
+            self.trace.close()
+            self.events.emit("step-trace", **self.trace.columns())
         return drained
 
     def __enter__(self) -> "Learner":
@@ -280,14 +293,17 @@ class Learner:
             self._window_gap = max(self._window_gap, t0 - self._last_start)
             self._max_gap = max(self._max_gap, t0 - self._last_start)
         self._last_start = t0
-        self.answer_rounds()
-        self.apply_arrivals()
+        answered = self.answer_rounds()
+        t_answer = self.clock()
+        applied = self.apply_arrivals()
+        t_apply = self.clock()
         self.optimizer.zero_grad(set_to_none=True)
         loss = closure()
         loss.backward()
         if not self.health.check(self, loss):
             return float(loss.detach())   # skipped, nothing counted; reported and repaired (workers/learner/nonfinite.py)
         self.optimizer.step()
+        t_compute = self.clock()
         d = self.descriptor
         for p in range(d.num_fragments):
             self.c_steps[p] += 1
@@ -303,7 +319,11 @@ class Learner:
         took = self.clock() - t0
         self.step_times.append(took)
         self._step_total = (self._step_total[0] + 1, self._step_total[1] + took)
-        if self.step_count % self.cfg.log_every == 0:
+        logged = self.step_count % self.cfg.log_every == 0
+        if self.trace is not None:   # the progress event below is not in ``took``: it is the next gap's
+            self.trace.record(StepParts(took, t_answer - t0, t_apply - t_answer, t_compute - t_apply,
+                                        answered, applied, logged))
+        if logged:
             self.events.emit("step", step=self.step_count, loss=round(value, 4), tokens=self.tokens,
                              step_time_s=round(self._step_time(), 5),
                              versions={str(p): v for p, v in self.base_version.items()},

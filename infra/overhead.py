@@ -1,0 +1,200 @@
+"""`ddiloco benchmark --overhead`: a learner's step time with sync on / sync off (issue 15).
+
+Goal: sync on / off <= 1.03x (median) and p99 <= 1.1x the median, measured with no more busy
+processes than cores. Each repeat runs, **one after the other, never together**:
+
+* *off*: the sync-off control alone (infra/overhead_roles.py ``control``): the default job's model,
+  data and optimizer in a plain loop, one process, one torch thread;
+* *on*: one learner (the same ``learner_process`` as ``ddiloco learner``, with its step trace) and
+  one syncer, on a fresh signed run with the same seed, shape and step count (``ddiloco run
+  --create-only``); this process only polls for the learner's exit (no evaluations).
+
+The order alternates between repeats (off, on; on, off; ...) so that a drift of the machine
+affects both sides alike. ``--cpus-learner``/``--cpus-syncer`` pin the processes (the control
+gets the learner's cores). The first ``--warmup`` steps of every run are left out of every figure
+(allocator and caches warming up: the same on both sides); nothing else is left out: the step
+classes (answer, version applied, garbage collection, other) are reported beside the totals, so a
+tail can be traced to what the step held. Timing claims live here, never in tests.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from workers.common.events import read_events
+
+WARMUP = 20
+
+
+def tails(times: list[float]) -> dict:
+    """Median, p95, p99 (seconds) and p95, p99 over the median; n."""
+    if not times:
+        return {"n": 0, "median_s": None, "p95_s": None, "p99_s": None, "p95_over_median": None,
+                "p99_over_median": None}
+    med = float(np.median(times))
+    p95, p99 = float(np.percentile(times, 95)), float(np.percentile(times, 99))
+    return {"n": len(times), "median_s": med, "p95_s": p95, "p99_s": p99,
+            "p95_over_median": p95 / med if med else None, "p99_over_median": p99 / med if med else None}
+
+
+def step_classes(trace: dict, warmup: int) -> dict[str, list[float]]:
+    """The learner's steps after ``warmup`` by what they held: ``answer`` (handed a delta to the
+    sender), ``applied`` (a version, and no answer), ``gc`` (a collection ran, neither of those),
+    ``other``; and ``all``."""
+    rows = list(zip(trace["took_s"], trace["answered"], trace["applied"], trace["gcs"]))[warmup:]
+    out: dict[str, list[float]] = {"all": [], "answer": [], "applied": [], "gc": [], "other": []}
+    for took, answered, applied, gcs in rows:
+        out["all"].append(took)
+        kind = "answer" if answered else "applied" if applied else "gc" if gcs else "other"
+        out[kind].append(took)
+    return out
+
+
+def parts_medians(trace: dict, warmup: int) -> dict:
+    """Median seconds of each part of a step (answer, apply, compute) over the steps that had it."""
+    res = {}
+    for part, flag in (("answer_s", "answered"), ("apply_s", "applied")):
+        xs = [t for t, n in list(zip(trace[part], trace[flag]))[warmup:] if n]
+        res[f"{part[:-2]}_median_s"] = float(np.median(xs)) if xs else None
+    res["compute_median_s"] = float(np.median(trace["compute_s"][warmup:])) if trace["compute_s"][warmup:] else None
+    return res
+
+
+def compare(on: dict, off: dict) -> dict:
+    """One repeat's figures from the learner's trace (``on``: the step-trace event's columns) and
+    the control's step times (``off``: {"step_times", "gcs"}), both after the warm-up."""
+    classes = step_classes(on, WARMUP)
+    off_times = off["step_times"][WARMUP:]
+    off_gc = [t for t, g in zip(off_times, off["gcs"][WARMUP:]) if g]
+    res = {"on": tails(classes["all"]), "off": tails(off_times),
+           "on_by_class": {k: tails(v) for k, v in classes.items() if k != "all"},
+           "off_gc": tails(off_gc), "parts": parts_medians(on, WARMUP)}
+    res["ratio_median"] = (res["on"]["median_s"] / res["off"]["median_s"]
+                           if res["on"]["median_s"] and res["off"]["median_s"] else None)
+    res["ratio_mean"] = (statistics.fmean(classes["all"]) / statistics.fmean(off_times)
+                         if classes["all"] and off_times else None)
+    return res
+
+
+def _control(out: Path, steps: int, seed: int, cpus: str | None) -> dict:
+    cmd = [sys.executable, "-m", "infra.overhead_roles", "control", "--out", str(out), "--steps", str(steps),
+           "--seed", str(seed), *(["--cpus", cpus] if cpus else [])]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"control failed ({res.returncode}): {res.stderr[-2000:]}")
+    return json.loads(out.read_text())
+
+
+def _sync_on(out: Path, steps: int, seed: int, cpus_learner: str | None, cpus_syncer: str | None,
+             sync_process: bool) -> dict:
+    """One learner and one syncer on a fresh signed run; the learner's step-trace and thread-cpu."""
+    from infra.overhead_roles import parse_cpus, pin, process_cpu
+    from workers.cluster import ClusterConfig, LocalCluster
+    shutil.rmtree(out, ignore_errors=True)     # a fresh run every repeat
+    res = subprocess.run([sys.executable, "-m", "workers.cli", "run", "--create-only", "--out", str(out),
+                          "--learners", "1", "--steps", str(steps), "--seed", str(seed)], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"creating the run in {out} failed: {res.stderr[-2000:]}")
+    cluster = LocalCluster(ClusterConfig(str(out / "store"), out, keydir=out / "keys"))
+    try:
+        life = cluster.start_syncers()[0]
+        cluster.wait_ready(life.name, 60)
+        pin(parse_cpus(cpus_syncer), life.popen.pid)
+        syncer_cpu = process_cpu(life.popen.pid)
+        cluster.start_learner("l0", ["--steps", str(steps), *(["--cpus", cpus_learner] if cpus_learner else []),
+                                       *(["--sync-process"] if sync_process else []),
+                                       *(["--agent-cpus", cpus_syncer] if sync_process and cpus_syncer else [])],
+                              module="infra.overhead_roles")
+        deadline = time.monotonic() + 60 + steps * 1.0
+        while not cluster.learners_done():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the learner in {out} did not finish in time: {cluster.stderr('l0')}")
+            time.sleep(0.5)
+        syncer_cpu = process_cpu(life.popen.pid) - syncer_cpu   # the learner's life, start-up included
+        cluster.wait_drained(30)
+    finally:
+        cluster.stop()
+    events = read_events(out / "logs" / "l0.jsonl")
+    trace = next((e for e in events if e.get("event") == "step-trace"), None)
+    if trace is None:
+        raise SystemExit(f"no step-trace from the learner in {out}: {cluster.stderr('l0')}")
+    cpu = next((e for e in events if e.get("event") == "thread-cpu"), {})
+    return {"trace": trace, "thread_cpu": {**cpu.get("cpu_s", {}), "syncer process": round(syncer_cpu, 3)},
+            "deltas": next((e.get("deltas") for e in events if e.get("event") == "learner-stop"), None)}
+
+
+def run_overhead(args) -> int:
+    """The benchmark (module docstring): ``args.repeats`` alternating pairs; prints and returns figures."""
+    if args.steps <= WARMUP * 2:
+        raise SystemExit(f"--steps must be > {WARMUP * 2} for --overhead (the first {WARMUP} are warm-up)")
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
+    out = Path(args.out) / "overhead"
+    out.mkdir(parents=True, exist_ok=True)
+    seed = int(args.seeds.split(",")[0])
+    repeats = []
+    for r in range(args.repeats):
+        sides = {}
+        for side in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            if side == "off":
+                sides["off"] = _control(out / f"control-{r}.json", args.steps, seed, args.cpus_learner)
+            else:
+                sides["on"] = _sync_on(out / f"on-{r}", args.steps, seed, args.cpus_learner, args.cpus_syncer,
+                                      args.sync_process)
+        fig = compare(sides["on"]["trace"], sides["off"])
+        answers = sum(1 for n in sides["on"]["trace"]["answered"] if n) or 1
+        fig["thread_cpu_s"] = sides["on"]["thread_cpu"]
+        fig["background_cpu_ms_per_answer"] = 1e3 * sum(   # the learner's other threads (or its agent)
+            v for k, v in sides["on"]["thread_cpu"].items() if k not in ("MainThread", "syncer process")) / answers
+        fig["syncer_cpu_share"] = sides["on"]["thread_cpu"]["syncer process"] / (
+            sum(sides["on"]["trace"]["took_s"]) or 1.0)
+        fig["order"] = "off,on" if r % 2 == 0 else "on,off"
+        repeats.append(fig)
+        print(_line(r, fig), flush=True)
+    summary = summarise(repeats)
+    summary.update({"steps": args.steps, "repeats": args.repeats, "warmup": WARMUP, "seed": seed,
+                    "cpus_learner": args.cpus_learner, "cpus_syncer": args.cpus_syncer,
+                    "sync_process": args.sync_process})
+    for k, v in summary.items():
+        if k != "per_repeat":
+            print(f"{k:<40} {v:.4g}" if isinstance(v, float) else f"{k:<40} {v}")
+    summary["per_repeat"] = repeats
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+def summarise(repeats: list[dict]) -> dict:
+    """Medians over the repeats of each repeat's ratio and tails (both sides)."""
+    def med(get) -> float | None:
+        xs = [x for x in (get(f) for f in repeats) if x is not None]
+        return float(statistics.median(xs)) if xs else None
+    res = {"ratio_median_on_off": med(lambda f: f["ratio_median"]),
+           "ratio_median_min": min((f["ratio_median"] for f in repeats if f["ratio_median"]), default=None),
+           "ratio_median_max": max((f["ratio_median"] for f in repeats if f["ratio_median"]), default=None),
+           "ratio_mean_on_off": med(lambda f: f["ratio_mean"])}
+    for side in ("on", "off"):
+        for q in ("median_s", "p95_over_median", "p99_over_median"):
+            res[f"{side}_{q}"] = med(lambda f: f[side][q])
+    for kind in ("answer", "applied", "gc", "other"):
+        res[f"on_{kind}_median_s"] = med(lambda f: f["on_by_class"][kind]["median_s"])
+        res[f"on_{kind}_share"] = med(lambda f: f["on_by_class"][kind]["n"] / max(f["on"]["n"], 1))
+    res["background_cpu_ms_per_answer"] = med(lambda f: f["background_cpu_ms_per_answer"])
+    res["syncer_cpu_share"] = med(lambda f: f.get("syncer_cpu_share"))
+    return res
+
+
+def _line(r: int, f: dict) -> str:
+    on, off, c = f["on"], f["off"], f["on_by_class"]
+    return (f"repeat {r} ({f['order']}): on/off median {f['ratio_median']:.4f} ({on['median_s'] * 1e3:.2f} / "
+            f"{off['median_s'] * 1e3:.2f} ms), p99/median on {on['p99_over_median']:.3f} off "
+            f"{off['p99_over_median']:.3f}; answer steps {c['answer']['n']} median "
+            f"{(c['answer']['median_s'] or 0) * 1e3:.2f} ms, other {(c['other']['median_s'] or 0) * 1e3:.2f} ms; "
+            f"background CPU {f['background_cpu_ms_per_answer']:.2f} ms per answer")

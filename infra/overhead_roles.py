@@ -1,0 +1,188 @@
+"""The two processes `ddiloco benchmark --overhead` times (infra/overhead.py), one at a time.
+
+``python -m infra.overhead_roles control --out F --steps N --seed S``: the *sync-off control*, the
+default job's model, data, optimizer and learning-rate schedule trained by a plain loop (no Learner,
+no threads), timed exactly as ``Learner.step`` times a step (zero_grad, forward, backward,
+optimizer step; the batch and the learning rate are set outside the timing in both).
+
+``python -m infra.overhead_roles --id l0 --store URI --log F ...`` (``LocalCluster.start_learner``'s
+flags): the *sync-on* learner, ``ddiloco learner`` (the same ``learner_process``) with
+``LearnerConfig.trace_steps`` on, so its ``step-trace`` event says what each step held. It also
+logs ``thread-cpu``: the CPU seconds each of its threads (sender, receiver and their pools,
+threads Python did not start such as ZeroMQ's) used between the first and the last step, read
+from /proc/self/task (Linux). Both take ``--cpus`` (e.g. ``0`` or ``0-1``): the process's
+allowed cores, set before any thread starts.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def parse_cpus(text: str | None) -> set[int] | None:
+    """``"0"``, ``"0,1"``, ``"0-3"`` -> core numbers; None/"" -> None (no pinning)."""
+    if not text:
+        return None
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ValueError(f"cpus must look like 0 or 0,1 or 0-3, got {text!r}") from None
+    if not cpus or min(cpus) < 0:
+        raise ValueError(f"cpus must name cores >= 0, got {text!r}")
+    return cpus
+
+
+def pin(cpus: set[int] | None, pid: int = 0) -> None:
+    """Every thread of ``pid`` (0: this process) to ``cpus``; threads started later inherit it."""
+    if cpus is None:
+        return
+    base = Path(f"/proc/{pid or os.getpid()}/task")
+    for tid in ([int(t) for t in os.listdir(base)] if base.exists() else [pid]):
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except (ProcessLookupError, PermissionError):
+            pass   # a thread that just ended
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` so far (Linux /proc), 0.0 if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of each live thread of this process, by Python thread name
+    (threads Python did not start are summed as ``other``)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = names.get(int(tid), "other")
+        name = name.split("_")[0] if name.startswith(("receiver-fetch", "sender-encode")) else name
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def children() -> list[int]:
+    """Pids of this process's children (Linux /proc)."""
+    out = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            out += [int(c) for c in Path(f"/proc/self/task/{tid}/children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def control(out: str, steps: int, seed: int, cpus: set[int] | None) -> None:
+    """The sync-off loop (module docstring); writes step times and per-step collection counts."""
+    pin(cpus)
+    import torch
+    from workers.job.data import Corpus
+    from workers.job.job import JobSettings, make_optimizer, set_lr
+    from workers.job.model import GPTConfig, build_model
+    from workers.run import DEMO_BATCH_SIZE
+    torch.set_num_threads(1)                  # what learner_process sets
+    gcfg, job = GPTConfig(), JobSettings(steps=steps, batch_size=DEMO_BATCH_SIZE, shards=1)
+    corpus = Corpus(job.data_config(gcfg.block_size))
+    model = build_model(gcfg, seed)
+    opt = make_optimizer(model, job)
+    batches = corpus.batches(0, job.shards, seed)
+    gcs = [0]
+    gc.callbacks.append(lambda phase, info: gcs.__setitem__(0, gcs[0] + (phase == "start")))
+    times, collections = [], []
+    for i in range(steps):
+        x, y = next(batches)
+        set_lr(opt, job, i)
+        gcs[0] = 0
+        t0 = time.monotonic()
+        opt.zero_grad(set_to_none=True)
+        model(x, y)[1].backward()
+        opt.step()
+        times.append(time.monotonic() - t0)
+        collections.append(gcs[0])
+    Path(out).write_text(json.dumps({"step_times": times, "gcs": collections}))
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m infra.overhead_roles", description=__doc__.splitlines()[0])
+    for flag in ("--store", "--id", "--log", "--ingest", "--announce"):
+        p.add_argument(flag, required=True)
+    p.add_argument("--s3-endpoint", default=None)
+    p.add_argument("--key", default=None)
+    p.add_argument("--syncer-key", default=None)
+    p.add_argument("--insecure", action="store_true")
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--cpus", default=None, help="allowed cores of the whole process (e.g. 0 or 0-1)")
+    p.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds)")
+    p.add_argument("--sync-process", action="store_true", help="LearnerConfig.sync_process (workers/learner/agent.py)")
+    p.add_argument("--agent-cpus", default=None, help="with --sync-process: cores of the sync agent process")
+    return p
+
+
+def learner(argv: list[str]) -> int:
+    """The traced sync-on learner (module docstring)."""
+    args = _parser().parse_args(argv)
+    pin(parse_cpus(args.cpus))
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
+    from storage.store import open_store
+    from workers.bus.bus import BusConfig, BusCounters
+    from workers.bus.keys import KeyRing, load_identity, load_public
+    from workers.common.events import EventLog
+    from workers.job.job import learner_process
+    from workers.learner.learner import LearnerConfig
+    store = open_store(args.store, s3_endpoint=args.s3_endpoint, create=False)
+    keys = None if args.insecure else KeyRing(load_identity(args.key), load_public(args.syncer_key))
+    events = EventLog(args.log, "learner", args.id)
+    calls, marks = [0], {}
+
+    def stop() -> bool:       # called before every step: the CPU of the threads over the steps
+        calls[0] += 1
+        if calls[0] == 1:     # the agent (started by Learner.start) is this process's child by now
+            for child in children():
+                pin(parse_cpus(args.agent_cpus), child)
+        if calls[0] in (1, args.steps):
+            marks[calls[0]] = thread_cpu()
+            marks[calls[0]]["agent process"] = sum(process_cpu(c) for c in children())
+        return False
+    stats = learner_process(store, args.id, 0, BusConfig(args.ingest, args.announce, counters=BusCounters()),
+                            events, steps=args.steps, config=LearnerConfig(keys=keys, trace_steps=True, sync_process=args.sync_process), stop=stop)
+    first, last = marks.get(1, {}), marks.get(args.steps, {})
+    events.emit("thread-cpu", steps=args.steps - 1,
+                cpu_s={k: round(v - first.get(k, 0.0), 3) for k, v in sorted(last.items())})
+    events.emit("learner-done", **stats)
+    return 0 if stats.get("drained") else 4
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "control":
+        p = argparse.ArgumentParser(prog="python -m infra.overhead_roles control")
+        p.add_argument("--out", required=True)
+        p.add_argument("--steps", type=int, required=True)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--cpus", default=None)
+        a = p.parse_args(argv[1:])
+        control(a.out, a.steps, a.seed, parse_cpus(a.cpus))
+        return 0
+    return learner(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,105 @@
+"""The learner's sync agent (issue 15, workers/learner/agent.py): sender and receiver in a child
+process give the same stored bytes and the same applied versions as the threads; its wire refuses
+damaged frames; a dead agent stops the learner loudly.
+
+Tiny unsigned runs in a temp directory, no syncer, no bus (deltas spill; versions are appended by
+hand), so both modes see the same inputs and every figure compared is deterministic."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.errors import FormatError
+from storage.layout import read_descriptor, spill_prefix
+from storage.store import open_store
+from workers.learner.agent_wire import Slots, pack, unpack
+
+from test_hardening_learner import append_version, make_run, start_learner, tiny_model, train_until
+
+
+def _spills(store) -> dict[str, bytes]:
+    return {k: store.get(k) for k in store.list(spill_prefix("l0", 1))}
+
+
+def _run(tmp_path, sync_process: bool):
+    """Version 1 of fragment 1 is applied before the first step (waited for without stepping), then
+    six steps on fixed data and a flush: the same inputs in both modes."""
+    store = open_store(str(tmp_path / ("agent" if sync_process else "threads")))
+    model = tiny_model()
+    desc = make_run(store, model)
+    learner, _ = start_learner(store, model, sync_process=sync_process)
+    try:
+        values = {t.name: np.full(t.shape, 0.25, np.float32) for t in desc.layout.tensors}
+        append_version(store, desc, 1, 1, values)
+        deadline = time.monotonic() + 20
+        while learner.apply_arrivals() == 0:
+            assert time.monotonic() < deadline, "version 1 never arrived"
+            time.sleep(0.01)
+        applied = {n: p.detach().numpy().copy() for n, p in model.named_parameters() if n in desc.layout.fragments[1]}
+        torch.manual_seed(1)
+        train_until(learner, lambda: learner.step_count >= 6, "six steps")
+    finally:
+        drained = learner.close(flush=True)      # one delta per trained fragment, spilled (no bus)
+    return store, learner, applied, drained
+
+
+def test_agent_stores_the_same_bytes_and_applies_the_same_versions(tmp_path):
+    s_thr, l_thr, applied_thr, ok_thr = _run(tmp_path, False)
+    s_ag, l_ag, applied_ag, ok_ag = _run(tmp_path, True)
+    assert ok_thr and ok_ag
+    for n, v in applied_ag.items():
+        assert np.array_equal(v, np.full(v.shape, 0.25, np.float32)), n
+        assert np.array_equal(v, applied_thr[n]), n
+    assert l_ag.stats()["spilled"] == l_thr.stats()["spilled"] == 2
+    assert l_ag.stats()["versions_applied"] == l_thr.stats()["versions_applied"] == 1
+    spills_thr, spills_ag = _spills(s_thr), _spills(s_ag)
+    assert len(spills_thr) == 2 and spills_ag == spills_thr
+
+
+def test_agent_wire_refuses_damaged_or_foreign_frames():
+    frame = pack("delta", slot=3, header={"a": 1})
+    assert unpack(frame) == {"v": 1, "type": "delta", "slot": 3, "header": {"a": 1}}
+    bad = bytearray(frame)
+    bad[-1] ^= 1
+    with pytest.raises(FormatError, match="checksum"):
+        unpack(bytes(bad))
+    import zlib
+    import msgpack
+    body = msgpack.packb({"v": 2, "type": "delta"})
+    with pytest.raises(FormatError, match="version"):
+        unpack(zlib.crc32(body).to_bytes(4, "big") + body)
+
+
+def test_slots_share_values_between_two_mappings(tmp_path):
+    store = open_store(str(tmp_path / "run"))
+    make_run(store, tiny_model())
+    d = read_descriptor(store)
+    ours = Slots(d, 3)
+    theirs = Slots(d, 3, fd=ours.fd)          # what the child maps from the inherited fd
+    names = d.layout.fragments[1]
+    shapes = {t.name: tuple(t.shape) for t in d.layout.tensors}
+    values = {n: np.random.default_rng(0).standard_normal(shapes[n]).astype(np.float32) for n in names}
+    ours.write(2, 1, values)
+    got = theirs.read(2, 1)
+    assert set(got) == set(names) and all(np.array_equal(got[n], values[n]) for n in names)
+    with pytest.raises(FormatError):
+        theirs.views(3, 1)
+    theirs.close(close_fd=False)
+    ours.close()
+
+
+def test_a_dead_agent_stops_the_learner_loudly(tmp_path):
+    store = open_store(str(tmp_path / "run"))
+    model = tiny_model()
+    make_run(store, model)
+    learner, _ = start_learner(store, model, sync_process=True)
+    try:
+        train_until(learner, lambda: learner.step_count >= 2, "two steps")
+        learner.sender.agent.proc.kill()
+        with pytest.raises(RuntimeError, match="sync agent"):
+            train_until(learner, lambda: False, "the learner to stop", timeout=10)
+    finally:
+        learner.close(flush=False)

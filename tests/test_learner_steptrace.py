@@ -1,0 +1,75 @@
+"""The learner's step trace (workers/learner/steptrace.py) and the overhead benchmark's figures
+from it (infra/overhead.py): steps are classed by what they held, nothing is dropped silently."""
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+from infra.overhead import WARMUP, compare, step_classes, summarise, tails
+from workers.learner.steptrace import COLUMNS, StepParts, StepTrace
+
+from test_hardening_learner import make_run, start_learner, tiny_model, train_until
+from storage.store import open_store
+
+
+def test_trace_keeps_the_window_and_counts_collections():
+    trace = StepTrace(3)
+    try:
+        for i in range(5):
+            if i == 4:
+                gc.collect()
+            trace.record(StepParts(0.01 * (i + 1), 0.001, 0.002, 0.005, i % 2, 0, i == 3))
+        cols = trace.columns()
+        assert list(cols) == list(COLUMNS)
+        assert cols["took_s"] == [0.03, 0.04, 0.05]                     # the last 3 steps, oldest first
+        assert cols["answered"] == [0, 1, 0] and cols["logged"] == [0, 1, 0]
+        assert cols["gcs"][-1] >= 1 and cols["gcs"][:2] == [0, 0]
+    finally:
+        trace.close()
+    assert trace._on_gc not in gc.callbacks
+    with pytest.raises(ValueError):
+        StepTrace(0)
+
+
+def test_a_traced_learner_logs_its_steps(tmp_path):
+    store = open_store(str(tmp_path / "run"))
+    model = tiny_model()
+    make_run(store, model)
+    learner, events = start_learner(store, model, trace_steps=True)
+    try:
+        train_until(learner, lambda: learner.step_count >= 7, "seven steps")
+    finally:
+        learner.close(flush=False)
+    (ev,) = events.named("step-trace")
+    assert len(ev["took_s"]) == 7 and all(t > 0 for t in ev["took_s"])
+    assert all(c <= t for c, t in zip(ev["compute_s"], ev["took_s"]))
+    assert learner.trace._on_gc not in gc.callbacks
+
+
+def _trace(n: int, answer_every: int, slow_answer: float) -> dict:
+    took = [0.010 + (slow_answer if i % answer_every == 0 else 0.0) for i in range(n)]
+    return {"took_s": took, "answer_s": [0.0] * n, "apply_s": [0.0] * n, "compute_s": took,
+            "answered": [int(i % answer_every == 0) for i in range(n)],
+            "applied": [int(i % answer_every == 1) for i in range(n)], "gcs": [0] * n, "logged": [0] * n}
+
+
+def test_compare_classes_steps_and_reports_tails_of_both_sides():
+    n = WARMUP + 400
+    on = _trace(n, 4, 0.004)                         # every 4th step 4 ms slower
+    off = {"step_times": [0.010] * n, "gcs": [0] * n}
+    fig = compare(on, off)
+    classes = step_classes(on, WARMUP)
+    assert len(classes["all"]) == 400 == sum(len(classes[k]) for k in ("answer", "applied", "gc", "other"))
+    assert fig["ratio_median"] == pytest.approx(1.0)          # 3 in 4 steps are as fast as the control
+    assert fig["on"]["p99_over_median"] == pytest.approx(1.4)  # the answer steps are the tail
+    assert fig["on_by_class"]["answer"]["median_s"] == pytest.approx(0.014)
+    assert fig["off"]["p99_over_median"] == pytest.approx(1.0)
+    assert fig["ratio_mean"] == pytest.approx(0.011 / 0.010)
+    s = summarise([dict(fig, background_cpu_ms_per_answer=1.0), dict(fig, ratio_median=1.2,
+                                                                     background_cpu_ms_per_answer=3.0)])
+    assert s["ratio_median_on_off"] == pytest.approx(1.1) and s["ratio_median_max"] == pytest.approx(1.2)
+    assert s["on_answer_share"] == pytest.approx(0.25)
+    assert tails([])["median_s"] is None and tails([1.0, 3.0])["median_s"] == 2.0
+    assert np.isclose(tails(list(range(1, 101)))["p99_s"], np.percentile(range(1, 101), 99))

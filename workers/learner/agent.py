@@ -1,0 +1,289 @@
+"""A learner's sync agent (issue 15): its sender and receiver in a child process.
+
+``LearnerConfig.sync_process`` (``ddiloco learner --sync-process``) moves everything the learner's
+background threads do - encoding, sealing and sending deltas, spilling, heartbeats, listening for
+announcements, loading and verifying versions - into one child process
+(workers/learner/agent_main.py). The training thread then shares its GIL with nothing but one
+small reader thread: in the default job every answer step cost ~2.5 ms more with the threads
+(GIL contention with ~2-3 ms of background Python per answer, docs/scale.md), which no thread
+setting removed.
+
+What crosses (workers/learner/agent_wire.py): a delta's float32 values go into a shared slot and
+a ``delta`` frame names it; a version comes back the same way. ``AgentSender`` and
+``AgentReceiver`` give the Learner the interface of ``Sender`` and ``Receiver`` (submit, drain,
+stats, take, opened ...), so the Learner's logic, the deltas' bytes and the versions applied are
+the same either way: the child runs the same Sender and Receiver code on values copied exactly.
+
+Limits: one syncer (a sharded run keeps its threads), Linux (``memfd``), a store the child can
+open again from its URI (a directory or s3://; not an in-memory store); the child's store
+requests and bus bytes are not in the learner's traffic report (``traffic-report`` events) yet.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Callable
+
+import numpy as np
+
+from pipeline.types import DeltaHeader, RunDescriptor
+from workers.bus.bus import BusConfig
+from workers.common.events import EventLog
+from workers.learner.agent_wire import Slots, pack, unpack
+from workers.learner.receiver import Arrival
+from workers.learner.sender import SenderConfig, SenderStats
+
+DELTA_SLOTS = 4
+START_TIMEOUT_S = 60.0
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentSetup:
+    """What the child needs (besides the shared memory): sent as the ``config`` frame."""
+    store_uri: str
+    s3_endpoint: str | None
+    learner: str
+    log: str | None
+    bus: BusConfig | None
+    sender: SenderConfig
+    poll_s: float
+    cursor: int
+    known: dict[int, int]
+    heartbeat: dict
+    curve: tuple[str, str, str] | None = dataclasses.field(default=None, repr=False)
+    sign_secret: str | None = dataclasses.field(default=None, repr=False)
+
+
+def agent_for(learner, d: RunDescriptor, cursor: int, known: dict[int, int], curve) -> tuple:
+    """(AgentSender, AgentReceiver) for ``learner`` (a started ``Learner``'s state: its store,
+    bus, keys, events and the log cursor its versions were loaded at)."""
+    store = learner.store
+    inner = getattr(store, "inner", store)
+    fh = getattr(learner.events, "_fh", None)
+    keys = learner.cfg.keys if d.security is not None else None
+    setup = AgentSetup(store.uri, getattr(inner, "endpoint", None), learner.id, getattr(fh, "name", None),
+                       learner.bus, learner.cfg.sender, learner.cfg.poll_s, cursor, dict(known), learner._heartbeat(),
+                       curve=tuple(k.decode() for k in (curve.public, curve.secret, curve.server_public))
+                       if curve is not None else None,
+                       sign_secret=keys.own.sign_secret.hex() if keys is not None else None)
+    agent = SyncAgent(d, setup, learner._heartbeat, learner.events)
+    return AgentSender(agent), AgentReceiver(agent)
+
+
+class SyncAgent:
+    """The child process, the channel to it, and the reader thread that takes its frames."""
+
+    def __init__(self, d: RunDescriptor, setup: AgentSetup, heartbeat: Callable[[], dict],
+                 events: EventLog):
+        self.d, self.setup, self.heartbeat, self.events = d, setup, heartbeat, events
+        self.version_slots = d.num_fragments + 2
+        self.slots = Slots(d, DELTA_SLOTS + self.version_slots)
+        ours, theirs = socket.socketpair()
+        self.conn = Connection(ours.detach())
+        child_fd = theirs.detach()
+        self._send_lock = threading.Lock()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "workers.learner.agent_main", "--conn", str(child_fd), "--shm", str(self.slots.fd)],
+            pass_fds=(child_fd, self.slots.fd), stdin=subprocess.DEVNULL)
+        os.close(child_fd)
+        self.failed: str | None = None
+        self.free_d = list(range(DELTA_SLOTS))
+        self.arrivals: dict[int, tuple[int, dict]] = {}    # fragment -> (slot, fields), newest wins
+        self.opened: dict[int, tuple[int, int]] = {}
+        self.stats: dict = {}
+        self.queued: dict[tuple[int, int], tuple[DeltaHeader, dict]] = {}   # waiting for a delta slot
+        self.submitted = 0
+        self.sender_stopped = threading.Event()
+        self.ready = threading.Event()
+        self.done = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._read, name="sync-agent", daemon=True)
+
+    def _config(self) -> bytes:
+        s = self.setup
+        return pack("config", store=s.store_uri, s3_endpoint=s.s3_endpoint, learner=s.learner, log=s.log,
+                    ingest=s.bus.ingest if s.bus else None, announce=s.bus.announce if s.bus else None,
+                    sender=dataclasses.asdict(s.sender), poll_s=s.poll_s, cursor=s.cursor,
+                    known={str(p): v for p, v in s.known.items()}, heartbeat=s.heartbeat, curve=s.curve,
+                    sign_secret=s.sign_secret, delta_slots=DELTA_SLOTS, version_slots=self.version_slots)
+
+    def start(self) -> None:
+        self.send_frame(self._config())
+        self._thread.start()
+        if not self.ready.wait(START_TIMEOUT_S) or self.failed:
+            self.close()
+            raise RuntimeError(f"the learner's sync agent did not start: {self.failed or 'no answer in time'}")
+
+    def send_frame(self, frame: bytes) -> None:
+        with self._send_lock:
+            self.conn.send_bytes(frame)
+
+    def send(self, kind: str, **fields) -> None:
+        try:
+            self.send_frame(pack(kind, **fields))
+        except OSError as exc:
+            self.failed = self.failed or f"sync agent unreachable: {exc}"
+
+    # -- the reader thread -----------------------------------------------------------------------
+    def _read(self) -> None:
+        next_beat = 0.0
+        beat_s = self.setup.sender.heartbeat_s / 2
+        try:
+            while True:
+                if self.conn.poll(beat_s):
+                    self._handle(unpack(self.conn.recv_bytes()))
+                    if self.done.is_set():
+                        return
+                if time.monotonic() >= next_beat:     # the child's Sender sends the newest it was given
+                    self.send("beat", heartbeat=self.heartbeat())
+                    next_beat = time.monotonic() + beat_s
+        except (EOFError, OSError) as exc:
+            code = self.proc.poll()
+            self.failed = self.failed or f"sync agent exited ({code if code is not None else exc})"
+        except Exception as exc:   # noqa: BLE001 - a bad frame: stop loudly
+            self.failed = self.failed or f"sync agent channel: {exc.__class__.__name__}: {exc}"
+        finally:
+            self.done.set()
+            self.ready.set()
+            self.sender_stopped.set()
+
+    def _handle(self, msg: dict) -> None:
+        kind = msg["type"]
+        if kind == "arrival":
+            with self._lock:
+                old = self.arrivals.pop(msg["fragment"], None)
+                self.arrivals[msg["fragment"]] = (msg["slot"], msg)
+            if old is not None:
+                self.send("vfree", slots=[old[0]])
+        elif kind == "dfree":
+            with self._lock:
+                self.free_d.append(msg["slot"])
+                item = self.queued.pop(next(iter(self.queued))) if self.queued else None
+            if item is not None:
+                self.submit(*item)
+        elif kind == "opened":
+            with self._lock:
+                self.opened = {int(p): (e, r) for p, (e, r) in msg["rounds"].items()}
+        elif kind == "stats":
+            self.stats = msg
+        elif kind == "ready":
+            self.ready.set()
+        elif kind == "sender_stopped":
+            self.sender_stopped.set()
+        elif kind == "failed":
+            self.failed = msg.get("error", "failed")
+        elif kind == "bye":
+            self.done.set()
+
+    # -- called by the proxies -------------------------------------------------------------------
+    def submit(self, header: DeltaHeader, values: dict[str, np.ndarray]) -> None:
+        with self._lock:
+            slot = self.free_d.pop() if self.free_d else None
+            if slot is None:         # every slot in flight: hold the newest of its lineage
+                self.queued[(header.fragment, header.base_version)] = (header, values)
+                return
+        self.slots.write(slot, header.fragment, values)
+        self.send("delta", header=header.to_dict(), slot=slot)
+
+    def take(self) -> list[Arrival]:
+        with self._lock:
+            got, self.arrivals = self.arrivals, {}
+        out = []
+        for p, (slot, m) in sorted(got.items()):
+            out.append(Arrival(p, m["version"], m["seq"], self.slots.read(slot, p), m["found_by"],
+                               m["committed_at"], m["epoch"], m["round"]))
+        if got:
+            self.send("vfree", slots=[slot for slot, _ in got.values()])
+        return out
+
+    def close(self, timeout_s: float = 15.0) -> None:
+        """Stop the child (its sender and receiver stop as they would in-process) and wait for it."""
+        if self.proc.poll() is None:
+            self.send("stop")
+            self.done.wait(timeout_s)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.done.set()
+        if self._thread.is_alive():
+            self._thread.join(1.0)
+        self.conn.close()
+        self.slots.close()
+
+
+class AgentSender:
+    """The Learner's view of the child's Sender (the same methods it calls on ``Sender``)."""
+
+    def __init__(self, agent: SyncAgent):
+        self.agent = agent
+        self.submitted = 0
+
+    def start(self) -> None:
+        self.agent.start()
+
+    @property
+    def failed(self) -> str | None:
+        return self.agent.failed or self.agent.stats.get("failed")
+
+    @property
+    def stats(self) -> SenderStats:
+        return SenderStats(**self.agent.stats.get("sender", {}))
+
+    def submit(self, header: DeltaHeader, tensors: dict[str, np.ndarray]) -> None:
+        self.submitted += 1
+        self.agent.submit(header, tensors)
+
+    def beat_soon(self) -> None:
+        self.agent.send("beat", heartbeat=self.agent.heartbeat(), soon=True)
+
+    def undelivered(self) -> int:
+        s = self.agent.stats
+        behind = self.submitted - s.get("submitted", 0)     # handed over, not yet in the child's Sender
+        return behind + s.get("undelivered", 0)
+
+    def drain(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.undelivered() == 0 and self.agent.stats.get("idle"):
+                return True
+            if self.failed is not None:
+                break
+            time.sleep(0.02)
+        return self.undelivered() == 0
+
+    def stop(self) -> None:
+        self.agent.send("stop_sender")
+        self.agent.sender_stopped.wait(15.0)
+
+
+class AgentReceiver:
+    """The Learner's view of the child's Receiver; ``stop`` ends the child."""
+
+    def __init__(self, agent: SyncAgent):
+        self.agent = agent
+
+    def start(self) -> None:
+        pass          # the agent started with the sender
+
+    def stop(self) -> None:
+        self.agent.close()
+
+    def take(self) -> list[Arrival]:
+        return self.agent.take()
+
+    def opened(self) -> dict[int, tuple[int, int]]:
+        with self.agent._lock:
+            return dict(self.agent.opened)
+
+    def __getattr__(self, name: str):
+        if name in ("bytes_received", "errors", "refused", "failed", "awaited", "copy_misses", "copy_wait_s"):
+            return self.__dict__["agent"].stats.get("receiver", {}).get(name, 0 if name != "failed" else None)
+        raise AttributeError(name)
