@@ -6,8 +6,8 @@ bf16. The byte layout is in docs/formats.md ("Tensor blobs"); the blob is sealed
 ``pipeline.envelope.seal(kind, version, body)`` so it carries a version and a checksum. Version 1
 (what ``encode`` writes unless told) holds one zstd frame of the raw payload; version 2 cuts the
 same raw payload into frames, each zstd'd on ``map_fn`` or stored where zstd does not pay
-(pipeline/codec_frames.py); version 3 is version 2's body sealed with a blake3 checksum instead of
-sha256 (4.5x faster: the largest serial cost left, docs/scale.md). ``decode`` reads all three.
+(pipeline/codec_frames.py); version 3 is version 2's body sealed with an xxh3-128 checksum instead
+of sha256 (sha256 was the largest cost left on one core, docs/scale.md). ``decode`` reads all three.
 
 Speed (issue 15): vectorised kernels go through a tensor in steps of ``_STEP`` values whose
 temporaries stay in cache; steps form jobs of ``_JOB`` values that a caller may run on its threads
@@ -42,8 +42,8 @@ from .types import TensorSpec
 
 SCHEMES = ("int4", "int8", "bf16", "fp32")
 VERSION = 1               # what encode writes unless told: replayed runs keep their bytes (docs/formats.md)
-VERSIONS = (1, 2, 3)      # what decode reads; 2: framed payload (pipeline/codec_frames.py); 3: 2 + blake3
-CHECKSUMS = {3: "blake3"}   # the envelope checksum a version carries (others: sha256)
+VERSIONS = (1, 2, 3)      # what decode reads; 2: framed payload (pipeline/codec_frames.py); 3: 2 + xxh3-128
+CHECKSUMS = {3: "xxh3-128"}   # the envelope checksum a version carries (others: sha256)
 _QMAX = {"int4": 7, "int8": 127}
 _COMMON_KEYS = frozenset({"meta", "scheme", "block_size", "tensors", "raw_len"})
 _FRAMED = _COMMON_KEYS | {"frame_bytes", "frames"}

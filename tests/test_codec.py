@@ -206,7 +206,7 @@ def test_rejects_wrong_version_kind_and_size(blob):
     _, body = unseal(blob, "delta", 1)
     with pytest.raises(FormatError, match="format version 4 is not supported"):
         decode(seal("delta", 4, body), "delta")
-    with pytest.raises(FormatError, match="delta version 3 must carry a blake3 checksum, not 'sha256'"):
+    with pytest.raises(FormatError, match="delta version 3 must carry the xxh3-128 checksum, not 'sha256'"):
         decode(seal("delta", 3, body), "delta")                                      # v3 sealed with sha256
     with pytest.raises(FormatError, match=r"missing \['frame_bytes', 'frames'\]"):   # a v1 body sealed as v2
         decode(seal("delta", 2, body), "delta")

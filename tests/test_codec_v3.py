@@ -1,10 +1,10 @@
-"""Codec format version 3 (issue 15): version 2's framed body under a blake3 envelope checksum
+"""Codec format version 3 (issue 15): version 2's framed body under an xxh3-128 envelope checksum
 (pipeline/codec.py, pipeline/envelope.py; docs/formats.md "Tensor blobs", version 3)."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-import blake3
+import xxhash
 import msgpack
 import numpy as np
 import pytest
@@ -29,13 +29,13 @@ def _parts(blob: bytes) -> list:
 
 
 @pytest.mark.parametrize("scheme", ["int4", "int8", "bf16", "fp32"])
-def test_version_3_is_version_2s_body_under_a_blake3_checksum(scheme):
+def test_version_3_is_version_2s_body_under_an_xxh3_checksum(scheme):
     cfg = CodecConfig(scheme, 64, 1)
     v2 = encode("delta", META, _tensors(), cfg, version=2, frame_bytes=1 << 16)
     v3 = encode("delta", META, _tensors(), cfg, version=3, frame_bytes=1 << 16)
     magic, kind, version, body, digest, algorithm = _parts(v3)
-    assert (magic, kind, version, algorithm) == (MAGIC, "delta", 3, "blake3")
-    assert digest == blake3.blake3(body).digest()
+    assert (magic, kind, version, algorithm) == (MAGIC, "delta", 3, "xxh3-128")
+    assert digest == xxhash.xxh3_128_digest(body)
     b2, b3 = msgpack.unpackb(_parts(v2)[3], raw=False), msgpack.unpackb(body, raw=False)
     assert b2.keys() == b3.keys()
     # the raw payload is the same bytes; only the frame sample (16 KiB, not 64 KiB) may differ
@@ -74,11 +74,11 @@ def test_a_damaged_or_relabelled_version_3_blob_is_refused():
     flipped[len(body) // 2] ^= 1
     cases = [
         (msgpack.packb([magic, kind, version, bytes(flipped), digest, algorithm]), "checksum mismatch"),
-        (seal("delta", 3, body), "version 3 must carry a blake3 checksum, not 'sha256'"),     # 5 elements
-        (msgpack.packb([magic, kind, version, body, digest, "sha256"]), "must carry a blake3 checksum"),
-        (msgpack.packb([magic, kind, version, body, digest, "md5"]), "must carry a blake3 checksum, not 'md5'"),
-        (seal("delta", 2, body, checksum="blake3"), "version 2 must carry a sha256 checksum, not 'blake3'"),
-        (msgpack.packb([magic, kind, version, body, digest, "blake3", 1]), "wrong structure"),
+        (seal("delta", 3, body), "version 3 must carry the xxh3-128 checksum, not 'sha256'"),     # 5 elements
+        (msgpack.packb([magic, kind, version, body, digest, "sha256"]), "must carry the xxh3-128 checksum"),
+        (msgpack.packb([magic, kind, version, body, digest, "md5"]), "must carry the xxh3-128 checksum, not 'md5'"),
+        (seal("delta", 2, body, checksum="xxh3-128"), "version 2 must carry the sha256 checksum, not 'xxh3-128'"),
+        (msgpack.packb([magic, kind, version, body, digest, "xxh3-128", 1]), "wrong structure"),
     ]
     for bad, message in cases:
         with pytest.raises(FormatError, match=message):
@@ -89,8 +89,8 @@ def test_other_records_keep_the_five_element_sha256_envelope():
     blob = pack_record("commit", 1, {"a": 1})
     assert len(_parts(blob)) == 5
     assert unpack_record(blob, "commit", 1) == (1, {"a": 1})
-    relabelled = seal("commit", 1, _parts(blob)[3], checksum="blake3")
-    with pytest.raises(FormatError, match="commit version 1 must carry a sha256 checksum, not 'blake3'"):
+    relabelled = seal("commit", 1, _parts(blob)[3], checksum="xxh3-128")
+    with pytest.raises(FormatError, match="commit version 1 must carry the sha256 checksum, not 'xxh3-128'"):
         unpack_record(relabelled, "commit", 1)
     with pytest.raises(ValueError, match="checksum must be one of"):
         seal("commit", 1, b"", checksum="crc32")

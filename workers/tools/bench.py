@@ -291,7 +291,7 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
                         help=f"codec schemes, comma-separated (default {','.join(SCHEMES)})")
     parser.add_argument("--formats", type=_int_list, default=VERSIONS,
                         help="codec: format versions to measure, comma-separated (default 1,2,3; 2: framed, zstd "
-                             "only where it pays; 3: 2 with a blake3 checksum)")
+                             "only where it pays; 3: 2 with an xxh3-128 checksum)")
     parser.add_argument("--kernels", type=lambda s: tuple(s.split(",")), default=BenchConfig.kernels,
                         help="codec: c (the fused C kernels, default where built), numpy, or c,numpy side by side")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
