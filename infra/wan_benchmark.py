@@ -2,10 +2,16 @@
 it (issue 14; docs/regions.md "Benchmark").
 
 For each path - the bus (ZeroMQ from region r1's learners to the home syncer through the link) and
-bucket-only (``--no-bus``: r1's learners reach the syncer only through r1's bucket) - two runs of the
-same shape start *together* and train side by side under the same machine load: ``ddiloco run
---regions 2 --wan SPEC`` (default rtt 100 ms, 100 Mbit/s on every cross-region path) and ``--wan
-none`` (the same two S3 servers, no links). Reported per path:
+bucket-only (``--no-bus``: r1's learners reach the syncer only through r1's bucket) - ``--pairs``
+pairs of runs of the same shape, each pair started *together* (which launcher starts first
+alternates) to train side by side under the same machine load: ``ddiloco run --regions 2 --wan
+SPEC`` (default rtt 100 ms, 100 Mbit/s on every cross-region path) and the baseline ``--wan
+BASELINE`` (default ``rtt=0ms``: the same servers and proxies, unshaped, so the pair differs in
+the link alone; ``none``: no proxies). ``--pace S`` pads every learner step to S seconds (``ddiloco
+run --pace``): in production each learner owns its accelerator, so what a ratio must show is
+whether the WAN ever stalls a learner, not how a shared machine's cores are split between two
+runs; a stall shows as a step gap above the pace (``r1_max_gap_s``) and a ratio below 1. Each
+pair's figures are reported, and per key figure the median over the pairs. Per pair:
 
 - ``r1_tokens_per_s_ratio``: tokens/s of r1's learners, WAN / no WAN (goal >= 0.97), over the
   window in which every learner of *both* runs was training (from the latest first ``step``
@@ -21,9 +27,10 @@ none`` (the same two S3 servers, no links). Reported per path:
   replica sends and receives 2(N-1)/N of the bf16 gradient every step; goal <= 1/200 at int4);
 - per run (suffix ``_wan`` / ``_none``, ``run_extras``): the answer-to-version latency in seconds
   (r1, home), r1's and home's late share (merged answers to an earlier round than their commit's),
-  the replication delay to r1, commits and the longest gap between two, and how often r1's
-  learners waited for r1's copy of an announced commit. ``--slow F`` stretches every step (a step
-  of ~0.5-1 s, where <= 2 steps of latency is physically possible over rtt 100 ms).
+  the replication delay to r1, commits and the longest gap between two, how often r1's learners
+  waited for r1's copy of an announced commit, r1's longest and median step gap, and where r1's
+  answer-to-version time goes (``latency_parts``). ``--slow F`` stretches every step by its own
+  compute time instead of ``--pace`` (which follows the machine's load).
 Timing figures live here, never in tests.
 """
 from __future__ import annotations
