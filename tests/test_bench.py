@@ -54,10 +54,11 @@ def test_load_refuses_a_round_that_differs_between_thread_counts(monkeypatch):
 
 
 def test_scaling_reports_medians_and_same_results():
-    cfg = BenchConfig(what="scaling", size_mb=0.5, merge_mb=0.25, repeat=3, threads=(1, 2))
+    cfg = BenchConfig(what="scaling", size_mb=0.5, merge_mb=0.25, repeat=3, threads=(1, 2), formats=(1, 3))
     res = bench_scaling(cfg)
     ops = {r["op"] for r in res["rows"]}
-    assert ops == {"encode int4+zstd", "decode int4+zstd", "fold RDA M=8"}
+    assert ops == {"encode int4+zstd v1", "decode int4+zstd v1", "encode int4+zstd v3", "decode int4+zstd v3",
+                   "fold RDA M=8"}
     for r in res["rows"]:
         assert r["same_result"] and len(r["speedups"]) == 3
         assert r["speedup"] == pytest.approx(sorted(r["speedups"])[1])

@@ -240,3 +240,15 @@ def test_the_kernels_check_their_buffers():
         kernels.dequantize(np.empty(4, np.float32), np.empty(6, np.uint8), x, 7, 3)
     with pytest.raises(ValueError, match="float32"):
         kernels.dequantize(np.empty(3, np.float32), np.empty(6, np.uint8), np.empty(5, np.uint8), 7, 4)
+
+
+def test_bench_codec_measures_both_paths_and_their_bytes_agree():
+    from workers.tools.bench import BenchConfig, bench_codec
+    cfg = BenchConfig(what="codec", size_mb=0.3, repeat=1, threads=(1,), schemes=("int4", "int8"), formats=(1, 3),
+                      zstd_level=1, kernels=("c", "numpy"))
+    rows = bench_codec(cfg)["rows"]
+    assert {(r["scheme"], r["format"], r["zstd_level"], r["kernel"]) for r in rows} == {
+        (s, f, lv, k) for s in ("int4", "int8") for f in (1, 3) for lv in (1, 0) for k in ("c", "numpy")}
+    assert all(r["same_bytes"] for r in rows)            # numpy rows compared with the C rows' blobs
+    with pytest.raises(ValueError, match="--kernels must list some of"):
+        BenchConfig(kernels=("fortran",))

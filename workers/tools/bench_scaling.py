@@ -1,6 +1,7 @@
 """`ddiloco bench scaling`: how the codec and the fold scale with threads, measured side by side.
 
-For each operation (int4+zstd encode and decode of ``--size-mb`` of fp32, the whole
+For each operation (int4+zstd encode and decode of ``--size-mb`` of fp32 in each ``--formats``
+version, with the codec path in force: the C kernels where built; the whole
 ``pipeline.fold.fold`` of an RDA round at M = 8 deltas of ``--merge-mb``) every repetition runs
 it once at each thread count in turn (pinned to as many cores, ``bench.cores``; T = 1 on the
 calling thread), so a busy moment of a shared machine hits every count alike. Each repetition
@@ -24,16 +25,20 @@ MB = 1e6
 
 
 def _codec_ops(cfg, x: np.ndarray) -> dict[str, Callable]:
+    """int4+zstd encode and decode of ``x`` in each of ``cfg.formats`` (docs/formats.md "Tensor blobs")."""
     codec = CodecConfig("int4", cfg.block_size, cfg.zstd_level)
     tensors = {"w": x}
-    blob = encode("bench", {}, tensors, codec)
+    ops: dict[str, Callable] = {}
+    for fmt in cfg.formats:
+        blob = encode("bench", {}, tensors, codec, version=fmt)
 
-    def enc(map_fn):
-        return hashlib.sha256(encode("bench", {}, tensors, codec, map_fn=map_fn)).hexdigest()
+        def enc(map_fn, fmt=fmt):
+            return hashlib.sha256(encode("bench", {}, tensors, codec, map_fn=map_fn, version=fmt)).hexdigest()
 
-    def dec(map_fn):
-        return hashlib.sha256(decode(blob, "bench", max_bytes=x.nbytes, map_fn=map_fn).tensors["w"]).hexdigest()
-    return {"encode int4+zstd": enc, "decode int4+zstd": dec}
+        def dec(map_fn, blob=blob):
+            return hashlib.sha256(decode(blob, "bench", max_bytes=x.nbytes, map_fn=map_fn).tensors["w"]).hexdigest()
+        ops[f"encode int4+zstd v{fmt}"], ops[f"decode int4+zstd v{fmt}"] = enc, dec
+    return ops
 
 
 def _fold_op(cfg) -> Callable:
@@ -57,8 +62,8 @@ def bench_scaling(cfg, clock: Callable[[], float] = time.perf_counter) -> dict:
     n = int(cfg.size_mb * MB) // 4
     x = np.random.default_rng(cfg.seed).standard_normal(n, dtype=np.float32)
     ops = {**_codec_ops(cfg, x), "fold RDA M=8": _fold_op(cfg)}
-    sizes = {"encode int4+zstd": x.nbytes / MB, "decode int4+zstd": x.nbytes / MB,
-             "fold RDA M=8": 8 * int(cfg.merge_mb * MB) // 4 * 4 / MB}
+    sizes = {name: x.nbytes / MB for name in ops}
+    sizes["fold RDA M=8"] = 8 * int(cfg.merge_mb * MB) // 4 * 4 / MB
     rows = []
     for name, op in ops.items():
         secs: dict[int, list[float]] = {t: [] for t in cfg.threads}
