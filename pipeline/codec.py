@@ -36,7 +36,7 @@ import zstandard
 from . import codec_frames as frames
 from . import kernels
 from .codec_checks import IN_DTYPES as _IN_DTYPES, check_expect, field, tensor_entries, v1_payload
-from .envelope import seal, unseal
+from .envelope import bin_header, seal, seal_parts, unseal
 from .errors import FormatError
 from .types import TensorSpec
 
@@ -419,7 +419,20 @@ def encode(kind: str, meta: dict, tensors: Mapping[str, np.ndarray], cfg: CodecC
     fields.update(_payload_fields(raw, version, cfg.zstd_level, (frame_bytes, min_saving), map_fn or map))
     if version == 1:   # the key order of the bytes written before issue 15
         fields = {k: fields[k] for k in ("meta", "scheme", "block_size", "zstd", "tensors", "raw_len", "payload")}
-    return seal(kind, version, msgpack.packb(fields, use_bin_type=True), checksum=CHECKSUMS.get(version, "sha256"))
+        return seal(kind, version, msgpack.packb(fields, use_bin_type=True))
+    return seal_parts(kind, version, _framed_body(fields), checksum=CHECKSUMS.get(version, "sha256"))
+
+
+def _framed_body(fields: dict) -> list:
+    """``msgpack.packb(fields)`` of a version 2/3 body (``frames`` its last key) as parts, the
+    frames' bytes not copied: ``seal_parts`` copies them once, into the blob."""
+    packer = msgpack.Packer(use_bin_type=True)
+    head = [packer.pack_map_header(len(fields))]
+    head += [packer.pack(k) + packer.pack(v) for k, v in fields.items() if k != "frames"]
+    parts = [b"".join(head + [packer.pack("frames"), packer.pack_array_header(len(fields["frames"]))])]
+    for method, data in fields["frames"]:
+        parts += [b"\x92" + packer.pack(method) + bin_header(memoryview(data).nbytes), data]
+    return parts
 
 
 # ------------------------------------------------------------------------------------- decode

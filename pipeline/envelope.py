@@ -28,11 +28,47 @@ def digest(data: bytes | memoryview) -> str:
 CHECKSUMS = ("sha256", "xxh3-128")   # xxh3-128: ~40x faster on big bodies (issue 15; docs/formats.md)
 
 
-def _checksum(algorithm: str, body: bytes | memoryview) -> bytes:
+def _hasher(algorithm: str) -> Any:
     if algorithm == "xxh3-128":   # imported here: only tensor blobs of codec version 3 use it
         import xxhash
-        return xxhash.xxh3_128_digest(body)
-    return hashlib.sha256(body).digest()
+        return xxhash.xxh3_128()
+    return hashlib.sha256()
+
+
+def _checksum(algorithm: str, body: bytes | memoryview) -> bytes:
+    h = _hasher(algorithm)
+    h.update(body)
+    return h.digest()
+
+
+def bin_header(n: int) -> bytes:
+    """msgpack's header of a bin of ``n`` bytes (what ``packb`` writes before bytes)."""
+    if n < 1 << 8:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 1 << 16:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
+def seal_parts(kind: str, version: int, parts: list, checksum: str = "sha256") -> bytes:
+    """``seal(kind, version, b"".join(parts), checksum)``, byte for byte, with one copy of the parts
+    instead of two (issue 15: a tensor blob's frames are megabytes; joining them into a body and
+    then packing the body into the envelope copied them twice)."""
+    if not kind or not isinstance(kind, str) or not isinstance(version, int) or version < 1:
+        raise ValueError(f"envelope kind and version must be a non-empty string and a positive int, "
+                         f"got {kind!r}, {version!r}")
+    if checksum not in CHECKSUMS:
+        raise ValueError(f"envelope checksum must be one of {CHECKSUMS}, got {checksum!r}")
+    h = _hasher(checksum)
+    size = 0
+    for part in parts:
+        h.update(part)
+        size += memoryview(part).nbytes
+    head = msgpack.packb([MAGIC, kind, version], use_bin_type=True)
+    head = bytes([0x90 | (5 if checksum == "sha256" else 6)]) + head[1:] + bin_header(size)
+    tail = msgpack.packb(h.digest(), use_bin_type=True) + \
+        (b"" if checksum == "sha256" else msgpack.packb(checksum, use_bin_type=True))
+    return b"".join([head, *parts, tail])
 
 
 def seal(kind: str, version: int, body: bytes, checksum: str = "sha256") -> bytes:

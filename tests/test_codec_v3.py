@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.codec import CHECKSUMS, CodecConfig, decode, encode, peek_meta
 from pipeline.codec_frames import SAMPLE, STORED, ZSTD
-from pipeline.envelope import MAGIC, pack_record, seal, unpack_record, unseal
+from pipeline.envelope import MAGIC, pack_record, seal, seal_parts, unpack_record, unseal
 from pipeline.errors import FormatError
 
 META = {"learner": "L0", "seq": 9}
@@ -94,3 +94,22 @@ def test_other_records_keep_the_five_element_sha256_envelope():
         unpack_record(relabelled, "commit", 1)
     with pytest.raises(ValueError, match="checksum must be one of"):
         seal("commit", 1, b"", checksum="crc32")
+
+
+@pytest.mark.parametrize("checksum", ["sha256", "xxh3-128"])
+@pytest.mark.parametrize("sizes", [[], [0], [3, 200], [255, 256, 65535, 65536], [70_000, 1]])
+def test_seal_parts_is_seal_of_the_joined_parts(checksum, sizes):
+    rng = np.random.default_rng(sum(sizes))
+    parts = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    parts += [memoryview(b"tail")]                         # memoryviews (stored frames) too
+    assert seal_parts("delta", 3, parts, checksum) == seal("delta", 3, b"".join(parts), checksum)
+    with pytest.raises(ValueError, match="checksum must be one of"):
+        seal_parts("delta", 3, parts, "crc32")
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_framed_bodies_are_what_packb_writes(version):
+    # the body is assembled from parts (one copy of the frames); it must be the bytes packb gives
+    blob = encode("delta", META, _tensors(), CodecConfig("int4", 64, 1), version=version, frame_bytes=1 << 14)
+    body = unseal(blob, "delta", version, checksums=CHECKSUMS)[1]
+    assert msgpack.packb(msgpack.unpackb(body, raw=False), use_bin_type=True) == body
