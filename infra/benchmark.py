@@ -58,6 +58,8 @@ def configure(parser: argparse.ArgumentParser):
                         help="with --regions: the other run's links ('rtt=0ms': the same proxies, unshaped; "
                              "'none': no proxies)")
     parser.add_argument("--paths", default="bus,bucket-only", help="with --regions: which paths to measure")
+    parser.add_argument("--run-args", default=None, metavar="FLAGS",
+                        help="with --regions: more ddiloco run flags for both runs, e.g. '--poll 0.2 --spill-poll 0.2'")
     parser.add_argument("--overhead", action="store_true",
                         help="instead: a learner's step time sync on / off, the two run one after the other "
                              "(infra/overhead.py)")

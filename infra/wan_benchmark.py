@@ -36,6 +36,7 @@ Timing figures live here, never in tests.
 from __future__ import annotations
 
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -55,7 +56,7 @@ def _start(out: Path, wan: str, extra: list[str], args) -> subprocess.Popen:
            "--learners", str(args.learners), "--steps", str(args.steps), "--eval-every", "100000", *extra,
            *(["--sync-every", str(args.sync_every)] if getattr(args, "sync_every", None) else []),
            *(["--slow", str(args.slow)] if getattr(args, "slow", 1.0) != 1.0 else []),
-           *(["--pace", str(pace)] if pace else [])]
+           *(["--pace", str(pace)] if pace else []), *shlex.split(getattr(args, "run_args", None) or "")]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -279,6 +280,7 @@ def run_benchmark(args) -> int:
     figures: dict = {"wan": args.wan, "baseline": getattr(args, "baseline", "none"), "learners": args.learners,
                      "steps": args.steps, "params": params, "slow": getattr(args, "slow", 1.0),
                      "pace": getattr(args, "pace", None), "pairs": pairs,
+                     "run_args": getattr(args, "run_args", None),
                      "sync_every": args.sync_every or default_sync_every(4),
                      "dp_bf16_bytes_per_learner_token": dp}
     t0 = time.time()

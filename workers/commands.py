@@ -136,6 +136,8 @@ def configure_syncer(parser: argparse.ArgumentParser,
                         help="keep freed memory in the process (glibc mallopt): large rounds reuse mapped pages "
                              "instead of the kernel zeroing fresh ones; the process keeps its peak memory "
                              "(docs/scale.md; worth it from ~10M-parameter fragments)")
+    parser.add_argument("--spill-poll", type=float, default=0.5, metavar="SECONDS",
+                        help="seconds between listings of every region's inbox for spilled deltas (a LIST each)")
     parser.add_argument("--shard", metavar="I/N", type=_shard_spec, default=None,
                         help="be syncer shard I of a run of N shards (ddiloco run --syncers N): own the fragments "
                              "p with p %% N == I, with its own epochs and log (docs/scale.md \"Sharded syncer\")")
@@ -158,7 +160,8 @@ def configure_syncer(parser: argparse.ArgumentParser,
         store = counted(store)     # issue 14: its requests are reported in accounting events
         bus = _bus(args)
         syncer = Syncer(store, SyncerConfig(syncer_id=args.id, checkpoint_every=args.checkpoint_every,
-                                            retention=retention, threads=args.threads, shard=shard),
+                                            retention=retention, threads=args.threads, shard=shard,
+                                            spill_poll_s=args.spill_poll),
                         bus=bus, events=events, keys=keys,
                         before_commit=before_commit(args, events) if before_commit is not None else None)
         _meter_syncer(syncer, store, bus, events)

@@ -83,6 +83,10 @@ def configure(parser):
     a("--slow", type=float, default=1.0, help="stretch every learner step by this factor (>= 1; ddiloco learner --slow)")
     a("--pace", type=float, default=None, metavar="SECONDS",
       help="instead: pad every learner step to this many seconds (ddiloco learner --pace)")
+    a("--poll", type=float, default=None, metavar="SECONDS",
+      help="learners' storage polls for versions (ddiloco learner --poll; default 0.5)")
+    a("--spill-poll", type=float, default=None, metavar="SECONDS",
+      help="the syncer's inbox listings (ddiloco syncer --spill-poll; default 0.5)")
     a("--metrics-port", type=int, default=None, metavar="N",
       help="Prometheus metrics: the syncer at http://127.0.0.1:N/metrics, learner m at N+1+m (0: every process "
            "takes a free port and logs it as a metrics-listening event); off unless given (README \"Metrics\")")
@@ -174,6 +178,9 @@ def run(args, topologies=()) -> int:
         raise SystemExit(f"--slow must be >= 1, got {args.slow}")
     if args.pace is not None and (not args.pace > 0 or args.slow != 1.0):
         raise SystemExit(f"--pace must be > 0 seconds and takes no --slow, got --pace {args.pace}")
+    for flag, value in (("--poll", args.poll), ("--spill-poll", args.spill_poll)):
+        if value is not None and not value > 0:
+            raise SystemExit(f"{flag} must be > 0 seconds, got {value}")
     if not 1 <= args.syncers <= args.fragments:
         raise SystemExit(f"--syncers must be in 1..--fragments ({args.fragments}): every shard owns a fragment, "
                          f"got {args.syncers}")
@@ -231,11 +238,14 @@ def _run_decoupled(args, out: Path, gcfg: GPTConfig, job: JobSettings, steps: in
     cluster = topology.cluster(ccfg) if topology is not None else LocalCluster(ccfg)
     t_start = time.time()
     # shards (--syncers > 1) take free metrics ports (logged): base + 1 + m already belongs to learner m
-    cluster.start_syncers(metrics_flags(args.metrics_port if args.syncers == 1 else args.metrics_port and 0, 0))
+    spill_poll = ["--spill-poll", str(args.spill_poll)] if args.spill_poll is not None else []
+    cluster.start_syncers([*metrics_flags(args.metrics_port if args.syncers == 1 else args.metrics_port and 0, 0),
+                           *spill_poll])
     for m, lid in enumerate(names):
         region = ["--region", f"r{m % args.regions}"] if desc.regions is not None else []
         slow = ["--slow", str(args.slow)] if args.slow != 1.0 else []
         slow += ["--pace", str(args.pace)] if args.pace is not None else []
+        slow += ["--poll", str(args.poll)] if args.poll is not None else []
         cluster.start_learner(lid, ["--shard", str(m), *region, *slow, *metrics_flags(args.metrics_port, m + 1)])
     init_loss = evaluate(model, corpus)
     events.emit("eval", tokens=0, loss=init_loss, versions={})
