@@ -2,13 +2,17 @@
 (pipeline/codec.py, pipeline/envelope.py; docs/formats.md "Tensor blobs", version 3)."""
 from __future__ import annotations
 
+import hashlib
+import json
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import xxhash
 import msgpack
 import numpy as np
 import pytest
 
+from pipeline.checksum import tensor_digest
 from pipeline.codec import CHECKSUMS, CodecConfig, decode, encode, peek_meta
 from pipeline.codec_frames import SAMPLE, STORED, ZSTD
 from pipeline.envelope import MAGIC, pack_record, seal, seal_parts, unpack_record, unseal
@@ -113,3 +117,28 @@ def test_framed_bodies_are_what_packb_writes(version):
     blob = encode("delta", META, _tensors(), CodecConfig("int4", 64, 1), version=version, frame_bytes=1 << 14)
     body = unseal(blob, "delta", version, checksums=CHECKSUMS)[1]
     assert msgpack.packb(msgpack.unpackb(body, raw=False), use_bin_type=True) == body
+
+
+GOLDEN = Path(__file__).parent / "fixtures" / "codec_golden"   # v3: tests/fixtures/codec_make_golden_v3.py
+
+
+def _golden_v3():
+    manifest = json.loads((GOLDEN / "v3" / "manifest.json").read_text())
+    v2 = json.loads((GOLDEN / "v2" / "manifest.json").read_text())
+    inputs = dict(np.load(GOLDEN / "v2" / "inputs.npz"))
+    for case, m in sorted(manifest.items()):
+        yield pytest.param(case, m, v2[case], {n: inputs[n] for n in m["names"]}, id=case)
+
+
+@pytest.mark.parametrize("case, m, m2, tensors", list(_golden_v3()))
+def test_golden_v3_blobs_read_the_same_and_are_written_the_same(case, m, m2, tensors):
+    old = (GOLDEN / "v3" / f"{case}.blob").read_bytes()
+    assert hashlib.sha256(old).hexdigest() == m["blob_sha256"]
+    # the same values as version 2's golden blob of the same tensors: the raw payload is the same
+    assert tensor_digest(decode(old, "delta").tensors) == m["values_digest"] == m2["values_digest"]
+    cfg = CodecConfig(m["scheme"], m["block_size"], m["zstd_level"])
+    kw = {"version": 3, "min_saving": m["min_saving"], "frame_bytes": m["frame_bytes"]}
+    meta = {"learner": "L0", "seq": 5, "note": "golden v3"}
+    assert encode("delta", meta, tensors, cfg, **kw) == old
+    with ThreadPoolExecutor(3) as pool:
+        assert encode("delta", meta, tensors, cfg, map_fn=pool.map, **kw) == old
