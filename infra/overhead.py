@@ -83,6 +83,27 @@ def compare(on: dict, off: dict) -> dict:
     return res
 
 
+def cpu_ticks() -> dict[str, list[int]]:
+    """Per-core /proc/stat counters (user nice system idle iowait irq softirq steal ...), Linux."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return {}
+    return {ln.split()[0]: [int(x) for x in ln.split()[1:]] for ln in lines if ln.startswith("cpu") and ln[3:4].isdigit()}
+
+
+def steal_share(before: dict, after: dict) -> dict[str, float]:
+    """Per core: the share of its time the hypervisor gave to others (``steal``) between two readings."""
+    out = {}
+    for cpu, b in before.items():
+        a = after.get(cpu)
+        if a is None or len(a) < 8:
+            continue
+        total = sum(a[:8]) - sum(b[:8])
+        out[cpu] = round((a[7] - b[7]) / total, 4) if total > 0 else 0.0
+    return out
+
+
 def _control(out: Path, steps: int, seed: int, cpus: str | None) -> dict:
     cmd = [sys.executable, "-m", "infra.overhead_roles", "control", "--out", str(out), "--steps", str(steps),
            "--seed", str(seed), *(["--cpus", cpus] if cpus else [])]
@@ -143,11 +164,13 @@ def run_overhead(args) -> int:
     for r in range(args.repeats):
         sides = {}
         for side in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            before = cpu_ticks()
             if side == "off":
                 sides["off"] = _control(out / f"control-{r}.json", args.steps, seed, args.cpus_learner)
             else:
                 sides["on"] = _sync_on(out / f"on-{r}", args.steps, seed, args.cpus_learner, args.cpus_syncer,
                                       args.sync_process)
+            sides[side]["steal"] = steal_share(before, cpu_ticks())
         fig = compare(sides["on"]["trace"], sides["off"])
         answers = sum(1 for n in sides["on"]["trace"]["answered"] if n) or 1
         fig["thread_cpu_s"] = sides["on"]["thread_cpu"]
@@ -156,6 +179,7 @@ def run_overhead(args) -> int:
         fig["syncer_cpu_share"] = sides["on"]["thread_cpu"]["syncer process"] / (
             sum(sides["on"]["trace"]["took_s"]) or 1.0)
         fig["order"] = "off,on" if r % 2 == 0 else "on,off"
+        fig["steal_on"], fig["steal_off"] = sides["on"]["steal"], sides["off"]["steal"]   # hypervisor's share
         repeats.append(fig)
         print(_line(r, fig), flush=True)
     summary = summarise(repeats)

@@ -73,3 +73,10 @@ def test_compare_classes_steps_and_reports_tails_of_both_sides():
     assert s["on_answer_share"] == pytest.approx(0.25)
     assert tails([])["median_s"] is None and tails([1.0, 3.0])["median_s"] == 2.0
     assert np.isclose(tails(list(range(1, 101)))["p99_s"], np.percentile(range(1, 101), 99))
+
+
+def test_steal_share_per_core():
+    from infra.overhead import steal_share
+    before = {"cpu0": [100, 0, 10, 880, 0, 0, 0, 10], "cpu1": [0] * 8}
+    after = {"cpu0": [150, 0, 20, 900, 0, 0, 0, 30], "cpu1": [0] * 8}
+    assert steal_share(before, after) == {"cpu0": round(20 / 100, 4), "cpu1": 0.0}

@@ -32,6 +32,7 @@ from typing import Callable
 
 import numpy as np
 
+from pipeline.fragment import extract
 from pipeline.types import DeltaHeader, RunDescriptor
 from workers.bus.bus import BusConfig
 from workers.common.events import EventLog
@@ -155,18 +156,19 @@ class SyncAgent:
 
     def _handle(self, msg: dict) -> None:
         kind = msg["type"]
+        freed = msg.get("freed")
+        if freed:
+            with self._lock:
+                self.free_d.extend(freed)
+                items = [self.queued.pop(k) for k in list(self.queued)[:len(freed)]]
+            for item in items:
+                self.submit(*item)
         if kind == "arrival":
             with self._lock:
                 old = self.arrivals.pop(msg["fragment"], None)
                 self.arrivals[msg["fragment"]] = (msg["slot"], msg)
             if old is not None:
                 self.send("vfree", slots=[old[0]])
-        elif kind == "dfree":
-            with self._lock:
-                self.free_d.append(msg["slot"])
-                item = self.queued.pop(next(iter(self.queued))) if self.queued else None
-            if item is not None:
-                self.submit(*item)
         elif kind == "opened":
             with self._lock:
                 self.opened = {int(p): (e, r) for p, (e, r) in msg["rounds"].items()}
@@ -189,6 +191,24 @@ class SyncAgent:
                 self.queued[(header.fragment, header.base_version)] = (header, values)
                 return
         self.slots.write(slot, header.fragment, values)
+        self.send("delta", header=header.to_dict(), slot=slot)
+
+    def submit_difference(self, header: DeltaHeader, base: dict[str, np.ndarray], params: dict) -> None:
+        """``submit(header, {n: base[n] - params[n]})``, the subtraction written straight into the
+        slot (the same float32 operation, so the same values) when the parameters are CPU float32."""
+        try:
+            current = {n: t.detach().numpy() for n, t in params.items()}   # views, no copies
+        except (AttributeError, TypeError, RuntimeError):
+            current = None
+        if current is None or any(a.dtype != np.float32 for a in current.values()):
+            current = extract(params, list(params))
+        with self._lock:
+            slot = self.free_d.pop() if self.free_d else None
+        if slot is None:
+            self.submit(header, {n: base[n] - current[n] for n in current})
+            return
+        for name, view in self.slots.views(slot, header.fragment).items():
+            np.subtract(base[name], current[name], out=view)
         self.send("delta", header=header.to_dict(), slot=slot)
 
     def take(self) -> list[Arrival]:
@@ -240,6 +260,10 @@ class AgentSender:
     def submit(self, header: DeltaHeader, tensors: dict[str, np.ndarray]) -> None:
         self.submitted += 1
         self.agent.submit(header, tensors)
+
+    def submit_difference(self, header: DeltaHeader, base: dict[str, np.ndarray], params: dict) -> None:
+        self.submitted += 1
+        self.agent.submit_difference(header, base, params)
 
     def beat_soon(self) -> None:
         self.agent.send("beat", heartbeat=self.agent.heartbeat(), soon=True)

@@ -6,11 +6,13 @@ loading and verifying versions) never holds the training process's GIL.
 The first frame on ``--conn`` is ``config`` (workers/learner/agent.py ``SyncAgent._config``); then:
 
 * learner -> agent: ``delta`` (header, slot: the values are in the shared slot; the agent copies
-  them out, answers ``dfree`` and submits them to its Sender), ``vfree`` (version slots handed
+  them out and submits them to its Sender; the slot goes back in the ``freed`` field of the next
+  frame it sends, or in a ``dfree`` frame within ``STATS_EVERY_S``: a frame of its own at once would
+  wake the learner's reader thread in the middle of the answer step), ``vfree`` (version slots handed
   back), ``beat`` (the learner's heartbeat fields; ``soon``: send one now), ``stop_sender``,
   ``stop``;
-* agent -> learner: ``ready``, ``dfree``, ``arrival`` (a version in a slot, with the Arrival's
-  fields), ``opened`` (the open rounds), ``stats`` (the sender's and receiver's counters, whenever
+* agent -> learner (any frame may carry ``freed``: delta slots handed back): ``ready``, ``dfree``,
+  ``arrival`` (a version in a slot, with the Arrival's fields), ``opened`` (the open rounds), ``stats`` (the sender's and receiver's counters, whenever
   they change), ``failed`` (why this process stops early), ``bye``.
 
 Events go to the learner's own log (appended line by line, with the learner's role and id).
@@ -19,15 +21,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from functools import partial
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 
 from pipeline.types import DeltaHeader
 from storage.layout import read_descriptor
 from storage.store import open_store
-from workers.bus.bus import BusConfig, BusCounters, CurveKeys
+from workers.bus.bus import BusConfig, BusCounters, CurveKeys, drain_wake
 from workers.bus.signing import Signer, seal_delta
 from workers.common.events import EventLog
 from workers.common.versions import VersionTracker
@@ -35,8 +38,8 @@ from workers.learner.agent_wire import Slots, pack, unpack
 from workers.learner.receiver import Receiver
 from workers.learner.sender import Sender, SenderConfig
 
-TICK_S = 0.005          # how often arrivals, open rounds and counters are checked (a version waits <= this)
-STATS_EVERY_S = 0.25    # counters go out at most this often: each frame costs the learner's reader thread the GIL
+STATS_EVERY_S = 0.25    # counters go out at most this often (each frame costs the learner's reader thread
+                        # the GIL); the loop wakes on a frame, on the receiver's news, or after this
 
 
 class Agent:
@@ -59,15 +62,28 @@ class Agent:
         tracker = VersionTracker(store, d)
         tracker.cursor = cfg["cursor"]
         known = {int(p): v for p, v in cfg["known"].items()}
-        self.receiver = Receiver(tracker, known, self.events, bus, cfg["poll_s"], curve=curve)
+        # the receiver wakes this loop through a pipe when a version or a round opening is new
+        self._news_r, self._news_w = os.pipe()
+        os.set_blocking(self._news_r, False)
+        os.set_blocking(self._news_w, False)
+        self.receiver = Receiver(tracker, known, self.events, bus, cfg["poll_s"], curve=curve, on_news=self._news)
         self.submitted = 0
+        self.freed: list[int] = []   # delta slots copied out, not yet handed back
         self.pending = {}          # fragment -> Arrival waiting for a free version slot (newest wins)
         self.sent_opened: dict | None = None
         self.sent_stats: dict | None = None
         self.stats_at = 0.0
         self.sender_stopped = False
 
+    def _news(self) -> None:
+        try:
+            os.write(self._news_w, b"n")
+        except (BlockingIOError, OSError):
+            pass      # the pipe is full: the loop is awake already
+
     def send(self, kind: str, **fields) -> None:
+        if self.freed:
+            fields["freed"], self.freed = self.freed, []
         self.conn.send_bytes(pack(kind, **fields))
 
     def run(self) -> None:
@@ -75,10 +91,12 @@ class Agent:
         self.receiver.start()
         self.send("ready")
         while True:
-            if self.conn.poll(TICK_S):
-                while self.conn.poll():
-                    if not self.handle(unpack(self.conn.recv_bytes())):
-                        return
+            ready = wait([self.conn, self._news_r], STATS_EVERY_S)
+            if self._news_r in ready:
+                drain_wake(self._news_r)
+            while self.conn.poll():
+                if not self.handle(unpack(self.conn.recv_bytes())):
+                    return
             for a in self.receiver.take():
                 self.pending[a.fragment] = a
             while self.pending and self.free_v:
@@ -99,8 +117,11 @@ class Agent:
             return
         stats = self.stats()
         if stats != self.sent_stats:
-            self.sent_stats, self.stats_at = stats, now
+            self.sent_stats = stats
             self.send("stats", **stats)
+        elif self.freed:
+            self.send("dfree")
+        self.stats_at = now
 
     def stats(self) -> dict:
         r = self.receiver
@@ -116,7 +137,7 @@ class Agent:
         if kind == "delta":
             header = DeltaHeader.from_dict(msg["header"])
             values = self.slots.read(msg["slot"], header.fragment)
-            self.send("dfree", slot=msg["slot"])
+            self.freed.append(msg["slot"])
             self.sender.submit(header, values)
             self.submitted += 1
         elif kind == "vfree":

@@ -356,18 +356,22 @@ class Learner:
 
     def _emit_delta(self, p: int, round_id: int) -> None:
         names = self.descriptor.layout.fragments[p]
-        current = extract(self.params, names)
-        delta = {n: self.base[p][n] - current[n] for n in names}
         # learner_step = the last step whose work the delta holds (steps are counted after they end).
         header = DeltaHeader(self.id, self.incarnation, self.seq, p, self.base_version[p], self.c_steps[p],
                              self.c_tokens[p], max(self.step_count - 1, 0), round_id)
         self.seq += 1
         self._answered_steps[p] = header.c_steps
-        if self.descriptor.learner.keep_progress:
-            self._at_answer[p] = (current, header.c_steps, header.c_tokens)
         # Every produced delta is logged, so a run's ledger can account for each one (docs/chaos.md).
         self.events.emit("delta", delta=header.id, fragment=p, base=header.base_version, steps=header.c_steps,
                          tokens=header.c_tokens, step=header.learner_step, round=round_id)
+        direct = getattr(self.sender, "submit_difference", None)
+        if direct is not None and not self.descriptor.learner.keep_progress:
+            direct(header, self.base[p], {n: self.params[n] for n in names})   # Δ straight into shared memory
+            return
+        current = extract(self.params, names)
+        delta = {n: self.base[p][n] - current[n] for n in names}
+        if self.descriptor.learner.keep_progress:
+            self._at_answer[p] = (current, header.c_steps, header.c_tokens)
         self.sender.submit(header, delta)
 
     # -- reporting -------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 import numpy as np
 
 from pipeline.errors import FormatError
@@ -58,11 +59,15 @@ COPY_EST_ALPHA = 0.5       # weight of the latest copy time in the smoothed one
 
 class Receiver:
     def __init__(self, tracker: VersionTracker, known: dict[int, int], events: EventLog,
-                 bus: BusConfig | None, poll_s: float = 0.5, curve=None, fetch_threads: int = FETCH_THREADS):
+                 bus: BusConfig | None, poll_s: float = 0.5, curve=None, fetch_threads: int = FETCH_THREADS,
+                 on_news: Callable[[], None] | None = None):
         if not isinstance(fetch_threads, int) or isinstance(fetch_threads, bool) or not 1 <= fetch_threads <= 64:
             raise ValueError(f"fetch_threads must be an int in 1..64, got {fetch_threads!r}")
         self.tracker, self.events, self.bus_cfg, self.poll_s, self.curve = tracker, events, bus, poll_s, curve
         self.fetch_threads = fetch_threads
+        # called (on this thread) when take() or opened() has something new: the learner's sync
+        # agent (workers/learner/agent_main.py) waits on it instead of polling
+        self.on_news = on_news or (lambda: None)
         self.known = dict(known)                 # fragment -> newest version handed over
         self._ready: dict[int, Arrival] = {}
         self._lock = threading.Lock()
@@ -114,8 +119,11 @@ class Receiver:
         if fragment not in self.known or rnd < 0:
             return
         with self._lock:
-            if (epoch, rnd) > self._opened.get(fragment, (-1, -1)):
+            new = (epoch, rnd) > self._opened.get(fragment, (-1, -1))
+            if new:
                 self._opened[fragment] = (epoch, rnd)
+        if new:
+            self.on_news()
 
     def _poll_clock(self) -> None:
         """Rounds from the syncer's clock in storage, when no announcement was heard lately."""
@@ -224,6 +232,7 @@ class Receiver:
             with self._lock:
                 self._ready[p] = Arrival(p, rec.version, rec.seq, values, found_by,
                                          float(rec.info.get("committed_at", 0.0)), rec.epoch, rec.round)
+            self.on_news()
 
     def _after_poll(self) -> float:
         """Seconds to the next poll: ``poll_s``, or while an announced commit is not in the store
