@@ -8,7 +8,9 @@ and credentials from ``DIR/s3.json`` (generated once, reused on restart).
 
 It answers in about a second. SIGTERM takes ~30 s, so ``stop()`` sends SIGKILL: every write that
 was acknowledged survives it (the kill/restart contract test checks that). The gRPC unix sockets
-it leaves in the temp directory are removed after it exits. Library use::
+it leaves in /tmp (weed hard-codes ``/tmp/seaweedfs-KIND-grpc-PORT.sock``) are removed after it
+exits, unless a live server answers on one: the port may already serve a newer server, whose socket
+must survive (deleting it made a volume server vanish mid-run). Library use::
 
     server = S3Server(tmp_dir).start()     # port=0: any free port
     os.environ.update(server.env())         # AWS_ENDPOINT_URL, keys, region
@@ -284,17 +286,30 @@ class S3Server:
             return "(no output)"
 
     def _remove_sockets(self) -> None:
-        tmp = _tmpdir()
+        tmp = "/tmp"   # hard-coded in weed, whatever TMPDIR says
         for kind, name in _GRPC_SOCKETS.items():
             if name in self._ports:
-                _unlink(os.path.join(tmp, f"seaweedfs-{kind}-grpc-{self._ports[name]}.sock"))
+                _unlink_stale(os.path.join(tmp, f"seaweedfs-{kind}-grpc-{self._ports[name]}.sock"))
         if self._ports:
             for name in ("filer", "s3"):
-                _unlink(self._socket_path(name))
+                _unlink_stale(self._socket_path(name))
 
 
 def _tmpdir() -> str:
-    return os.environ.get("TMPDIR") or "/tmp"  # where Go's os.TempDir() puts weed's sockets
+    return os.environ.get("TMPDIR") or "/tmp"  # for our own fallback socket paths
+
+
+def _unlink_stale(path: str) -> None:
+    """Remove a unix socket that no process listens on. Called after our server has exited, so a
+    listener is another server that took the same port since (weed names sockets by port only)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(0.5)
+        try:
+            probe.connect(path)
+            return          # alive: not ours any more
+        except OSError:
+            pass            # refused or missing: stale
+    _unlink(path)
 
 
 def _unlink(path: str) -> None:

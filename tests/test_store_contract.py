@@ -336,9 +336,32 @@ def test_server_killed_mid_run(tmp_path, monkeypatch):
         assert fresh.tail() == 5
     finally:
         server.stop()
-    leftovers = [f for f in os.listdir(os.environ.get("TMPDIR") or "/tmp")
+    leftovers = [f for f in os.listdir("/tmp")
                  if f.endswith(f"-grpc-{server._ports['master_grpc']}.sock")]
     assert leftovers == []
+
+
+def test_socket_clean_up_spares_a_live_server(tmp_path):
+    """weed names its gRPC sockets by port only: after our server exits, its clean-up must not
+    delete the socket of another server that took the same port since (a volume server then
+    vanished mid-run), while a stale socket file is removed."""
+    import socket
+    from infra.s3server import _unlink_stale
+
+    live, stale = str(tmp_path / "live.sock"), str(tmp_path / "stale.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(live)
+    listener.listen(1)
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(stale)          # the file stays after close, as after a SIGKILL
+    dead.close()
+    try:
+        _unlink_stale(live)
+        _unlink_stale(stale)
+        _unlink_stale(str(tmp_path / "missing.sock"))
+        assert os.path.exists(live) and not os.path.exists(stale)
+    finally:
+        listener.close()
 
 
 def test_s3_up_command_runs_and_stops(tmp_path, monkeypatch):
