@@ -103,3 +103,38 @@ def test_a_dead_agent_stops_the_learner_loudly(tmp_path):
             train_until(learner, lambda: False, "the learner to stop", timeout=10)
     finally:
         learner.close(flush=False)
+
+
+@pytest.mark.timeout(180)
+def test_a_signed_run_with_the_bus_trains_through_the_agent(tmp_path):
+    """``ddiloco learner --sync-process`` against a real syncer: CURVE, signed deltas and versions,
+    acks over the bus; every delta is committed (merged or recorded) and versions come back."""
+    from storage.log import CommitLog
+    from workers.cluster import ClusterConfig, LocalCluster, create_job_run
+    from workers.job.job import JobSettings
+    from workers.launch import RunSettings
+    from runhelpers import TINY
+    uri = str(tmp_path / "store")
+    job = JobSettings(steps=80, batch_size=4, lr=3e-3, max_bytes=300_000, shards=1)
+    settings = RunSettings(fragments=2, sync_every=4, model=TINY.to_dict(), job=job.to_dict())
+    create_job_run(open_store(uri), settings, TINY, 0, tmp_path / "keys", ["l0"])
+    with LocalCluster(ClusterConfig(uri, tmp_path, keydir=tmp_path / "keys")) as cluster:
+        cluster.start_syncers()
+        cluster.wait_ready("syncer", timeout_s=60)
+        cluster.start_learner("l0", ["--sync-process"])
+        cluster.wait_for(cluster.learners_done, 120, "the learner to finish")
+        assert cluster.wait_drained(60).ok
+        events = cluster.events("l0")
+    start = next(e for e in events if e.get("event") == "learner-start")
+    stop = next(e for e in events if e.get("event") == "learner-stop")
+    assert start.get("sync_process") is True
+    assert stop["drained"] and stop["step"] == 80 and stop["acked"] >= 1 and stop["versions_applied"] >= 1, stop
+    assert stop["acked"] + stop["spilled"] + stop["superseded"] == stop["deltas"], stop
+    assert stop["receiver_failed"] is None and stop["undelivered"] == 0
+    produced = {e["delta"] for e in events if e.get("event") == "delta"}
+    # a delta replaced before it was sent by a newer one of its lineage carries nothing of its own
+    superseded = {e["delta"] for e in events if e.get("event") == "delta-superseded"}
+    committed = set()
+    for rec in CommitLog(open_store(uri, create=False)).read_range(0):
+        committed |= {i.delta_id for i in rec.inputs} | {d.delta_id for d in getattr(rec, "dropped", ())}
+    assert produced and produced - superseded <= committed, (produced - superseded - committed, superseded)
