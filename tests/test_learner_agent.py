@@ -115,20 +115,20 @@ def test_a_signed_run_with_the_bus_trains_through_the_agent(tmp_path):
     from workers.launch import RunSettings
     from runhelpers import TINY
     uri = str(tmp_path / "store")
-    job = JobSettings(steps=80, batch_size=4, lr=3e-3, max_bytes=300_000, shards=1)
+    job = JobSettings(steps=150, batch_size=4, lr=3e-3, max_bytes=300_000, shards=1)
     settings = RunSettings(fragments=2, sync_every=4, model=TINY.to_dict(), job=job.to_dict())
     create_job_run(open_store(uri), settings, TINY, 0, tmp_path / "keys", ["l0"])
     with LocalCluster(ClusterConfig(uri, tmp_path, keydir=tmp_path / "keys")) as cluster:
         cluster.start_syncers()
         cluster.wait_ready("syncer", timeout_s=60)
-        cluster.start_learner("l0", ["--sync-process"])
+        cluster.start_learner("l0", ["--sync-process", "--slow", "4"])   # rounds need a few steps of pace
         cluster.wait_for(cluster.learners_done, 120, "the learner to finish")
         assert cluster.wait_drained(60).ok
         events = cluster.events("l0")
     start = next(e for e in events if e.get("event") == "learner-start")
     stop = next(e for e in events if e.get("event") == "learner-stop")
     assert start.get("sync_process") is True
-    assert stop["drained"] and stop["step"] == 80 and stop["acked"] >= 1 and stop["versions_applied"] >= 1, stop
+    assert stop["drained"] and stop["step"] == 150 and stop["acked"] >= 1 and stop["versions_applied"] >= 1, stop
     assert stop["acked"] + stop["spilled"] + stop["superseded"] == stop["deltas"], stop
     assert stop["receiver_failed"] is None and stop["undelivered"] == 0
     produced = {e["delta"] for e in events if e.get("event") == "delta"}
