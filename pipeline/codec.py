@@ -34,7 +34,7 @@ import numpy as np
 import zstandard
 
 from . import codec_frames as frames
-from . import kernels
+from . import codec_into, kernels, scratch
 from .codec_checks import IN_DTYPES as _IN_DTYPES, check_expect, field, tensor_entries, v1_payload
 from .envelope import bin_header, seal, seal_parts, unseal
 from .errors import FormatError
@@ -375,7 +375,8 @@ def _fill_raw(raw: np.ndarray, slots: list[_Slot], cfg: CodecConfig, map_fn: Map
     return next((i for (i, _, _), ok in zip(jobs, list(map_fn(work, jobs))) if not ok), None)
 
 
-def _payload_fields(raw: np.ndarray, version: int, level: int, framing: tuple[int, float], map_fn: MapFn) -> dict:
+def _payload_fields(raw: np.ndarray, version: int, level: int, framing: tuple[int, float], map_fn: MapFn,
+                    zout: np.ndarray | None = None) -> dict:
     """Version 1: one zstd call on this thread (``level`` 0: none), the bytes written before issue 15.
     Versions 2 and 3: frames compressed on ``map_fn``, each kept only where zstd pays (codec_frames)."""
     if version == 1:
@@ -385,7 +386,7 @@ def _payload_fields(raw: np.ndarray, version: int, level: int, framing: tuple[in
         return {"zstd": False, "payload": memoryview(raw)}
     frame_bytes, min_saving = framing
     return {"frame_bytes": frame_bytes,
-            "frames": frames.compress_frames(raw, frame_bytes, level, min_saving, map_fn, version)}
+            "frames": frames.compress_frames(raw, frame_bytes, level, min_saving, map_fn, version, out=zout)}
 
 
 def encode(kind: str, meta: dict, tensors: Mapping[str, np.ndarray], cfg: CodecConfig, *,
@@ -404,23 +405,26 @@ def encode(kind: str, meta: dict, tensors: Mapping[str, np.ndarray], cfg: CodecC
         raise ValueError(f"codec format version must be one of {VERSIONS}, got {version!r}")
     frames.check_framing(frame_bytes, min_saving)
     slots, specs, refused = _plan(tensors, cfg.scheme, cfg.block_size)
-    raw = np.empty(sum(s.length for s in slots), np.uint8)
-    bad = _fill_raw(raw, slots, cfg, map_fn or map)
-    if bad is not None:
-        raise ValueError(f"tensor {slots[bad].name}: {_NON_FINITE}")
-    if refused is not None:
-        raise refused
-    fields = {"meta": meta, "scheme": cfg.scheme, "block_size": cfg.block_size, "tensors": specs,
-              "raw_len": raw.size}
-    try:
-        msgpack.packb(meta, use_bin_type=True)   # before compressing: a bad meta fails fast
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise ValueError(f"meta is not plain msgpack-able data: {exc}") from None
-    fields.update(_payload_fields(raw, version, cfg.zstd_level, (frame_bytes, min_saving), map_fn or map))
-    if version == 1:   # the key order of the bytes written before issue 15
-        fields = {k: fields[k] for k in ("meta", "scheme", "block_size", "zstd", "tensors", "raw_len", "payload")}
-        return seal(kind, version, msgpack.packb(fields, use_bin_type=True))
-    return seal_parts(kind, version, _framed_body(fields), checksum=CHECKSUMS.get(version, "sha256"))
+    raw_len = sum(s.length for s in slots)
+    # the raw payload and the zstd'd frames are intermediates: pooled buffers (pipeline/scratch.py)
+    with scratch.borrow(raw_len) as raw, \
+            scratch.borrow(frames.out_bytes(raw_len, frame_bytes, cfg.zstd_level, version)) as zout:
+        bad = _fill_raw(raw, slots, cfg, map_fn or map)
+        if bad is not None:
+            raise ValueError(f"tensor {slots[bad].name}: {_NON_FINITE}")
+        if refused is not None:
+            raise refused
+        fields = {"meta": meta, "scheme": cfg.scheme, "block_size": cfg.block_size, "tensors": specs,
+                  "raw_len": raw.size}
+        try:
+            msgpack.packb(meta, use_bin_type=True)   # before compressing: a bad meta fails fast
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ValueError(f"meta is not plain msgpack-able data: {exc}") from None
+        fields.update(_payload_fields(raw, version, cfg.zstd_level, (frame_bytes, min_saving), map_fn or map, zout))
+        if version == 1:   # the key order of the bytes written before issue 15
+            fields = {k: fields[k] for k in ("meta", "scheme", "block_size", "zstd", "tensors", "raw_len", "payload")}
+            return seal(kind, version, msgpack.packb(fields, use_bin_type=True))
+        return seal_parts(kind, version, _framed_body(fields), checksum=CHECKSUMS.get(version, "sha256"))
 
 
 def _framed_body(fields: dict) -> list:
@@ -502,12 +506,14 @@ def _when_ready(jobs: list[tuple[int, int, int]], slots: list[_Slot], ready: Ite
 
 
 def _decode_tensors(buf: np.ndarray, ready: Iterator[int], entries: list[tuple[str, tuple[int, ...], str]],
-                    lengths: list[int], scheme: str, bs: int, name: str, map_fn: MapFn) -> dict[str, np.ndarray]:
-    """The tensors of a checked payload; FormatError for the first one with bad scales, codes or values."""
+                    lengths: list[int], scheme: str, bs: int, name: str, map_fn: MapFn,
+                    dest: list[np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """The tensors of a checked payload, in ``dest`` (flat arrays, checked) or new arrays; FormatError
+    for the first one with bad scales, codes or values."""
     slots: list[_Slot] = []
     errors: dict[int, str] = {}
-    for (tname, shape, dtype), length in zip(entries, lengths):
-        out = np.empty(math.prod(shape), dtype if scheme == "fp32" else np.float32)
+    for k, ((tname, shape, dtype), length) in enumerate(zip(entries, lengths)):
+        out = dest[k] if dest is not None else np.empty(math.prod(shape), dtype if scheme == "fp32" else np.float32)
         slots.append(_Slot(tname, out, slots[-1].offset + slots[-1].length if slots else 0, length))
     jobs = _jobs(slots, bs)
     work = partial(_decode_job, buf=buf, slots=slots, scheme=scheme, bs=bs)
@@ -545,11 +551,14 @@ def _payload_sizes(entries: list[tuple[str, tuple[int, ...], str]], scheme: str,
 
 
 def decode(blob: bytes, kind: str, *, max_bytes: int = 1 << 30, expect: Sequence[TensorSpec] | None = None,
-           what: str | None = None, map_fn: MapFn | None = None) -> Decoded:
+           what: str | None = None, map_fn: MapFn | None = None,
+           out: Mapping[str, np.ndarray] | None = None) -> Decoded:
     """Open a blob written by ``encode``; ``max_bytes`` bounds the decoded tensors' total size.
     ``expect`` (if given) must match the blob's tensor names and shapes exactly; ``what`` names the
     object (a key) in error messages; ``map_fn`` runs the decoding jobs (default ``map``: this
-    thread) and never changes the result. Raises FormatError on anything wrong."""
+    thread) and never changes the result. ``out`` (name -> array) decodes into the caller's arrays
+    (pipeline/codec_into.py: checked first; the result's tensors are views of them; after a
+    FormatError raised while decoding their contents are unspecified). Raises FormatError on anything wrong."""
     name = what or kind
     version, body = _open_body(blob, kind, max_bytes, what)
     meta = field(body, "meta", dict, name)
@@ -564,11 +573,14 @@ def decode(blob: bytes, kind: str, *, max_bytes: int = 1 << 30, expect: Sequence
     if expect is not None:
         check_expect(entries, expect, name)
     lengths = _payload_sizes(entries, scheme, block_size, max_bytes, raw_len, name)
-    if version == 1:   # one zstd frame, streamed: the first jobs start while it decompresses
-        buf, ready = v1_payload(field(body, "payload", bytes, name), field(body, "zstd", bool, name), raw_len, name)
-    else:              # frames, decompressed on map_fn, then the jobs
-        checked = frames.check_frames(body["frames"], raw_len, body["frame_bytes"], name)
-        buf = frames.inflate_frames(checked, raw_len, body["frame_bytes"], name, map_fn or map)
-        ready = iter([raw_len])
-    tensors = _decode_tensors(buf, ready, entries, lengths, scheme, block_size, name, map_fn or map)
+    dest = None if out is None else codec_into.destinations(out, entries, scheme, name)
+    with scratch.borrow(raw_len if version > 1 else 0) as raw:   # the frames' raw payload: an intermediate
+        if version == 1:   # one zstd frame, streamed: the first jobs start while it decompresses
+            buf, ready = v1_payload(field(body, "payload", bytes, name), field(body, "zstd", bool, name), raw_len,
+                                    name)
+        else:              # frames, decompressed on map_fn, then the jobs
+            checked = frames.check_frames(body["frames"], raw_len, body["frame_bytes"], name)
+            buf = frames.inflate_frames(checked, raw_len, body["frame_bytes"], name, map_fn or map, out=raw)
+            ready = iter([raw_len])
+        tensors = _decode_tensors(buf, ready, entries, lengths, scheme, block_size, name, map_fn or map, dest)
     return Decoded(meta=meta, tensors=tensors, scheme=scheme)

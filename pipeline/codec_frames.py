@@ -17,6 +17,10 @@ Which frames are compressed is a pure function of the raw bytes, the level and `
 Decoding trusts nothing: every frame's method, length and zstd content size are checked against
 what ``raw_len`` and ``frame_bytes`` imply before anything is allocated or decompressed, and a
 frame that decompresses to the wrong size raises ``FormatError``.
+
+Where ``pipeline.zstd_into`` is available, frames are compressed into one output buffer the caller
+lends (``out``, ``out_bytes`` long) and decompressed straight into the raw payload's buffer: no
+``bytes`` per frame (docs/scale.md, "The codec": fresh pages cost page faults); the bytes are the same.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import zstandard
 
+from . import zstd_into
 from .errors import FormatError
 
 STORED, ZSTD = 0, 1                 # a frame's method: its raw bytes, or one zstd frame of them
@@ -47,18 +52,37 @@ def _pays(size: int, packed: int, min_saving: float) -> bool:
     return packed <= size * (1.0 - min_saving)
 
 
-def _compress_frame(rng: tuple[int, int], raw: np.ndarray, level: int, min_saving: float, sample: int) -> list:
-    """One frame as ``[method, bytes]``: zstd's output if it pays, else the raw bytes."""
-    lo, hi = rng
+def out_bytes(raw_len: int, frame_bytes: int, level: int, version: int) -> int:
+    """Bytes of the ``out`` buffer ``compress_frames`` takes for this payload (0: it takes none)."""
+    if version == 1 or level <= 0 or not zstd_into.AVAILABLE or not raw_len:
+        return 0
+    return len(frame_ranges(raw_len, frame_bytes)) * zstd_into.compress_bound(frame_bytes)
+
+
+def _zstd(data: np.ndarray, level: int, out: np.ndarray | None) -> Any:
+    """zstd of ``data``: into ``out`` (a view of it returned) where given, else new bytes."""
+    if out is None:
+        return zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False).compress(data)
+    return memoryview(out[:zstd_into.compress_into(data, level, out)])
+
+
+def _compress_frame(job: tuple[int, tuple[int, int]], raw: np.ndarray, level: int, min_saving: float, sample: int,
+                    frame_bytes: int, out: np.ndarray | None) -> list:
+    """Frame ``i`` as ``[method, bytes]``: zstd's output if it pays (in its share of ``out`` where
+    given), else the raw bytes."""
+    i, (lo, hi) = job
     data = raw[lo:hi]
     if level <= 0:
         return [STORED, memoryview(data)]
-    zc = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+    dst = None
+    if out is not None:   # frame i's share: compress_bound(frame_bytes) bytes (out_bytes)
+        bound = out.size // len(frame_ranges(raw.size, frame_bytes))
+        dst = out[i * bound:(i + 1) * bound]
     if data.size >= 4 * sample:   # a middle sample: cheap evidence that the whole frame will not pay
         mid = (data.size - sample) // 2
-        if not _pays(sample, len(zc.compress(data[mid:mid + sample])), min_saving):
+        if not _pays(sample, len(_zstd(data[mid:mid + sample], level, dst)), min_saving):
             return [STORED, memoryview(data)]
-    packed = zc.compress(data)
+    packed = _zstd(data, level, dst)
     return [ZSTD, packed] if _pays(data.size, len(packed), min_saving) else [STORED, memoryview(data)]
 
 
@@ -72,12 +96,17 @@ def check_framing(frame_bytes: Any, min_saving: Any) -> None:
 
 
 def compress_frames(raw: np.ndarray, frame_bytes: int, level: int, min_saving: float,
-                    map_fn: MapFn, version: int = 2) -> list[list]:
+                    map_fn: MapFn, version: int = 2, out: np.ndarray | None = None) -> list[list]:
     """The frames of ``raw`` (uint8), each ``[method, bytes]``, compressed on ``map_fn`` with the
-    sample size of format ``version`` (2 or 3)."""
+    sample size of format ``version`` (2 or 3); into ``out`` (uint8, ``out_bytes(...)`` long, which
+    must outlive the frames) where given and ``out_bytes`` is not 0."""
     check_framing(frame_bytes, min_saving)
-    work = partial(_compress_frame, raw=raw, level=level, min_saving=min_saving, sample=SAMPLE[version])
-    return list(map_fn(work, frame_ranges(raw.size, frame_bytes)))
+    ranges = frame_ranges(raw.size, frame_bytes)
+    size = out_bytes(raw.size, frame_bytes, level, version)
+    out = out[:size] if out is not None and size and out.size >= size else None
+    work = partial(_compress_frame, raw=raw, level=level, min_saving=min_saving, sample=SAMPLE[version],
+                   frame_bytes=frame_bytes, out=out)
+    return list(map_fn(work, enumerate(ranges)))
 
 
 def check_frames(frames: Any, raw_len: int, frame_bytes: Any, name: str) -> list[tuple[int, bytes]]:
@@ -117,6 +146,9 @@ def _inflate_frame(job: tuple[int, tuple[int, bytes]], buf: np.ndarray, frame_by
     if method == STORED:
         buf[lo:hi] = np.frombuffer(data, np.uint8)
         return ""
+    if zstd_into.AVAILABLE:   # the declared content size was checked: the frame fits buf[lo:hi] exactly
+        err = zstd_into.decompress_into(data, buf[lo:hi])
+        return f"zstd frame {i} {err}" if err else ""
     dobj = zstandard.ZstdDecompressor().decompressobj()
     try:   # the declared content size was checked: zstd writes no more than hi - lo bytes
         out = dobj.decompress(data)
@@ -129,9 +161,12 @@ def _inflate_frame(job: tuple[int, tuple[int, bytes]], buf: np.ndarray, frame_by
 
 
 def inflate_frames(frames: list[tuple[int, bytes]], raw_len: int, frame_bytes: int, name: str,
-                   map_fn: MapFn) -> np.ndarray:
-    """The raw payload of checked ``frames``, decompressed on ``map_fn``; FormatError if one fails."""
-    buf = np.empty(raw_len, np.uint8)
+                   map_fn: MapFn, out: np.ndarray | None = None) -> np.ndarray:
+    """The raw payload of checked ``frames``, decompressed on ``map_fn`` into ``out`` (uint8 of
+    ``raw_len`` bytes, e.g. a scratch buffer) or a new array; FormatError if one fails."""
+    buf = np.empty(raw_len, np.uint8) if out is None else out
+    if buf.size != raw_len or buf.dtype != np.uint8:
+        raise ValueError(f"inflate_frames: out must be {raw_len} uint8 bytes, got {buf.size} {buf.dtype}")
     work = partial(_inflate_frame, buf=buf, frame_bytes=frame_bytes)
     err = next(filter(None, list(map_fn(work, enumerate(frames)))), "")
     if err:
