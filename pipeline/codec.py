@@ -34,9 +34,9 @@ import numpy as np
 import zstandard
 
 from . import codec_frames as frames
-from . import codec_into, kernels, scratch
+from . import codec_body, codec_into, kernels, scratch
 from .codec_checks import IN_DTYPES as _IN_DTYPES, check_expect, field, tensor_entries, v1_payload
-from .envelope import bin_header, seal, seal_parts, unseal
+from .envelope import bin_header, seal, seal_parts, unseal_view
 from .errors import FormatError
 from .types import TensorSpec
 
@@ -447,10 +447,10 @@ def _open_body(blob: bytes, kind: str, max_bytes: int, what: str | None) -> tupl
     ``(format version, body)``."""
     name = what or kind
     # The sealed blob is at most the decoded size plus scales and metadata; allow generous slack.
-    version, body_bytes = unseal(blob, kind, VERSIONS, max_bytes=2 * max_bytes + (16 << 20), what=what,
-                                 checksums=CHECKSUMS)
+    version, body_bytes = unseal_view(blob, kind, VERSIONS, max_bytes=2 * max_bytes + (16 << 20), what=what,
+                                      checksums=CHECKSUMS)   # views, not copies, of the body and its frames
     try:
-        body = msgpack.unpackb(body_bytes, raw=False, strict_map_key=False, max_bin_len=len(body_bytes),
+        body = codec_body.unpack(body_bytes, raw=False, strict_map_key=False, max_bin_len=len(body_bytes),
                                max_str_len=1 << 20, max_array_len=_MAX_TENSORS, max_map_len=1 << 16,
                                max_ext_len=0)
     except Exception as exc:  # msgpack raises several types; never leak them

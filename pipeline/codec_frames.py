@@ -122,7 +122,7 @@ def check_frames(frames: Any, raw_len: int, frame_bytes: Any, name: str) -> list
     out = []
     for i, (f, (lo, hi)) in enumerate(zip(frames, ranges)):
         if not isinstance(f, list) or len(f) != 2 or f[0] not in (STORED, ZSTD) or isinstance(f[0], bool) \
-                or not isinstance(f[1], bytes):
+                or not isinstance(f[1], (bytes, memoryview)):   # views: pipeline/codec_body.py
             raise FormatError(f"{name}: frame {i} is not [method 0|1, bytes]")
         method, data = f
         if method == STORED and len(data) != hi - lo:

@@ -103,6 +103,13 @@ def unseal(blob: bytes, kind: str, versions: Iterable[int] | int,
                               max_map_len=0, max_ext_len=0)
     except Exception as exc:  # msgpack raises several types; never leak them
         raise FormatError(f"{name}: not a valid envelope (truncated or corrupted: {exc.__class__.__name__})") from None
+    return _checked(obj, kind, versions, what, checksums)
+
+
+def _checked(obj: Any, kind: str, versions: Iterable[int] | int, what: str | None,
+             checksums: Mapping[int, str] | None) -> tuple[int, Any]:
+    """An unpacked envelope's ``(version, body)`` after checking its fields (``unseal``'s rules)."""
+    name = what or kind
     if not isinstance(obj, list) or len(obj) not in (5, 6):
         raise FormatError(f"{name}: not a valid envelope (wrong structure)")
     magic, got_kind, version, body, checksum = obj[:5]
@@ -115,7 +122,7 @@ def unseal(blob: bytes, kind: str, versions: Iterable[int] | int,
     if version not in allowed:
         raise FormatError(f"{name}: {kind} format version {version!r} is not supported "
                           f"(this build reads {sorted(allowed)})")
-    if not isinstance(body, bytes) or not isinstance(checksum, bytes):
+    if not isinstance(body, (bytes, memoryview)) or not isinstance(checksum, bytes):
         raise FormatError(f"{name}: not a valid envelope (wrong field types)")
     want = (checksums or {}).get(version, "sha256")
     if algorithm != want or (len(obj) == 6 and algorithm == "sha256"):   # one way to write each
@@ -123,6 +130,51 @@ def unseal(blob: bytes, kind: str, versions: Iterable[int] | int,
     if _checksum(algorithm, body) != checksum:
         raise FormatError(f"{name}: checksum mismatch (the body was altered or corrupted)")
     return version, body
+
+
+def _head(mv: memoryview, max_bytes: int) -> tuple[list, int, int] | None:
+    """``[magic, kind, version]``, the body's first byte and its length, read from a canonical
+    envelope (an array header, then a bin body); None where the blob is laid out otherwise."""
+    if not mv.nbytes or mv[0] not in (0x95, 0x96):
+        return None
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=1 << 17, max_bin_len=16, max_str_len=1 << 16,
+                                max_array_len=0, max_map_len=0, max_ext_len=0)
+    unpacker.feed(mv[1:1 + min(mv.nbytes - 1, 1 << 17)])
+    try:
+        head = [unpacker.unpack() for _ in range(3)]
+    except Exception:   # msgpack raises several types: unseal names the problem
+        return None
+    pos = 1 + unpacker.tell()
+    sizes = {0xC4: 1, 0xC5: 2, 0xC6: 4}
+    if pos >= mv.nbytes or mv[pos] not in sizes or pos + 1 + sizes[mv[pos]] > mv.nbytes:
+        return None
+    start = pos + 1 + sizes[mv[pos]]
+    length = int.from_bytes(mv[pos + 1:start], "big")
+    return (head, start, length) if length <= max_bytes and start + length <= mv.nbytes else None
+
+
+def unseal_view(blob: bytes, kind: str, versions: Iterable[int] | int, max_bytes: int = DEFAULT_MAX_BYTES,
+                what: str | None = None, checksums: Mapping[int, str] | None = None) -> tuple[int, memoryview]:
+    """``unseal``, with the body as a view of ``blob`` instead of a copy (issue 15: a tensor blob's
+    body is megabytes, and a fresh copy's pages cost page faults). The same checks and errors:
+    anything but a canonical envelope with exactly a checksum (and its name) after the body goes
+    through ``unseal``."""
+    if not isinstance(blob, (bytes, bytearray, memoryview)) or len(blob) > max_bytes:
+        return unseal(blob, kind, versions, max_bytes, what, checksums)
+    mv = memoryview(blob).cast("B")
+    found = _head(mv, max_bytes)
+    if found is None:
+        return unseal(blob, kind, versions, max_bytes, what, checksums)
+    (magic, got_kind, version), start, length = found
+    try:
+        tail = msgpack.unpackb(bytes([0x90 | (mv[0] - 0x94)]) + bytes(mv[start + length:]),   # the 1 or 2 after the body
+                               raw=False, max_bin_len=64, max_str_len=64, max_array_len=2, max_map_len=0,
+                               max_ext_len=0)
+    except Exception:   # msgpack raises several types: unseal names the problem
+        return unseal(blob, kind, versions, max_bytes, what, checksums)
+    body = mv[start:start + length]
+    obj = [magic, got_kind, version, body, *tail]
+    return _checked(obj, kind, versions, what, checksums)
 
 
 def pack_record(kind: str, version: int, record: dict[str, Any]) -> bytes:
