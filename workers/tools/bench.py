@@ -149,6 +149,7 @@ def bench_codec(cfg: BenchConfig, clock: Callable[[], float] = time.perf_counter
     n = int(cfg.size_mb * MB) // 4
     x = np.random.default_rng(cfg.seed).standard_normal(n, dtype=np.float32)
     tensors, mb = {"w": x}, x.nbytes / MB
+    dest = {"w": np.zeros_like(x)}   # decode into place: a caller's own buffer, pages already touched
     rows, digests = [], {}
     for threads in cfg.threads:
         with cores(threads) as got, job_runner(threads) as map_fn:
@@ -163,15 +164,31 @@ def bench_codec(cfg: BenchConfig, clock: Callable[[], float] = time.perf_counter
                                                             version=fmt), cfg.repeat, clock)
                     dec = mb / _best_seconds(lambda: decode(blob, "bench", max_bytes=x.nbytes, map_fn=map_fn),
                                              cfg.repeat, clock)
+                    into = mb / _best_seconds(lambda: decode(blob, "bench", max_bytes=x.nbytes, map_fn=map_fn,
+                                                             out=dest), cfg.repeat, clock)
                 digest = digests.setdefault((scheme, level, fmt), hashlib.sha256(blob).hexdigest())
                 rows.append({"threads": threads, "cores": got, "memcpy_mbps": memcpy, "scheme": scheme, "kernel": path,
                              "format": fmt, "zstd_frames": _zstd_frames(blob, fmt, level),
-                             "zstd_level": level, "encode_mbps": enc, "decode_mbps": dec,
+                             "zstd_level": level, "encode_mbps": enc, "decode_mbps": dec, "decode_into_mbps": into,
+                             "decode_into_vs_memcpy": into / memcpy,
                              "ratio": x.nbytes / len(blob), "blob_bytes": len(blob),
                              "encode_vs_memcpy": enc / memcpy, "decode_vs_memcpy": dec / memcpy,
                              "same_bytes": hashlib.sha256(blob).hexdigest() == digest})
     return {"input_mb": mb, "values": n, "block_size": cfg.block_size, "rows": rows,
             "row_max": "torch" if "torch" in sys.modules else "numpy"}
+
+
+def codec_with_kept_memory(argv: list[str]) -> dict:
+    """``bench codec`` rerun in a child process with ``--keep-memory`` (glibc's setting cannot be
+    undone in this one): its codec results."""
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="ddiloco-bench-") as d:
+        out = os.path.join(d, "keep.json")
+        subprocess.run([sys.executable, "-m", "workers.cli", "bench", *argv, "--memory", "keep", "--json", out],
+                       check=True, stdout=subprocess.DEVNULL)
+        with open(out) as f:
+            return json.load(f)["codec"]
 
 
 def _fragment(cfg: BenchConfig) -> dict[str, int]:
@@ -234,15 +251,16 @@ def _print_codec(res: dict) -> None:
     from rich.table import Table
 
     t = Table(title=f"codec on {res['input_mb']:.1f} MB fp32 ({res['values']:,} values, block {res['block_size']}, "
-                    f"row maximum by {res['row_max']})")
-    for col in ("threads", "scheme", "kernel", "format", "zstd", "zstd frames", "encode MB/s", "× memcpy", "decode MB/s", "× memcpy", "ratio",
-                "memcpy MB/s", "same bytes"):
+                    f"row maximum by {res['row_max']}; memory: default = glibc as it is, keep = --keep-memory)")
+    for col in ("memory", "threads", "scheme", "kernel", "format", "zstd", "zstd frames", "encode MB/s", "× memcpy",
+                "decode MB/s", "× memcpy", "decode into MB/s", "× memcpy", "ratio", "memcpy MB/s", "same bytes"):
         t.add_column(col, justify="right")
     for r in res["rows"]:
-        t.add_row(f"{r['threads']} ({r['cores']} cores)", r["scheme"], r["kernel"], str(r["format"]), str(r["zstd_level"] or "off"),
+        t.add_row(r.get("memory", "default"), f"{r['threads']} ({r['cores']} cores)", r["scheme"], r["kernel"], str(r["format"]), str(r["zstd_level"] or "off"),
                   r["zstd_frames"],
                   f"{r['encode_mbps']:.0f}", f"{r['encode_vs_memcpy']:.3f}", f"{r['decode_mbps']:.0f}",
-                  f"{r['decode_vs_memcpy']:.3f}", f"{r['ratio']:.2f}", f"{r['memcpy_mbps']:.0f}",
+                  f"{r['decode_vs_memcpy']:.3f}", f"{r['decode_into_mbps']:.0f}", f"{r['decode_into_vs_memcpy']:.3f}",
+                  f"{r['ratio']:.2f}", f"{r['memcpy_mbps']:.0f}",
                   "yes" if r["same_bytes"] else "NO")
     Console().print(t)
 
@@ -270,6 +288,20 @@ def _int_list(text: str) -> tuple[int, ...]:
         return tuple(int(v) for v in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
+
+
+def _child_argv(argv: list[str]) -> list[str]:
+    """``argv`` after ``bench`` without ``--memory``/``--json``/``--keep-memory`` (and their values)."""
+    argv = argv[argv.index("bench") + 1:] if "bench" in argv else argv
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--memory", "--json"):
+            skip = True
+        elif not (a.startswith("--memory=") or a.startswith("--json=") or a == "--keep-memory"):
+            out.append(a)
+    return out
 
 
 def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
@@ -305,7 +337,11 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
     parser.add_argument("--rtt-ms", type=float, default=20.0, help="versions: milliseconds each request waits")
     parser.add_argument("--keep-memory", action="store_true",
                         help="load, codec: keep freed memory in the process first (workers/common/memory.py), "
-                             "as a syncer process can, so decoded arrays reuse pages instead of fresh zeroed ones")
+                             "as a syncer process can, so decoded arrays reuse pages instead of fresh zeroed ones "
+                             "(--memory keep)")
+    parser.add_argument("--memory", choices=("default", "keep", "both"), default=None,
+                        help="codec: glibc's allocator as it is (default), kept freed memory (keep, as "
+                             "--keep-memory), or both: default here, then keep in a child process, rows side by side")
 
     def handler(args: argparse.Namespace) -> int:
         try:
@@ -314,6 +350,12 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
                               args.kernels)
         except ValueError as exc:
             parser.error(str(exc))
+        memory = args.memory or ("keep" if args.keep_memory else "default")
+        if args.keep_memory and memory != "keep":
+            parser.error("--keep-memory is --memory keep")
+        if memory == "both" and cfg.what != "codec":
+            parser.error("--memory both: for the codec target only")
+        args.keep_memory = memory == "keep"
         results: dict[str, Any] = {"config": dataclasses.asdict(cfg), "keep_memory": bool(args.keep_memory)}
         if args.keep_memory:   # before anything allocates: the codec's outputs and the load's rounds
             from workers.common.memory import keep_freed_memory
@@ -343,6 +385,10 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
             print_scaling(results["scaling"])
         if cfg.what in ("codec", "all"):
             results["codec"] = bench_codec(cfg, CLOCKS[cfg.clock])
+            for r in results["codec"]["rows"]:
+                r["memory"] = "keep" if args.keep_memory else "default"
+            if memory == "both":   # the child gets this run's arguments but --memory/--json
+                results["codec"]["rows"] += codec_with_kept_memory(_child_argv(sys.argv[1:]))["rows"]
             _print_codec(results["codec"])
         if cfg.what in ("merge", "all"):
             results["merge"] = bench_merge(cfg, CLOCKS[cfg.clock])
