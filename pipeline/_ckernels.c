@@ -15,6 +15,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <float.h>
 #include <stdlib.h>
 
 typedef float f32u __attribute__((aligned(1), may_alias));
@@ -50,7 +51,10 @@ INLINE void codes_of(const f32u *restrict x, int n, float d, float q, float magi
     }
 }
 
-/* One block of bs values at x into scale *sc and codes at c; 0 when a value is NaN/Inf. */
+/* One block of bs values at x into scale *sc and codes at c; 0 when a value is NaN/Inf, or when
+ * the scale is so large that decoding the code qmax, qmax * scale, overflows float32: absmax / qmax
+ * rounds up for absmax near FLT_MAX (int8: 3.4028235e38 / 127), and the blob would decode to inf.
+ * pipeline/codec.py's numpy path refuses the same blocks (its _MAX_SCALE). */
 INLINE int quantize_block(const f32u *restrict x, Py_ssize_t bs, int qmax, uint8_t *restrict sc,
                           uint8_t *restrict c)
 {
@@ -65,6 +69,8 @@ INLINE int quantize_block(const f32u *restrict x, Py_ssize_t bs, int qmax, uint8
     float mf, q = (float)qmax;
     memcpy(&mf, &m, 4);
     float s = mf / q;
+    if (s * q > FLT_MAX)                    /* inf: what decode would compute for the code qmax */
+        return 0;
     memcpy(sc, &s, 4);
     float d = s > 0.0f ? s : 1.0f;          /* an all-zero block keeps scale 0 and codes 0 */
     float magic = MAGIC_BASE + (qmax == 7 ? 8.0f : 0.0f);
@@ -163,7 +169,8 @@ PyDoc_STRVAR(quantize_doc,
 "quantize(x, scales, codes, qmax, block_size) -> bool\n\n"
 "float32 values x (any buffer) into writable buffers of ceil(n / block_size) float32 scales and\n"
 "their int4 (qmax 7) or int8 (qmax 127) codes, exactly as pipeline/codec.py's numpy path.\n"
-"False if a value is NaN or Inf (the outputs are then partly written). Releases the GIL.");
+"False if a value is NaN or Inf, or a block's qmax * scale overflows float32 (the outputs are\n"
+"then partly written). Releases the GIL.");
 
 static PyObject *py_quantize(PyObject *self, PyObject *args)
 {

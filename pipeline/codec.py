@@ -62,6 +62,24 @@ _BAD_CODE = {"int4": "int4 data has nibble 0, which the encoder never writes",
              "int8": "int8 data has code -128, which the encoder never writes"}
 _NON_FINITE = "has non-finite values (NaN/Inf or beyond float32 range); refusing to encode it"
 
+
+def _largest_scale(qmax: int) -> np.float32:
+    """The largest float32 scale ``s`` whose ``qmax * s`` (what decode computes for the code qmax)
+    is finite in float32. ``absmax / qmax`` rounds up for absmax near float32's maximum: int8's
+    scale of 3.4028235e38 is 2.6793886e36, 127 times which is inf. Encode refuses a block with a
+    larger scale as it refuses Inf (the C kernel checks the same product: same refusals)."""
+    q = np.float32(qmax)
+    s = np.float32(_F32_MAX) / q
+    with np.errstate(over="ignore"):
+        while not np.isfinite(s * q):
+            s = np.nextafter(s, np.float32(0))
+        while np.isfinite(np.nextafter(s, np.float32(np.inf)) * q):
+            s = np.nextafter(s, np.float32(np.inf))
+    return s
+
+
+_MAX_SCALE = {scheme: _largest_scale(q) for scheme, q in _QMAX.items()}
+
 MapFn = Callable[[Callable[[Any], Any], Iterable[Any]], Iterable[Any]]   # map, ThreadPoolExecutor.map ...
 
 
@@ -198,8 +216,9 @@ def _block_absmax(t: np.ndarray, out: np.ndarray) -> None:
 def _quantize_step(x: np.ndarray, scheme: str, bs: int, sc: np.ndarray, codes: np.ndarray, tmp: np.ndarray,
                    amax: np.ndarray, u8: np.ndarray, u16: np.ndarray) -> bool:
     """The values ``x`` of ``sc.size`` blocks (the last one zero-padded) into scales ``sc`` and
-    ``codes``; False if one is not finite as float32. With a normal scale |x / scale| <= qmax (1 + 2**-23)
-    rounds to at most qmax: only subnormal scales need the clip (before rounding: same integers)."""
+    ``codes``; False if one is not finite as float32 or a block's scale is beyond ``_MAX_SCALE``.
+    With a normal scale |x / scale| <= qmax (1 + 2**-23) rounds to at most qmax: only subnormal
+    scales need the clip (before rounding: same integers)."""
     k, n = sc.size, sc.size * bs
     if x.dtype != np.float32 or x.size != n:
         pad = np.zeros(n, np.float32)
@@ -212,6 +231,8 @@ def _quantize_step(x: np.ndarray, scheme: str, bs: int, sc: np.ndarray, codes: n
     _block_absmax(t, m)
     np.divide(m, np.float32(qmax), out=sc)
     if not m.max() <= _F32_MAX:                       # NaN/Inf in a block (max propagates NaN)
+        return False
+    if not sc.max() <= _MAX_SCALE[scheme]:            # qmax * scale would decode to inf (int8 only)
         return False
     safe = np.where(sc > 0, sc, np.float32(1))        # an all-zero block keeps scale 0 and codes 0
     np.divide(xb, safe[:, None], out=t)
@@ -396,7 +417,8 @@ def encode(kind: str, meta: dict, tensors: Mapping[str, np.ndarray], cfg: CodecC
     runs the quantisation jobs and, for ``version`` 2 and 3, the frames' zstd (default ``map``: this
     thread) and never changes the bytes. Versions 2 and 3 only: ``min_saving``, the share of a frame zstd
     must save to be kept; ``frame_bytes``, raw bytes per frame. ValueError naming the tensor for non-float dtypes or non-finite values (never
-    quantised silently; float64 beyond float32's range counts as non-finite for lossy schemes)."""
+    quantised silently; float64 beyond float32's range counts as non-finite for lossy schemes, and so does an
+    int4/int8 block whose scale would decode its largest value beyond float32's range)."""
     if not isinstance(cfg, CodecConfig):
         raise ValueError(f"cfg must be a CodecConfig, got {type(cfg).__name__}")
     if not isinstance(meta, dict):

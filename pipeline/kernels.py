@@ -52,7 +52,9 @@ def use(flag: bool) -> Iterator[None]:
 
 def quantize(x: np.ndarray, qmax: int, block_size: int, scales: np.ndarray, codes: np.ndarray) -> bool:
     """Contiguous float32 ``x`` (the last block zero-padded) into ``scales`` (float32, one per
-    block) and ``codes`` (uint8: int4 pairs, or int8) in place; False for a NaN/Inf value."""
+    block) and ``codes`` (uint8: int4 pairs, or int8) in place; False for a NaN/Inf value or a block
+    whose ``qmax * scale`` would overflow float32 (int8 absmax 3.4028235e38: its blob would decode
+    to inf)."""
     return _c.quantize(x, scales, codes, qmax, block_size)
 
 

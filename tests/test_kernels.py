@@ -41,6 +41,19 @@ def _both(fn):
     return c, ref
 
 
+def _quantized_both(x, scheme, bs):
+    """``quantize`` on both paths: the same bytes, or the same refusal (None: both refused)."""
+    out = []
+    for flag in (True, False):
+        with kernels.use(flag):
+            try:
+                out.append(quantize(x, scheme, bs))
+            except ValueError as exc:
+                out.append(str(exc))
+    assert type(out[0]) is type(out[1]) and out[0] == out[1], out
+    return out[1] if isinstance(out[1], bytes) else None
+
+
 def _raises_both(fn, exc, match):
     for flag in (True, False):
         with kernels.use(flag), pytest.raises(exc, match=match):
@@ -84,8 +97,9 @@ def test_without_the_built_module_the_numpy_path_writes_the_same_bytes():
 @settings(max_examples=150, deadline=None)
 @given(hnp.arrays(np.float32, st.integers(0, 3000), elements=_finite), st.sampled_from(["int4", "int8"]), BLOCKS)
 def test_quantize_and_dequantize_match_numpy_bit_for_bit(x, scheme, bs):
-    c, ref = _both(lambda: quantize(x, scheme, bs))
-    assert c == ref
+    ref = _quantized_both(x, scheme, bs)    # refused by both: int8 blocks with absmax 3.4028235e38
+    if ref is None:
+        return
     c, ref = _both(lambda: dequantize(ref, scheme, bs, x.size))
     assert c.view(np.uint32).tobytes() == ref.view(np.uint32).tobytes()
 
@@ -109,10 +123,14 @@ def test_scaled_gaussians_with_zero_blocks_match(nblocks, exp, scheme, bs, seed)
 def test_extremes_match(scheme):
     tiny = np.array([1e-45, -1e-45, 3e-45, 1.1754942e-38, -1e-40, 5e-39, 0.0, -0.0], np.float32)
     huge = np.array([F32.max, -F32.max, 3e38, 1.0, -2.5e38, 1e-30, 0.5, 7.0], np.float32)
-    for x in (tiny, huge, np.concatenate([tiny, huge]), np.zeros(1000, np.float32), np.full(9, -0.0, np.float32)):
+    below = np.where(np.abs(huge) == F32.max, np.nextafter(huge, np.float32(0)), huge)   # int8's largest
+    for x in (tiny, huge, below, np.concatenate([tiny, huge]), np.concatenate([tiny, below]),
+              np.zeros(1000, np.float32), np.full(9, -0.0, np.float32)):
         for bs in (2, 8, 16):
-            c, ref = _both(lambda: quantize(x, scheme, bs))
-            assert c == ref
+            ref = _quantized_both(x, scheme, bs)
+            if ref is None:             # int8 with +-F32.max in a block (test_int8_near_the_float32_max...)
+                assert scheme == "int8" and np.abs(x).max() == F32.max
+                continue
             c, ref = _both(lambda: dequantize(ref, scheme, bs, x.size))
             assert c.view(np.uint32).tobytes() == ref.view(np.uint32).tobytes()
 
@@ -149,6 +167,38 @@ def test_non_finite_values_are_refused_naming_the_tensor(scheme, bad):
     _raises_both(lambda: quantize(np.array([0.0, bad, 1.0], np.float32), scheme, 2), ValueError, "non-finite")
     _raises_both(lambda: encode("d", {}, {"f64": np.array([1.0, 1e39])}, CodecConfig(scheme)), ValueError,
                  r"tensor f64: has non-finite")
+
+
+@pytest.mark.parametrize("top", [F32.max, -F32.max])
+def test_int8_at_the_float32_max_is_refused_not_written_to_decode_as_inf(top):
+    """Old code: int8 encoded absmax 3.4028235e38 with scale float32(absmax / 127) = 2.6793886e36,
+    rounded up, which passes the decoder's scale check, and decoded the code 127 to 127 * scale =
+    inf. Encode now refuses it as it refuses Inf, on both paths; everything below is unchanged."""
+    x = np.random.default_rng(5).standard_normal(3_000_000).astype(np.float32)
+    x[-5] = top                                            # in the last job and the padded last block
+    _raises_both(lambda: encode("d", {}, {"a": x[:10], "w": x}, CodecConfig("int8")), ValueError,
+                 r"tensor w: has non-finite values \(NaN/Inf or beyond float32 range\)")
+    _raises_both(lambda: quantize(np.array([0.0, top], np.float32), "int8", 2), ValueError, "beyond float32 range")
+    _raises_both(lambda: encode("d", {}, {"f64": np.array([1.0, float(top)])}, CodecConfig("int8")), ValueError,
+                 r"tensor f64: has non-finite")
+    # the next value towards zero, and int4 at the maximum itself, encode on both paths and decode finite
+    below = np.nextafter(np.float32(top), np.float32(0))
+    for scheme, value in (("int8", below), ("int4", np.float32(top))):
+        x[-5] = value
+        c, ref = _both(lambda: encode("d", {}, {"w": x}, CodecConfig(scheme)))
+        assert c == ref
+        got = decode(ref, "d").tensors["w"]
+        assert np.isfinite(got).all() and got[-5] == value   # the block's absmax decodes exactly
+
+
+def test_both_paths_refuse_exactly_the_scales_whose_largest_code_overflows():
+    # the top 4096 float32 values as block absmax: int8 refuses only the maximum, int4 none
+    tops = (np.float32(F32.max).view(np.uint32) - np.arange(4096, dtype=np.uint32)).view(np.float32)
+    for scheme, qmax in (("int4", 7), ("int8", 127)):
+        refused = [m for m in tops if _quantized_both(np.array([m, -m / 3], np.float32), scheme, 2) is None]
+        with np.errstate(over="ignore"):
+            overflow = [m for m in tops if not np.isfinite(np.float32(m / np.float32(qmax)) * np.float32(qmax))]
+        assert refused == overflow == ([F32.max] if scheme == "int8" else [])
 
 
 def _int_blob(scheme: str, raw_edit) -> bytes:
