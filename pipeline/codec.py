@@ -4,10 +4,12 @@ SPEC §6: outer deltas travel as int4 (symmetric, per-block absmax scale, round 
 stochastic so replay is exact), int8, bf16 or fp32, then zstd; merged versions travel as fp32 or
 bf16. The byte layout is in docs/formats.md ("Tensor blobs"); the blob is sealed with
 ``pipeline.envelope.seal(kind, version, body)`` so it carries a version and a checksum. Version 1
-(what ``encode`` writes unless told) holds one zstd frame of the raw payload; version 2 cuts the
-same raw payload into frames, each zstd'd on ``map_fn`` or stored where zstd does not pay
-(pipeline/codec_frames.py); version 3 is version 2's body sealed with an xxh3-128 checksum instead
-of sha256 (sha256 was the largest cost left on one core, docs/scale.md). ``decode`` reads all three.
+holds one zstd frame of the raw payload; version 2 cuts the same raw payload into frames, each
+zstd'd on ``map_fn`` or stored where zstd does not pay (pipeline/codec_frames.py); version 3 is
+version 2's body sealed with an xxh3-128 checksum instead of sha256 (sha256 was the largest cost
+left on one core, docs/scale.md). ``decode`` reads all three. ``encode`` writes ``CodecConfig.format``
+(1 unless told); a run's descriptor records its format (``codec.format``; new runs: 3) so every
+writer of the run's blobs writes that one.
 
 Speed (issue 15): vectorised kernels go through a tensor in steps of ``_STEP`` values whose
 temporaries stay in cache; steps form jobs of ``_JOB`` values that a caller may run on its threads
@@ -41,8 +43,9 @@ from .errors import FormatError
 from .types import TensorSpec
 
 SCHEMES = ("int4", "int8", "bf16", "fp32")
-VERSION = 1               # what encode writes unless told: replayed runs keep their bytes (docs/formats.md)
+VERSION = 1               # a CodecConfig's format unless told: the bytes written before issue 15 (docs/formats.md)
 VERSIONS = (1, 2, 3)      # what decode reads; 2: framed payload (pipeline/codec_frames.py); 3: 2 + xxh3-128
+RUN_FORMAT = 3            # what new runs write (workers/launch.py RunSettings.codec_format; docs/scale.md)
 CHECKSUMS = {3: "xxh3-128"}   # the envelope checksum a version carries (others: sha256)
 _QMAX = {"int4": 7, "int8": 127}
 _COMMON_KEYS = frozenset({"meta", "scheme", "block_size", "tensors", "raw_len"})
@@ -85,13 +88,21 @@ MapFn = Callable[[Callable[[Any], Any], Iterable[Any]], Iterable[Any]]   # map, 
 
 @dataclass(frozen=True)
 class CodecConfig:
-    """How to encode: ``scheme`` in SCHEMES, int4/int8 ``block_size`` (even), ``zstd_level`` (0 = off)."""
+    """How to encode: ``scheme`` in SCHEMES, int4/int8 ``block_size`` (even), ``zstd_level`` (0 = off),
+    and ``format``, the tensor blob format version ``encode`` writes (one of VERSIONS). A run's
+    descriptor records it in its ``codec`` section (pipeline/descriptor.py; absent: 1, the bytes
+    every run wrote before issue 15), so every writer of the run's deltas and versions, and a replay
+    or recovery that writes one again, writes the same format."""
 
     scheme: str = "int4"
     block_size: int = 64
     zstd_level: int = 3
+    format: int = VERSION
 
     def __post_init__(self) -> None:
+        if self.format not in VERSIONS or isinstance(self.format, bool):
+            raise ValueError(f"codec format must be a tensor blob format version, one of {VERSIONS}, "
+                             f"got {self.format!r}")
         if self.scheme not in SCHEMES:
             raise ValueError(f"codec scheme {self.scheme!r} not one of {SCHEMES}")
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) \
@@ -411,16 +422,20 @@ def _payload_fields(raw: np.ndarray, version: int, level: int, framing: tuple[in
 
 
 def encode(kind: str, meta: dict, tensors: Mapping[str, np.ndarray], cfg: CodecConfig, *,
-           map_fn: MapFn | None = None, version: int = VERSION, min_saving: float = frames.MIN_SAVING,
+           map_fn: MapFn | None = None, version: int | None = None, min_saving: float = frames.MIN_SAVING,
            frame_bytes: int = frames.FRAME_BYTES) -> bytes:
-    """One sealed blob of ``kind`` holding ``meta`` and ``tensors`` (in the given order). ``map_fn``
-    runs the quantisation jobs and, for ``version`` 2 and 3, the frames' zstd (default ``map``: this
-    thread) and never changes the bytes. Versions 2 and 3 only: ``min_saving``, the share of a frame zstd
-    must save to be kept; ``frame_bytes``, raw bytes per frame. ValueError naming the tensor for non-float dtypes or non-finite values (never
-    quantised silently; float64 beyond float32's range counts as non-finite for lossy schemes, and so does an
+    """One sealed blob of ``kind`` holding ``meta`` and ``tensors`` (in the given order), in format
+    ``version`` (None: ``cfg.format``, the run's format when ``cfg`` is its descriptor's). ``map_fn``
+    runs the quantisation jobs and, for versions 2 and 3, the frames' zstd (default ``map``: this
+    thread) and never changes the bytes. Versions 2 and 3 only: ``min_saving``, the share of a frame
+    zstd must save to be kept; ``frame_bytes``, raw bytes per frame (a run writes the defaults).
+    ValueError naming the tensor for non-float dtypes or non-finite values (never quantised
+    silently; float64 beyond float32's range counts as non-finite for lossy schemes, and so does an
     int4/int8 block whose scale would decode its largest value beyond float32's range)."""
     if not isinstance(cfg, CodecConfig):
         raise ValueError(f"cfg must be a CodecConfig, got {type(cfg).__name__}")
+    if version is None:
+        version = cfg.format
     if not isinstance(meta, dict):
         raise ValueError(f"meta must be a plain dict, got {type(meta).__name__}")
     if version not in VERSIONS or isinstance(version, bool):

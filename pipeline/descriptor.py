@@ -23,6 +23,14 @@ shards; shard i owns the fragments p with p % N == i, each with its own epochs a
 layout.py ``shard_store``). Written only by sharded runs (N = 1 writes v2/v3 as before), so every
 tool knows the topology from the run alone and an older reader refuses a sharded run instead of
 reading one shard's log as the whole run. A v4 document may also carry ``regions``.
+
+``codec.format`` (issue 15, docs/formats.md "Run descriptor"): the tensor blob format version
+(pipeline/codec.py) every writer of the run's deltas and versions uses. Written only when it is not
+1, so every descriptor written before it keeps its exact bytes and means 1 (the format those runs
+wrote); new runs (workers/launch.py ``RunSettings``) write 3. No document version changes with it:
+readers of v2..v4 refuse unknown fields, so a reader that does not know ``codec.format`` refuses
+such a run by name instead of writing another format into it; an explicit ``format: 1`` is
+refused (a document has one spelling per meaning, so rewriting it gives its bytes back).
 """
 from __future__ import annotations
 
@@ -30,7 +38,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from .codec import CodecConfig
+from .codec import VERSION as FORMAT_WHEN_ABSENT, CodecConfig
 from .envelope import pack_record, unpack_record
 from .errors import FormatError
 from .fragment import FragmentLayout
@@ -174,7 +182,7 @@ class RunDescriptor:
                        "fragments": [list(f) for f in self.layout.fragments], "strategy": self.layout.strategy},
             "schedule": {"sync_every": self.schedule.sync_every, "offsets": list(self.schedule.offsets),
                          "driver": self.schedule.driver},
-            "policy": plain(self.policy), "codec": plain(self.codec), "versions": plain(self.versions),
+            "policy": plain(self.policy), "codec": _codec_dict(self.codec), "versions": plain(self.versions),
             "merge": {"method": self.merge.method, "embedding_tensors": sorted(self.merge.embedding_tensors)},
             "outer": plain(self.outer), "learner": plain(self.learner),
             "guard": None if self.guard is None else dataclasses.asdict(self.guard),
@@ -379,6 +387,29 @@ def _merge(m: Any, path: str) -> MergeConfig:
         raise FormatError(f"{path}.{'method' if 'method' in str(exc) else 'embedding_tensors'}: {exc}") from None
 
 
+_CODEC_FIELDS = {"scheme": str, "block_size": int, "zstd_level": int}
+_parse_codec = _config(CodecConfig, {**_CODEC_FIELDS, "format": int})
+
+
+def _codec_dict(codec: CodecConfig) -> dict[str, Any]:
+    """The ``codec`` section: ``format`` only when it is not 1 (module docstring)."""
+    d = {k: getattr(codec, k) for k in _CODEC_FIELDS}
+    if codec.format != FORMAT_WHEN_ABSENT:
+        d["format"] = codec.format
+    return d
+
+
+def _codec(m: Any, path: str) -> CodecConfig:
+    """The ``codec`` section; without ``format`` it is format 1 (written before the field existed)."""
+    _fields(m, path, (*_CODEC_FIELDS, "format"), _CODEC_FIELDS)
+    if "format" not in m:
+        return _parse_codec({**m, "format": FORMAT_WHEN_ABSENT}, path)
+    if _typed(m["format"], int, f"{path}.format") == FORMAT_WHEN_ABSENT:
+        raise FormatError(f"{path}.format: {FORMAT_WHEN_ABSENT} is written by leaving the field out "
+                          f"(a descriptor without it means format {FORMAT_WHEN_ABSENT})")
+    return _parse_codec(m, path)
+
+
 def _security(m: Any, path: str) -> RunSecurity:
     return RunSecurity.from_dict(m, path)
 
@@ -394,7 +425,7 @@ def _plain_map(m: Any, path: str) -> dict[str, Any]:
 _PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "layout": _layout, "schedule": _schedule,
     "policy": _config(PolicyConfig, {"quorum": int, "overlap": int, "gamma": float, "cap_s": float}),
-    "codec": _config(CodecConfig, {"scheme": str, "block_size": int, "zstd_level": int}),
+    "codec": _codec,
     "versions": _config(VersionsConfig, {"dtype": str, "retain": int}),
     "merge": _merge,
     "outer": _config(OuterConfig, {"lr": float, "momentum": float}),

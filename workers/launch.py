@@ -19,7 +19,7 @@ import numpy as np
 
 from pipeline.checksum import tensor_digest
 from pipeline.fold import published
-from pipeline.codec import CodecConfig
+from pipeline.codec import RUN_FORMAT, CodecConfig
 from pipeline.descriptor import LearnerRules, RunDescriptor, VersionsConfig
 from pipeline.fragment import FragmentLayout, fragment_offsets, make_layout, specs_from_arrays
 from pipeline.guard import NormGuardConfig
@@ -52,6 +52,7 @@ class RunSettings:
     compression: str = "int4"
     block_size: int = 64
     zstd_level: int = 3
+    codec_format: int = RUN_FORMAT     # tensor blob format of the run's deltas and versions (docs/formats.md)
     version_dtype: str = "bf16"        # versions travel in bf16; the syncer keeps fp32 master state
     merge: str = "rda"
     strategy: str = "balanced"
@@ -77,6 +78,7 @@ class RunSettings:
                              "descriptor (pass the keys to create_run, norm_guard and job to RunSettings)")
         if self.fragments < 1:
             raise ValueError(f"fragments must be >= 1, got {self.fragments}")
+        CodecConfig(self.compression, self.block_size, self.zstd_level, self.codec_format)   # refused early
         if self.sync_every < self.fragments:
             raise ValueError(f"sync_every (H={self.sync_every}) must be >= fragments (P={self.fragments}): "
                              "each fragment needs its own step offset")
@@ -92,7 +94,7 @@ class RunSettings:
             layout=FragmentLayout(tuple(specs), tuple(tuple(f) for f in layout), self.strategy),
             schedule=ScheduleConfig(self.sync_every, tuple(fragment_offsets(self.fragments, self.sync_every))),
             policy=PolicyConfig(self.quorum, self.overlap, self.grace_gamma, self.grace_cap_s),
-            codec=CodecConfig(self.compression, self.block_size, self.zstd_level),
+            codec=CodecConfig(self.compression, self.block_size, self.zstd_level, self.codec_format),
             versions=VersionsConfig(self.version_dtype, self.retain_versions),
             merge=MergeConfig(self.merge, frozenset(embedding_tensors)),
             outer=OuterConfig(self.outer_lr, self.outer_momentum),

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.codec import SCHEMES
+from pipeline.codec import RUN_FORMAT, SCHEMES, VERSIONS as CODEC_FORMATS
 from pipeline.guard import NormGuardConfig
 from pipeline.regions import RegionSpec, RegionsConfig
 from storage.shards import run_records
@@ -53,6 +53,9 @@ def configure(parser):
     a("--sync-every", type=int, default=None, help="H: steps between syncs of one fragment (default 4*P)")
     a("--quorum", type=int, default=1, help="minimum quorum K")
     a("--compression", default="int4", choices=SCHEMES)
+    a("--codec-format", type=int, default=RUN_FORMAT, choices=CODEC_FORMATS,
+      help="tensor blob format version of the run's deltas and versions, recorded in its descriptor "
+           "(docs/formats.md \"Tensor blobs\"; 1: the format of runs before issue 15)")
     a("--strategy", default="balanced", choices=("balanced", "layerwise", "roundrobin"))
     a("--store", default=None, help="the run's location: a directory or s3://bucket/prefix (default OUT/store)")
     a("--s3-endpoint", default=None, help="S3 endpoint URL (default: AWS_ENDPOINT_URL)")
@@ -152,6 +155,7 @@ def settings_from_args(args, gcfg: GPTConfig, job: JobSettings) -> RunSettings:
     (RunSettings.descriptor makes its sections)."""
     return RunSettings(fragments=args.fragments, sync_every=args.sync_every or default_sync_every(args.fragments),
                        quorum=args.quorum, compression=args.compression, strategy=args.strategy,
+                       codec_format=getattr(args, "codec_format", RUN_FORMAT),
                        outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, seed=args.seed,
                        keep_progress=args.keep_progress, grace_gamma=args.grace_gamma,
                        model=gcfg.to_dict(), job=job.to_dict(), syncers=getattr(args, "syncers", 1),

@@ -37,8 +37,11 @@ def _call(fn):
 
 
 def version_codec(descriptor: RunDescriptor) -> CodecConfig:
+    """How the run's versions are encoded: its versions dtype, in its codec's blob format (the
+    descriptor's ``codec.format``: a republished or re-persisted version has the bytes stored first)."""
     return CodecConfig(scheme="bf16" if descriptor.versions.dtype == "bf16" else "fp32",
-                       block_size=descriptor.codec.block_size, zstd_level=descriptor.codec.zstd_level)
+                       block_size=descriptor.codec.block_size, zstd_level=descriptor.codec.zstd_level,
+                       format=descriptor.codec.format)
 
 
 def encode_version(descriptor: RunDescriptor, fragment: int, version: int, seq: int, epoch: int,
