@@ -54,7 +54,7 @@ INLINE void codes_of(const f32u *restrict x, int n, float d, float q, float magi
 /* One block of bs values at x into scale *sc and codes at c; 0 when a value is NaN/Inf, or when
  * the scale is so large that decoding the code qmax, qmax * scale, overflows float32: absmax / qmax
  * rounds up for absmax near FLT_MAX (int8: 3.4028235e38 / 127), and the blob would decode to inf.
- * pipeline/codec.py's numpy path refuses the same blocks (its _MAX_SCALE). */
+ * pipeline/codec.py's numpy path refuses the same blocks. */
 INLINE int quantize_block(const f32u *restrict x, Py_ssize_t bs, int qmax, uint8_t *restrict sc,
                           uint8_t *restrict c)
 {

@@ -7,9 +7,7 @@ bf16. The byte layout is in docs/formats.md ("Tensor blobs"); the blob is sealed
 holds one zstd frame of the raw payload; version 2 cuts the same raw payload into frames, each
 zstd'd on ``map_fn`` or stored where zstd does not pay (pipeline/codec_frames.py); version 3 is
 version 2's body sealed with an xxh3-128 checksum instead of sha256 (sha256 was the largest cost
-left on one core, docs/scale.md). ``decode`` reads all three. ``encode`` writes ``CodecConfig.format``
-(1 unless told); a run's descriptor records its format (``codec.format``; new runs: 3) so every
-writer of the run's blobs writes that one.
+left on one core, docs/scale.md). ``decode`` reads all three; ``encode`` writes ``CodecConfig.format`` (new runs 3).
 
 Speed (issue 15): vectorised kernels go through a tensor in steps of ``_STEP`` values whose
 temporaries stay in cache; steps form jobs of ``_JOB`` values that a caller may run on its threads
@@ -66,33 +64,13 @@ _BAD_CODE = {"int4": "int4 data has nibble 0, which the encoder never writes",
 _NON_FINITE = "has non-finite values (NaN/Inf or beyond float32 range); refusing to encode it"
 
 
-def _largest_scale(qmax: int) -> np.float32:
-    """The largest float32 scale ``s`` whose ``qmax * s`` (what decode computes for the code qmax)
-    is finite in float32. ``absmax / qmax`` rounds up for absmax near float32's maximum: int8's
-    scale of 3.4028235e38 is 2.6793886e36, 127 times which is inf. Encode refuses a block with a
-    larger scale as it refuses Inf (the C kernel checks the same product: same refusals)."""
-    q = np.float32(qmax)
-    s = np.float32(_F32_MAX) / q
-    with np.errstate(over="ignore"):
-        while not np.isfinite(s * q):
-            s = np.nextafter(s, np.float32(0))
-        while np.isfinite(np.nextafter(s, np.float32(np.inf)) * q):
-            s = np.nextafter(s, np.float32(np.inf))
-    return s
-
-
-_MAX_SCALE = {scheme: _largest_scale(q) for scheme, q in _QMAX.items()}
-
 MapFn = Callable[[Callable[[Any], Any], Iterable[Any]], Iterable[Any]]   # map, ThreadPoolExecutor.map ...
 
 
 @dataclass(frozen=True)
 class CodecConfig:
-    """How to encode: ``scheme`` in SCHEMES, int4/int8 ``block_size`` (even), ``zstd_level`` (0 = off),
-    and ``format``, the tensor blob format version ``encode`` writes (one of VERSIONS). A run's
-    descriptor records it in its ``codec`` section (pipeline/descriptor.py; absent: 1, the bytes
-    every run wrote before issue 15), so every writer of the run's deltas and versions, and a replay
-    or recovery that writes one again, writes the same format."""
+    """How to encode: ``scheme`` in SCHEMES, int4/int8 ``block_size`` (even), ``zstd_level`` (0 = off), ``format``
+    the blob format ``encode`` writes (a run's: its descriptor's ``codec.format``)."""
 
     scheme: str = "int4"
     block_size: int = 64
@@ -227,9 +205,8 @@ def _block_absmax(t: np.ndarray, out: np.ndarray) -> None:
 def _quantize_step(x: np.ndarray, scheme: str, bs: int, sc: np.ndarray, codes: np.ndarray, tmp: np.ndarray,
                    amax: np.ndarray, u8: np.ndarray, u16: np.ndarray) -> bool:
     """The values ``x`` of ``sc.size`` blocks (the last one zero-padded) into scales ``sc`` and
-    ``codes``; False if one is not finite as float32 or a block's scale is beyond ``_MAX_SCALE``.
-    With a normal scale |x / scale| <= qmax (1 + 2**-23) rounds to at most qmax: only subnormal
-    scales need the clip (before rounding: same integers)."""
+    ``codes``; False if one, or a block's ``qmax * scale``, is not finite as float32. With a normal scale
+    |x / scale| <= qmax (1 + 2**-23) rounds to at most qmax: only subnormal scales need the clip (same integers)."""
     k, n = sc.size, sc.size * bs
     if x.dtype != np.float32 or x.size != n:
         pad = np.zeros(n, np.float32)
@@ -243,8 +220,9 @@ def _quantize_step(x: np.ndarray, scheme: str, bs: int, sc: np.ndarray, codes: n
     np.divide(m, np.float32(qmax), out=sc)
     if not m.max() <= _F32_MAX:                       # NaN/Inf in a block (max propagates NaN)
         return False
-    if not sc.max() <= _MAX_SCALE[scheme]:            # qmax * scale would decode to inf (int8 only)
-        return False
+    with np.errstate(over="ignore"):                  # decode's qmax * scale must be finite: int8's scale
+        if not np.isfinite(sc.max() * np.float32(qmax)):   # of 3.4028235e38 rounds up, 127 times it is inf
+            return False
     safe = np.where(sc > 0, sc, np.float32(1))        # an all-zero block keeps scale 0 and codes 0
     np.divide(xb, safe[:, None], out=t)
     if safe.min() < _F32_MIN_NORMAL:
@@ -425,17 +403,15 @@ def encode(kind: str, meta: dict, tensors: Mapping[str, np.ndarray], cfg: CodecC
            map_fn: MapFn | None = None, version: int | None = None, min_saving: float = frames.MIN_SAVING,
            frame_bytes: int = frames.FRAME_BYTES) -> bytes:
     """One sealed blob of ``kind`` holding ``meta`` and ``tensors`` (in the given order), in format
-    ``version`` (None: ``cfg.format``, the run's format when ``cfg`` is its descriptor's). ``map_fn``
-    runs the quantisation jobs and, for versions 2 and 3, the frames' zstd (default ``map``: this
-    thread) and never changes the bytes. Versions 2 and 3 only: ``min_saving``, the share of a frame
-    zstd must save to be kept; ``frame_bytes``, raw bytes per frame (a run writes the defaults).
-    ValueError naming the tensor for non-float dtypes or non-finite values (never quantised
-    silently; float64 beyond float32's range counts as non-finite for lossy schemes, and so does an
-    int4/int8 block whose scale would decode its largest value beyond float32's range)."""
+    ``version`` (None: ``cfg.format``). ``map_fn`` runs the quantisation jobs and, for versions 2
+    and 3, the frames' zstd (default ``map``: this thread) and never changes the bytes. Versions 2
+    and 3 only: ``min_saving``, the share of a frame zstd must save to be kept; ``frame_bytes``, raw
+    bytes per frame (runs write the defaults). ValueError naming the tensor for non-float dtypes or
+    non-finite values (never quantised silently; float64 beyond float32's range, or an int4/int8
+    block whose largest code would decode beyond it, counts as non-finite for lossy schemes)."""
     if not isinstance(cfg, CodecConfig):
         raise ValueError(f"cfg must be a CodecConfig, got {type(cfg).__name__}")
-    if version is None:
-        version = cfg.format
+    version = cfg.format if version is None else version
     if not isinstance(meta, dict):
         raise ValueError(f"meta must be a plain dict, got {type(meta).__name__}")
     if version not in VERSIONS or isinstance(version, bool):
