@@ -51,11 +51,28 @@ INLINE void codes_of(const f32u *restrict x, int n, float d, float q, float magi
     }
 }
 
-/* One block of bs values at x into scale *sc and codes at c; 0 when a value is NaN/Inf, or when
- * the scale is so large that decoding the code qmax, qmax * scale, overflows float32: absmax / qmax
- * rounds up for absmax near FLT_MAX (int8: 3.4028235e38 / 127), and the blob would decode to inf.
- * pipeline/codec.py's numpy path refuses the same blocks. */
-INLINE int quantize_block(const f32u *restrict x, Py_ssize_t bs, int qmax, uint8_t *restrict sc,
+/* The largest |x| bits a block may have for qmax: above it a value is NaN/Inf, or the scale is so
+ * large that decoding the code qmax, qmax * scale, overflows float32 - absmax / qmax rounds up for
+ * absmax near FLT_MAX (int8: 3.4028235e38 / 127 * 127 is inf) and the blob would decode to inf.
+ * Found once, by the same float32 operations the blocks use; pipeline/codec.py's numpy path refuses
+ * the same blocks (it checks qmax * scale itself). One compare per block, as for NaN/Inf alone. */
+static uint32_t absmax_limit(int qmax)
+{
+    float q = (float)qmax;
+    for (uint32_t b = 0x7F7FFFFFu;; b--) {
+        float m;
+        memcpy(&m, &b, 4);
+        float s = m / q;
+        if (s * q <= FLT_MAX)
+            return b;
+    }
+}
+
+static uint32_t limit7, limit127;           /* absmax_limit(7), absmax_limit(127): set at import */
+
+/* One block of bs values at x into scale *sc and codes at c; 0 when its |x| bits exceed limit
+ * (absmax_limit: NaN/Inf, or a scale whose qmax * scale is inf). */
+INLINE int quantize_block(const f32u *restrict x, Py_ssize_t bs, int qmax, uint32_t limit, uint8_t *restrict sc,
                           uint8_t *restrict c)
 {
     const u32u *bits = (const u32u *)x;
@@ -64,13 +81,11 @@ INLINE int quantize_block(const f32u *restrict x, Py_ssize_t bs, int qmax, uint8
         uint32_t a = bits[i] & 0x7FFFFFFFu;
         m = a > m ? a : m;
     }
-    if (m >= 0x7F800000u)                   /* Inf or NaN in the block */
+    if (m > limit)                          /* NaN/Inf, or qmax * scale would overflow */
         return 0;
     float mf, q = (float)qmax;
     memcpy(&mf, &m, 4);
     float s = mf / q;
-    if (s * q > FLT_MAX)                    /* inf: what decode would compute for the code qmax */
-        return 0;
     memcpy(sc, &s, 4);
     float d = s > 0.0f ? s : 1.0f;          /* an all-zero block keeps scale 0 and codes 0 */
     float magic = MAGIC_BASE + (qmax == 7 ? 8.0f : 0.0f);
@@ -94,14 +109,15 @@ CLONES static int quantize_all(const f32u *x, Py_ssize_t n, Py_ssize_t bs, int q
                         uint8_t *codes, float *pad)
 {
     Py_ssize_t full = n / bs, per = qmax == 7 ? bs / 2 : bs;
+    uint32_t limit = qmax == 7 ? limit7 : limit127;
     for (Py_ssize_t b = 0; b < full; b++)
-        if (!quantize_block(x + b * bs, bs, qmax, scales + 4 * b, codes + b * per))
+        if (!quantize_block(x + b * bs, bs, qmax, limit, scales + 4 * b, codes + b * per))
             return 0;
     if (full * bs < n) {
         Py_ssize_t rem = n - full * bs;
         memcpy(pad, (const void *)(x + full * bs), (size_t)rem * 4);
         memset(pad + rem, 0, (size_t)(bs - rem) * 4);
-        if (!quantize_block((const f32u *)pad, bs, qmax, scales + 4 * full, codes + full * per))
+        if (!quantize_block((const f32u *)pad, bs, qmax, limit, scales + 4 * full, codes + full * per))
             return 0;
     }
     return 1;
@@ -245,5 +261,7 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__ckernels(void)
 {
+    limit7 = absmax_limit(7);
+    limit127 = absmax_limit(127);
     return PyModule_Create(&module);
 }

@@ -51,6 +51,7 @@ _FRAMED = _COMMON_KEYS | {"frame_bytes", "frames"}
 _BODY_KEYS = {1: _COMMON_KEYS | {"zstd", "payload"}, 2: _FRAMED, 3: _FRAMED}
 _F32_MAX = float(np.finfo(np.float32).max)
 _F32_MIN_NORMAL = float(np.finfo(np.float32).tiny)
+_F32_INF_FROM = 2.0**128 - 2.0**103   # float32 rounds reals from here up to inf (qmax * scale is exact in float64)
 _MAX_TENSORS = 1 << 20
 _STEP = 1 << 17           # values per kernel step: its temporaries (512 KiB at most) stay in L2/L3
 _ROWS = (1 << 15) - 1     # values per torch reduction call: below torch's grain size, so it runs serially
@@ -220,9 +221,8 @@ def _quantize_step(x: np.ndarray, scheme: str, bs: int, sc: np.ndarray, codes: n
     np.divide(m, np.float32(qmax), out=sc)
     if not m.max() <= _F32_MAX:                       # NaN/Inf in a block (max propagates NaN)
         return False
-    with np.errstate(over="ignore"):                  # decode's qmax * scale must be finite: int8's scale
-        if not np.isfinite(sc.max() * np.float32(qmax)):   # of 3.4028235e38 rounds up, 127 times it is inf
-            return False
+    if not float(sc.max()) * qmax < _F32_INF_FROM:    # decode's qmax * scale must be finite: int8's scale
+        return False                                  # of 3.4028235e38 rounds up, 127 times it is inf
     safe = np.where(sc > 0, sc, np.float32(1))        # an all-zero block keeps scale 0 and codes 0
     np.divide(xb, safe[:, None], out=t)
     if safe.min() < _F32_MIN_NORMAL:
