@@ -34,7 +34,7 @@ from typing import Callable
 
 import numpy as np
 
-from pipeline.codec import CodecConfig, encode
+from pipeline.codec import RUN_FORMAT, CodecConfig, encode
 from pipeline.commit import CommitMeta, apply_commit, initial_window
 from pipeline.descriptor import RunDescriptor, VersionsConfig
 from pipeline.fold import SyncerState, initial_state
@@ -89,7 +89,8 @@ def _descriptor(cfg: LoadConfig) -> RunDescriptor:
     # retain 2: enough for one-version-stale deltas, and it bounds the test's memory (the history
     # holds retain versions of the fragment; docs/scale.md counts what a real syncer keeps)
     return RunDescriptor(run_id="bench-load", layout=layout, schedule=ScheduleConfig(1, (0,)),
-                         codec=CodecConfig(cfg.scheme, cfg.block_size, cfg.zstd_level),
+                         # the tensor-blob format new runs write (deltas and versions alike)
+                         codec=CodecConfig(cfg.scheme, cfg.block_size, cfg.zstd_level, format=RUN_FORMAT),
                          versions=VersionsConfig(dtype=cfg.version_dtype, retain=2), guard=NormGuardConfig())
 
 
