@@ -304,8 +304,7 @@ def _child_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
-    """Measure codec and merge throughput on this machine, beside its memcpy bandwidth."""
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("what", nargs="?", default="all", choices=TARGETS,
                         help="all (default): codec and merge; scaling: encode/decode/fold at each thread count "
                              "side by side (medians); load: a synthetic syncer round at large sizes; versions: "
@@ -342,6 +341,11 @@ def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace],
     parser.add_argument("--memory", choices=("default", "keep", "both"), default=None,
                         help="codec: glibc's allocator as it is (default), kept freed memory (keep, as "
                              "--keep-memory), or both: default here, then keep in a child process, rows side by side")
+
+
+def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    """Measure codec and merge throughput on this machine, beside its memcpy bandwidth."""
+    _add_arguments(parser)
 
     def handler(args: argparse.Namespace) -> int:
         try:
