@@ -42,6 +42,7 @@ from storage.store import ObjectStore, open_store
 from workers.bus.bus import BusConfig, BusCounters
 from workers.common.events import EventLog
 from workers.bus.keys import KeyRing, Roster
+from workers.learner.device_quant import QMAX as _DEVICE_QMAX, quantise_delta
 from workers.learner.nonfinite import NonFiniteGuard
 from workers.learner.receiver import Receiver
 from workers.learner.sender import Sender, SenderConfig, SenderStats
@@ -53,6 +54,8 @@ from workers.common.versions import VersionTracker
 
 
 INCARNATION_EPOCH_NS = 1_704_067_200 * 10**9   # 2024-01-01T00:00:00Z
+DEVICE_QUANTISE = ("auto", "on", "off")
+DEVICE_SCHEMES = tuple(_DEVICE_QMAX)   # int4, int8
 
 
 @dataclass(frozen=True)
@@ -65,12 +68,17 @@ class LearnerConfig:
     keys: KeyRing | None = field(default=None, repr=False)   # required in a signed run, refused otherwise
     trace_steps: bool = False         # keep each step's parts; close() logs them (workers/learner/steptrace.py)
     sync_process: bool = False        # sender and receiver in a child process (workers/learner/agent.py)
+    # Quantise deltas where the model lives, copying only packed bytes (workers/learner/device_quant.py):
+    # "auto" when the model is not on the CPU, "on" always (tests), "off" never. Same bytes either way.
+    device_quantise: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.stats_window, int) or self.stats_window < 20:
             raise ValueError(f"stats_window must be an int >= 20, got {self.stats_window!r}")
         if self.poll_s <= 0 or self.drain_s < 0 or self.log_every < 1:
             raise ValueError("poll_s must be > 0, drain_s >= 0 and log_every >= 1")
+        if self.device_quantise not in DEVICE_QUANTISE:
+            raise ValueError(f"device_quantise must be one of {DEVICE_QUANTISE}, got {self.device_quantise!r}")
 
 
 class Learner:
@@ -116,6 +124,8 @@ class Learner:
         self.applied = 0
         self.health = NonFiniteGuard()
         self.trace = StepTrace(config.stats_window) if config.trace_steps else None
+        self._device_quantise = False   # decided in start(): the run's codec and the model's device
+        self._base_dev: dict[int, tuple[dict, dict[str, torch.Tensor]]] = {}   # p -> (base[p], its device copy)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "Learner":
@@ -152,6 +162,7 @@ class Learner:
                 seal=seal))
             self.receiver = make_receiver(tracker, versions, self.bus, lambda t, known, bus: Receiver(
                 t, known, self.events, bus, self.cfg.poll_s, curve=curve))
+        self._device_quantise = self._use_device_quantise(d, agent)
         self.sender.start()
         self.receiver.start()
         self.events.emit("learner-start", incarnation=self.incarnation, pid=os.getpid(),
@@ -191,6 +202,18 @@ class Learner:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _use_device_quantise(self, d: RunDescriptor, agent: bool) -> bool:
+        """Whether answers quantise on the model's device (issue 15): int4/int8 runs without
+        keep_progress, in threads mode; "auto" only when a parameter is not on the CPU."""
+        mode = self.cfg.device_quantise
+        able = d.codec.scheme in DEVICE_SCHEMES and not d.learner.keep_progress and not agent
+        if mode == "on" and not able:
+            raise ValueError(f"learner {self.id}: device_quantise='on' needs an int4/int8 run without keep_progress "
+                             f"and without sync_process (run {d.run_id}: scheme {d.codec.scheme}, keep_progress "
+                             f"{d.learner.keep_progress}, sync_process {agent})")
+        on_device = any(p.device.type != "cpu" for p in self.params.values())
+        return able and (mode == "on" or (mode == "auto" and on_device))
 
     def _security(self, d: RunDescriptor):
         """CURVE keys and the delta sealer for this run, after checking that keys and run agree."""
@@ -364,6 +387,11 @@ class Learner:
         # Every produced delta is logged, so a run's ledger can account for each one (docs/chaos.md).
         self.events.emit("delta", delta=header.id, fragment=p, base=header.base_version, steps=header.c_steps,
                          tokens=header.c_tokens, step=header.learner_step, round=round_id)
+        if self._device_quantise:   # Δ quantised where θ lives; the sender waits for its bytes
+            c = self.descriptor.codec
+            self.sender.submit(header, quantise_delta(self._device_base(p, names), self.params, names, c.scheme,
+                                                      c.block_size))
+            return
         direct = getattr(self.sender, "submit_difference", None)
         if direct is not None and not self.descriptor.learner.keep_progress:
             direct(header, self.base[p], {n: self.params[n] for n in names})   # Δ straight into shared memory
@@ -373,6 +401,15 @@ class Learner:
         if self.descriptor.learner.keep_progress:
             self._at_answer[p] = (current, header.c_steps, header.c_tokens)
         self.sender.submit(header, delta)
+
+    def _device_base(self, p: int, names: list[str]) -> dict[str, torch.Tensor]:
+        """base_p on the parameters' device: copied once per new base (a CPU model: no copy)."""
+        src = self.base[p]
+        held = self._base_dev.get(p)
+        if held is None or held[0] is not src:
+            held = (src, {n: torch.from_numpy(src[n]).to(self.params[n].device) for n in names})
+            self._base_dev[p] = held
+        return held[1]
 
     # -- reporting -------------------------------------------------------------------------------
     def _report_traffic(self, final: bool = False) -> None:

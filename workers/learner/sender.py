@@ -30,7 +30,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -74,7 +74,7 @@ class SenderConfig:
 @dataclass
 class _Pending:
     header: DeltaHeader
-    tensors: dict[str, np.ndarray] | None
+    tensors: dict[str, np.ndarray] | Any | None   # Any: a workers.learner.device_quant.DeviceDelta
     size: int = 0                  # bytes held: raw tensors until encoded, then the blob
     blob: bytes | None = None
     checksum: str = ""
@@ -140,10 +140,13 @@ class Sender:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, header: DeltaHeader, tensors: dict[str, np.ndarray]) -> None:
+    def submit(self, header: DeltaHeader, tensors: dict[str, np.ndarray] | Any) -> None:
         """Hand over a delta; never blocks on I/O. Supersedes and evicts here, so that memory stays
         bounded even while this thread is stuck in a slow spill (module docstring)."""
-        item = _Pending(header, tensors, size=sum(int(a.nbytes) for a in tensors.values()))
+        # ``tensors``: arrays, or a delta already quantised on the model's device (its host bytes;
+        # workers/learner/device_quant.py), which this thread seals once its copy has completed
+        size = tensors.nbytes if hasattr(tensors, "seal_blob") else sum(int(a.nbytes) for a in tensors.values())
+        item = _Pending(header, tensors, size=size)
         with self._lock:
             self.stats.submitted += 1
             self._idle.clear()
@@ -304,7 +307,10 @@ class Sender:
         if p.blob is not None:
             return True
         try:
-            blob = encode(DELTA_KIND, p.header.to_dict(), p.tensors, self.codec, map_fn=self._map_fn)
+            if hasattr(p.tensors, "seal_blob"):   # waits for the device's copy here, never in step()
+                blob = p.tensors.seal_blob(DELTA_KIND, p.header.to_dict(), self.codec, map_fn=self._map_fn)
+            else:
+                blob = encode(DELTA_KIND, p.header.to_dict(), p.tensors, self.codec, map_fn=self._map_fn)
         except ValueError as exc:
             if self._release(p.header.id) is not None:
                 self.stats.nonfinite += 1

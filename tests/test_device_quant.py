@@ -1,0 +1,202 @@
+"""Device quantisation (issue 15, workers/learner/device_quant.py + pipeline/codec_raw.py): torch
+kernels write the codec's raw int4/int8 payload byte for byte, ``seal_raw`` turns it into
+``codec.encode``'s blob, non-finite input is refused the same way, and a learner forced onto the
+device path (on CPU here) stores the same delta bytes as the default path."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline import codec, kernels
+from pipeline.codec_raw import seal_raw
+from storage.layout import spill_prefix
+from storage.store import open_store
+from workers.learner.device_quant import DeviceDelta, quantise_delta, quantise_payload
+from workers.learner.learner import LearnerConfig
+
+from test_hardening_learner import append_version, make_run, start_learner, tiny_model, train_until
+
+SCHEMES = ("int4", "int8")
+
+
+def _tensors(rng: np.random.Generator, scheme: str, bs: int) -> dict[str, np.ndarray]:
+    """Random shapes (most with a padded last block), an all-zero block, subnormal and huge values."""
+    big = 3.0e38 if scheme == "int4" else 2.0e36   # int8: 127 * (3e38 / 127) would overflow: refused
+    out = {f"r{i}": (rng.standard_normal(tuple(rng.integers(1, 40, size=rng.integers(1, 4))))
+                     * 10.0 ** rng.integers(-6, 6)).astype(np.float32) for i in range(6)}
+    zeros_then = np.concatenate([np.zeros(bs, np.float32), rng.standard_normal(bs + 1).astype(np.float32)])
+    out.update({"zeros": np.zeros(3 * bs, np.float32), "zero_block": zeros_then,
+                "subnormal": (rng.standard_normal(5 * bs + 3) * 1e-41).astype(np.float32),
+                "tiny_mixed": np.array([1e-45, -3e-44, 0.0, 1e-38, -1.2e-38] * bs, np.float32),
+                "huge": np.array([big, -big, 1.0, -1e-30, 7.0], np.float32),
+                "halves": (np.arange(-4 * bs, 4 * bs, dtype=np.float32) + 0.5),
+                "empty": np.zeros((0, 3), np.float32), "scalar": np.array(-2.5, np.float32)})
+    return out
+
+
+def _specs(tensors):
+    return [(n, tuple(v.shape), "float32") for n, v in tensors.items()]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("bs", [2, 6, 64])
+@pytest.mark.parametrize("c_kernel", [True, False])
+def test_torch_kernels_write_the_codecs_payload(scheme, bs, c_kernel):
+    if c_kernel and not kernels.AVAILABLE:
+        pytest.skip("the C codec kernels are not built here: the numpy path is compared instead")
+    rng = np.random.default_rng(bs * 7 + len(scheme))
+    ts = _tensors(rng, scheme, bs)
+    raw = quantise_payload([torch.from_numpy(v) for v in ts.values()], scheme, bs).numpy()
+    with kernels.use(c_kernel):
+        want = b"".join(codec.quantize(v, scheme, bs) for v in ts.values())
+    assert raw.tobytes() == want
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("fmt", [1, 2, 3])
+@pytest.mark.parametrize("level", [0, 3])
+def test_sealed_blob_is_encodes_blob(scheme, fmt, level):
+    rng = np.random.default_rng(fmt * 10 + level)
+    for bs in (4, 64):
+        ts = _tensors(rng, scheme, bs)
+        cfg = codec.CodecConfig(scheme, bs, level, fmt)
+        meta = {"learner": "l0", "seq": 3}
+        raw = quantise_payload([torch.from_numpy(v) for v in ts.values()], scheme, bs).numpy()
+        got = seal_raw("delta", meta, _specs(ts), raw, cfg)
+        assert got == codec.encode("delta", meta, ts, cfg)
+        back = codec.decode(got, "delta")
+        assert list(back.tensors) == list(ts)
+
+
+def test_a_large_tensor_crosses_chunks(monkeypatch):
+    import workers.learner.device_quant as dq
+    monkeypatch.setattr(dq, "CHUNK", 1000)   # many kernel calls, a chunk edge inside blocks' reach
+    x = (np.random.default_rng(5).standard_normal(12_345) * 3).astype(np.float32)
+    for scheme in SCHEMES:
+        assert quantise_payload([torch.from_numpy(x)], scheme, 64).numpy().tobytes() == codec.quantize(x, scheme, 64)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_refused_like_encode(scheme, bad):
+    rng = np.random.default_rng(1)
+    ts = {"ok": rng.standard_normal(100).astype(np.float32), "bad": rng.standard_normal(130).astype(np.float32),
+          "later": np.full(10, np.nan, np.float32)}
+    ts["bad"][77] = bad
+    cfg = codec.CodecConfig(scheme, 64, 3, 3)
+    with pytest.raises(ValueError) as want:
+        codec.encode("delta", {}, ts, cfg)
+    raw = quantise_payload([torch.from_numpy(v) for v in ts.values()], scheme, 64).numpy()
+    with pytest.raises(ValueError) as got:
+        seal_raw("delta", {}, _specs(ts), raw, cfg)
+    assert str(got.value) == str(want.value) and "tensor bad:" in str(got.value)
+
+
+def test_int8_scale_overflow_refused_like_encode():
+    ts = {"x": np.array([3.4028235e38, 1.0], np.float32)}   # 127 * (max / 127) rounds to inf in float32
+    cfg = codec.CodecConfig("int8", 64, 3, 3)
+    with pytest.raises(ValueError) as want:
+        codec.encode("delta", {}, ts, cfg)
+    raw = quantise_payload([torch.from_numpy(ts["x"])], "int8", 64).numpy()
+    with pytest.raises(ValueError) as got:
+        seal_raw("delta", {}, _specs(ts), raw, cfg)
+    assert str(got.value) == str(want.value)
+    int4 = codec.CodecConfig("int4", 64, 3, 3)   # int4's 7 * (max / 7) stays finite: accepted by both
+    raw4 = quantise_payload([torch.from_numpy(ts["x"])], "int4", 64).numpy()
+    assert seal_raw("delta", {}, _specs(ts), raw4, int4) == codec.encode("delta", {}, ts, int4)
+
+
+def test_seal_raw_refuses_what_it_cannot_seal():
+    x = np.ones(10, np.float32)
+    raw = quantise_payload([torch.from_numpy(x)], "int4", 4).numpy()
+    cfg = codec.CodecConfig("int4", 4, 3, 3)
+    with pytest.raises(ValueError, match="imply"):
+        seal_raw("delta", {}, [("x", (13,), "float32")], raw, cfg)
+    with pytest.raises(ValueError, match="seals"):
+        seal_raw("delta", {}, [("x", (10,), "float32")], raw, codec.CodecConfig("bf16"))
+    with pytest.raises(ValueError, match="dtype"):
+        seal_raw("delta", {}, [("x", (10,), "int32")], raw, cfg)
+    with pytest.raises(ValueError, match="contiguous"):
+        seal_raw("delta", {}, [("x", (10,), "float32")], raw[::1].astype(np.int8), cfg)
+    with pytest.raises(ValueError, match="device quantisation supports"):
+        quantise_payload([torch.from_numpy(x)], "bf16", 4)
+
+
+def test_quantise_delta_is_the_difference_and_waits_on_its_event():
+    rng = np.random.default_rng(2)
+    base = {"w": rng.standard_normal((5, 9)).astype(np.float32), "b": rng.standard_normal(3).astype(np.float32)}
+    params = {n: torch.from_numpy(v + rng.standard_normal(v.shape).astype(np.float32) * 0.1) for n, v in base.items()}
+    params["b"] = params["b"].to(torch.float16)   # a half-precision parameter: widened exactly
+    dd = quantise_delta({n: torch.from_numpy(v) for n, v in base.items()}, params, ["w", "b"], "int4", 8)
+    want = {n: base[n] - params[n].float().numpy() for n in base}
+    cfg = codec.CodecConfig("int4", 8, 3, 3)
+    waited = []
+
+    class Event:   # what a device event does for the sender: block until the copy is done
+        def synchronize(self):
+            waited.append(True)
+
+    dd = DeviceDelta(dd.specs, dd.scheme, dd.block_size, dd.host, Event())
+    assert dd.nbytes == sum(len(codec.quantize(v, "int4", 8)) for v in want.values())
+    assert dd.seal_blob("delta", {"a": 1}, cfg) == codec.encode("delta", {"a": 1}, want, cfg)
+    assert waited == [True]
+    with pytest.raises(ValueError, match="quantised as int4/8"):
+        dd.seal_blob("delta", {}, codec.CodecConfig("int4", 64, 3, 3))
+
+
+def test_config_refuses_unknown_mode():
+    with pytest.raises(ValueError, match="device_quantise"):
+        LearnerConfig(device_quantise="gpu")
+
+
+def _spills(store) -> dict[str, bytes]:
+    return {k: store.get(k) for k in store.list(spill_prefix("l0", 1))}
+
+
+def _run(tmp_path, mode: str):
+    """A version of fragment 1 applied, six steps on fixed data, a flush: two deltas spilled."""
+    store = open_store(str(tmp_path / mode))
+    model = tiny_model()
+    desc = make_run(store, model)
+    learner, _ = start_learner(store, model, device_quantise=mode)
+    try:
+        append_version(store, desc, 1, 1, {t.name: np.full(t.shape, 0.25, np.float32) for t in desc.layout.tensors})
+        deadline = time.monotonic() + 20
+        while learner.apply_arrivals() == 0:
+            assert time.monotonic() < deadline, "version 1 never arrived"
+            time.sleep(0.01)
+        torch.manual_seed(1)
+        train_until(learner, lambda: learner.step_count >= 6, "six steps")
+    finally:
+        drained = learner.close(flush=True)
+    return store, learner, drained
+
+
+def test_learner_on_the_device_path_stores_the_same_deltas(tmp_path):
+    s_off, l_off, ok_off = _run(tmp_path, "off")
+    s_on, l_on, ok_on = _run(tmp_path, "on")
+    assert ok_off and ok_on
+    assert l_on._device_quantise and not l_off._device_quantise
+    spills_off, spills_on = _spills(s_off), _spills(s_on)
+    assert len(spills_off) == 2 and spills_on == spills_off
+    assert l_on.stats()["spilled"] == 2 and l_on.stats()["nonfinite_deltas"] == 0
+
+
+def test_auto_keeps_a_cpu_model_on_the_codec_path_and_on_refuses_what_it_cannot_do(tmp_path):
+    store = open_store(str(tmp_path / "auto"))
+    model = tiny_model()
+    make_run(store, model)
+    learner, _ = start_learner(store, model)
+    try:
+        assert not learner._device_quantise   # auto, model on the CPU: today's path
+    finally:
+        learner.close(flush=False)
+    from workers.launch import RunSettings, create_run
+    bf = open_store(str(tmp_path / "bf16"))
+    create_run(bf, {n: p.detach().numpy().copy() for n, p in model.named_parameters()},
+               RunSettings(fragments=2, sync_every=4, compression="bf16"))
+    with pytest.raises(ValueError, match="device_quantise='on' needs an int4/int8 run"):
+        start_learner(bf, model, device_quantise="on")
