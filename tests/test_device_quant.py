@@ -1,9 +1,13 @@
 """Device quantisation (issue 15, workers/learner/device_quant.py + pipeline/codec_raw.py): torch
 kernels write the codec's raw int4/int8 payload byte for byte, ``seal_raw`` turns it into
 ``codec.encode``'s blob, non-finite input is refused the same way, and a learner forced onto the
-device path (on CPU here) stores the same delta bytes as the default path."""
+device path stores the same delta bytes as the default path.
+
+The tensors live on ``DDILOCO_TEST_DEVICE`` (default ``cpu``; e.g. ``cuda`` on a machine with a GPU:
+that is the check docs/scale.md asks of a user with one)."""
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -17,9 +21,18 @@ from storage.store import open_store
 from workers.learner.device_quant import DeviceDelta, quantise_delta, quantise_payload
 from workers.learner.learner import LearnerConfig
 
-from test_hardening_learner import append_version, make_run, start_learner, tiny_model, train_until
+from test_hardening_learner import append_version, make_run, start_learner, tiny_model
 
 SCHEMES = ("int4", "int8")
+DEVICE = torch.device(os.environ.get("DDILOCO_TEST_DEVICE", "cpu"))
+
+
+def _dev(v: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(v).to(DEVICE)
+
+
+def _payload(tensors, scheme: str, bs: int) -> np.ndarray:
+    return quantise_payload([_dev(v) for v in tensors], scheme, bs).cpu().numpy()
 
 
 def _tensors(rng: np.random.Generator, scheme: str, bs: int) -> dict[str, np.ndarray]:
@@ -49,7 +62,7 @@ def test_torch_kernels_write_the_codecs_payload(scheme, bs, c_kernel):
         pytest.skip("the C codec kernels are not built here: the numpy path is compared instead")
     rng = np.random.default_rng(bs * 7 + len(scheme))
     ts = _tensors(rng, scheme, bs)
-    raw = quantise_payload([torch.from_numpy(v) for v in ts.values()], scheme, bs).numpy()
+    raw = _payload(ts.values(), scheme, bs)
     with kernels.use(c_kernel):
         want = b"".join(codec.quantize(v, scheme, bs) for v in ts.values())
     assert raw.tobytes() == want
@@ -64,7 +77,7 @@ def test_sealed_blob_is_encodes_blob(scheme, fmt, level):
         ts = _tensors(rng, scheme, bs)
         cfg = codec.CodecConfig(scheme, bs, level, fmt)
         meta = {"learner": "l0", "seq": 3}
-        raw = quantise_payload([torch.from_numpy(v) for v in ts.values()], scheme, bs).numpy()
+        raw = _payload(ts.values(), scheme, bs)
         got = seal_raw("delta", meta, _specs(ts), raw, cfg)
         assert got == codec.encode("delta", meta, ts, cfg)
         back = codec.decode(got, "delta")
@@ -73,10 +86,10 @@ def test_sealed_blob_is_encodes_blob(scheme, fmt, level):
 
 def test_a_large_tensor_crosses_chunks(monkeypatch):
     import workers.learner.device_quant as dq
-    monkeypatch.setattr(dq, "CHUNK", 1000)   # many kernel calls, a chunk edge inside blocks' reach
+    monkeypatch.setattr(dq, "CPU_CHUNK", 1000)   # many kernel calls, a chunk edge inside blocks' reach
     x = (np.random.default_rng(5).standard_normal(12_345) * 3).astype(np.float32)
     for scheme in SCHEMES:
-        assert quantise_payload([torch.from_numpy(x)], scheme, 64).numpy().tobytes() == codec.quantize(x, scheme, 64)
+        assert _payload([x], scheme, 64).tobytes() == codec.quantize(x, scheme, 64)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -89,7 +102,7 @@ def test_non_finite_refused_like_encode(scheme, bad):
     cfg = codec.CodecConfig(scheme, 64, 3, 3)
     with pytest.raises(ValueError) as want:
         codec.encode("delta", {}, ts, cfg)
-    raw = quantise_payload([torch.from_numpy(v) for v in ts.values()], scheme, 64).numpy()
+    raw = _payload(ts.values(), scheme, 64)
     with pytest.raises(ValueError) as got:
         seal_raw("delta", {}, _specs(ts), raw, cfg)
     assert str(got.value) == str(want.value) and "tensor bad:" in str(got.value)
@@ -100,18 +113,18 @@ def test_int8_scale_overflow_refused_like_encode():
     cfg = codec.CodecConfig("int8", 64, 3, 3)
     with pytest.raises(ValueError) as want:
         codec.encode("delta", {}, ts, cfg)
-    raw = quantise_payload([torch.from_numpy(ts["x"])], "int8", 64).numpy()
+    raw = _payload([ts["x"]], "int8", 64)
     with pytest.raises(ValueError) as got:
         seal_raw("delta", {}, _specs(ts), raw, cfg)
     assert str(got.value) == str(want.value)
     int4 = codec.CodecConfig("int4", 64, 3, 3)   # int4's 7 * (max / 7) stays finite: accepted by both
-    raw4 = quantise_payload([torch.from_numpy(ts["x"])], "int4", 64).numpy()
+    raw4 = _payload([ts["x"]], "int4", 64)
     assert seal_raw("delta", {}, _specs(ts), raw4, int4) == codec.encode("delta", {}, ts, int4)
 
 
 def test_seal_raw_refuses_what_it_cannot_seal():
     x = np.ones(10, np.float32)
-    raw = quantise_payload([torch.from_numpy(x)], "int4", 4).numpy()
+    raw = _payload([x], "int4", 4)
     cfg = codec.CodecConfig("int4", 4, 3, 3)
     with pytest.raises(ValueError, match="imply"):
         seal_raw("delta", {}, [("x", (13,), "float32")], raw, cfg)
@@ -128,10 +141,11 @@ def test_seal_raw_refuses_what_it_cannot_seal():
 def test_quantise_delta_is_the_difference_and_waits_on_its_event():
     rng = np.random.default_rng(2)
     base = {"w": rng.standard_normal((5, 9)).astype(np.float32), "b": rng.standard_normal(3).astype(np.float32)}
-    params = {n: torch.from_numpy(v + rng.standard_normal(v.shape).astype(np.float32) * 0.1) for n, v in base.items()}
+    params = {n: _dev(v + rng.standard_normal(v.shape).astype(np.float32) * 0.1) for n, v in base.items()}
     params["b"] = params["b"].to(torch.float16)   # a half-precision parameter: widened exactly
-    dd = quantise_delta({n: torch.from_numpy(v) for n, v in base.items()}, params, ["w", "b"], "int4", 8)
-    want = {n: base[n] - params[n].float().numpy() for n in base}
+    dd = quantise_delta({n: _dev(v) for n, v in base.items()}, params, ["w", "b"], "int4", 8)
+    dd.wait()   # the real copy first; then an event that records whether the sender waits on it
+    want = {n: base[n] - params[n].float().cpu().numpy() for n in base}
     cfg = codec.CodecConfig("int4", 8, 3, 3)
     waited = []
 
@@ -161,6 +175,7 @@ def _run(tmp_path, mode: str):
     store = open_store(str(tmp_path / mode))
     model = tiny_model()
     desc = make_run(store, model)
+    model.to(DEVICE)
     learner, _ = start_learner(store, model, device_quantise=mode)
     try:
         append_version(store, desc, 1, 1, {t.name: np.full(t.shape, 0.25, np.float32) for t in desc.layout.tensors})
@@ -169,7 +184,9 @@ def _run(tmp_path, mode: str):
             assert time.monotonic() < deadline, "version 1 never arrived"
             time.sleep(0.01)
         torch.manual_seed(1)
-        train_until(learner, lambda: learner.step_count >= 6, "six steps")
+        x, y = torch.randn(16, 8).to(DEVICE), torch.randn(16, 1).to(DEVICE)
+        while learner.step_count < 6:
+            learner.step(lambda: torch.nn.functional.mse_loss(learner.model(x), y), tokens=16)
     finally:
         drained = learner.close(flush=True)
     return store, learner, drained
@@ -180,23 +197,31 @@ def test_learner_on_the_device_path_stores_the_same_deltas(tmp_path):
     s_on, l_on, ok_on = _run(tmp_path, "on")
     assert ok_off and ok_on
     assert l_on._device_quantise and not l_off._device_quantise
+    assert all(p.device.type == DEVICE.type for p in l_on.model.parameters())
     spills_off, spills_on = _spills(s_off), _spills(s_on)
     assert len(spills_off) == 2 and spills_on == spills_off
     assert l_on.stats()["spilled"] == 2 and l_on.stats()["nonfinite_deltas"] == 0
 
 
-def test_auto_keeps_a_cpu_model_on_the_codec_path_and_on_refuses_what_it_cannot_do(tmp_path):
+def test_auto_takes_the_device_path_only_off_the_cpu_and_on_refuses_what_it_cannot_do(tmp_path):
     store = open_store(str(tmp_path / "auto"))
     model = tiny_model()
     make_run(store, model)
-    learner, _ = start_learner(store, model)
+    learner, _ = start_learner(store, model.to(DEVICE))
     try:
-        assert not learner._device_quantise   # auto, model on the CPU: today's path
+        assert learner._device_quantise == (DEVICE.type != "cpu")   # auto: a CPU model keeps today's path
     finally:
         learner.close(flush=False)
     from workers.launch import RunSettings, create_run
     bf = open_store(str(tmp_path / "bf16"))
-    create_run(bf, {n: p.detach().numpy().copy() for n, p in model.named_parameters()},
+    create_run(bf, {n: p.detach().cpu().numpy().copy() for n, p in model.named_parameters()},
                RunSettings(fragments=2, sync_every=4, compression="bf16"))
     with pytest.raises(ValueError, match="device_quantise='on' needs an int4/int8 run"):
         start_learner(bf, model, device_quantise="on")
+
+
+def test_benchmark_checks_bytes_and_reports_ratios():
+    from infra.bench_device_quant import run
+    out = run(3000, "int8", 64, 2, 1, str(DEVICE))
+    assert set(out["median_ms"]) >= {"torch", "answer_off", "answer_on"}
+    assert out["answer_on_over_off"] > 0 and ("torch_over_c" in out) == kernels.AVAILABLE

@@ -36,7 +36,12 @@ from pipeline.codec import CodecConfig
 
 QMAX = {"int4": 7, "int8": 127}
 _MAGIC = {"int4": 1.5 * 2**23 + 8, "int8": 1.5 * 2**23}   # exact in float32 (pipeline/codec.py)
-CHUNK = 1 << 24        # values per kernel call: bounds the device temporaries (~4 float32 copies: 256 MiB)
+# Values per kernel call: bounds the temporaries (about 4 float32 copies of a chunk). An accelerator
+# wants few, large calls (each launches ~12 kernels from the training thread); the CPU wants chunks
+# whose temporaries are not fresh pages: 16M-value chunks took 145 ms per 16M int4 values, 1M 23 ms
+# (infra/bench_device_quant.py, docs/scale.md).
+CHUNK = 1 << 24
+CPU_CHUNK = 1 << 20
 
 
 def _quantise_chunk(x: torch.Tensor, scheme: str, bs: int, qmax_t: torch.Tensor, one_t: torch.Tensor
@@ -65,7 +70,7 @@ def quantise_into(out: torch.Tensor, offset: int, values: Callable[[int, int], t
     codes_at = offset + 4 * nb
     qmax_t = torch.full((1,), float(QMAX[scheme]), dtype=torch.float32, device=out.device)
     one_t = torch.ones((1,), dtype=torch.float32, device=out.device)
-    step = max(bs, CHUNK // bs * bs)
+    step = max(bs, (CPU_CHUNK if out.device.type == "cpu" else CHUNK) // bs * bs)
     for lo in range(0, numel, step):
         hi = min(lo + step, numel)
         x = values(lo, hi)
