@@ -225,3 +225,56 @@ def test_benchmark_checks_bytes_and_reports_ratios():
     out = run(3000, "int8", 64, 2, 1, str(DEVICE))
     assert set(out["median_ms"]) >= {"torch", "answer_off", "answer_on"}
     assert out["answer_on_over_off"] > 0 and ("torch_over_c" in out) == kernels.AVAILABLE
+
+
+def test_sender_waits_for_the_copy_on_its_thread_and_drops_non_finite_like_encode(tmp_path):
+    """``submit`` returns while the device's copy is still pending (the training thread never
+    waits); the sender thread seals once the event completes, the same bytes ``encode`` gives; a
+    non-finite delta is dropped with ``encode``'s error."""
+    import threading
+
+    from pipeline.types import DeltaHeader
+    from runhelpers import Recorder
+    from workers.learner.sender import Sender, SenderConfig
+
+    cfg = codec.CodecConfig("int4", 64, 3, 3)
+    events = Recorder()
+    store = open_store(str(tmp_path / "run"))
+    sender = Sender(store, cfg, SenderConfig(retry_s=0.05, max_retry_s=0.2), events, bus=None, identity=b"l0",
+                    heartbeat=dict)
+    sender.start()
+    copied = threading.Event()
+
+    class Pending:   # a device copy that completes only when the test says so
+        def synchronize(self):
+            assert threading.current_thread().name == "sender"
+            copied.wait(10)
+
+    def delta(values, seq):
+        dd = quantise_delta({"w": _dev(np.zeros_like(values))}, {"w": _dev(-values)}, ["w"], "int4", 64)
+        dd.wait()
+        h = DeltaHeader("l0", 1, seq, seq, 0, c_steps=1, c_tokens=10, learner_step=seq)
+        return h, DeviceDelta(dd.specs, dd.scheme, dd.block_size, dd.host, Pending())
+
+    try:
+        x = np.random.default_rng(3).standard_normal(1000).astype(np.float32)
+        h, dd = delta(x, 0)
+        t0 = time.monotonic()
+        sender.submit(h, dd)
+        assert time.monotonic() - t0 < 0.5 and sender.undelivered() == 1
+        time.sleep(0.2)
+        assert sender.stats.spilled == 0           # still waiting for the copy, on its own thread
+        copied.set()
+        assert sender.drain(10)
+        assert store.get(store.list(spill_prefix("l0", 1))[0]) == codec.encode("delta", h.to_dict(), {"w": x}, cfg)
+        bad = x.copy()
+        bad[5] = np.nan
+        h2, dd2 = delta(bad, 1)
+        sender.submit(h2, dd2)
+        assert sender.drain(10)
+        with pytest.raises(ValueError) as want:
+            codec.encode("delta", h2.to_dict(), {"w": bad}, cfg)
+        dropped = events.named("delta-dropped")
+        assert sender.stats.nonfinite == 1 and len(dropped) == 1 and dropped[0]["error"] == str(want.value)
+    finally:
+        sender.stop()
