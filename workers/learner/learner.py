@@ -14,6 +14,8 @@ Each ``step`` (SPEC §3): answer every round the syncer opened since the last st
 that arrived (overwrite θ_p, reset p's counters, remember the version as base) - answering first
 for a version whose round it still owes, so that no unsent work is overwritten - then one inner
 optimizer step and bump the counters. The syncer, not the learner, decides when p is synced.
+With the model on an accelerator, an answer's Δ_p is quantised there and only its packed bytes
+are copied to the host, without waiting (workers/learner/device_quant.py; the same delta bytes).
 Nothing in ``step`` touches the network or storage.
 
 Security (docs/security.md): a signed run needs ``LearnerConfig.keys`` (the learner's identity and
@@ -138,6 +140,8 @@ class Learner:
             raise ValueError(f"run {d.run_id} was created before syncer-driven rounds (driver {d.schedule.driver!r}): "
                              "its log still replays, but learners of this version cannot train it; create a new run")
         self._check_model(d)
+        agent = self.cfg.sync_process and d.syncers == 1   # off the training process's GIL (issue 15)
+        self._device_quantise = self._use_device_quantise(d, agent)   # refused before anything is claimed
         curve, seal = self._security(d)
         tracker = learner_tracker(self.store, d)    # the run's log, or every syncer shard's (issue 15)
         # its own: the receiver's belongs to its thread (sharded runs: no older-version fallback yet)
@@ -152,7 +156,6 @@ class Learner:
             self.answered[p] = (-1, -1)
         self.c_steps = [0] * d.num_fragments
         self.c_tokens = [0] * d.num_fragments
-        agent = self.cfg.sync_process and d.syncers == 1   # off the training process's GIL (issue 15)
         if agent:
             from workers.learner.agent import agent_for
             self.sender, self.receiver = agent_for(self, d, tracker.cursor, versions, curve)
@@ -162,7 +165,6 @@ class Learner:
                 seal=seal))
             self.receiver = make_receiver(tracker, versions, self.bus, lambda t, known, bus: Receiver(
                 t, known, self.events, bus, self.cfg.poll_s, curve=curve))
-        self._device_quantise = self._use_device_quantise(d, agent)
         self.sender.start()
         self.receiver.start()
         self.events.emit("learner-start", incarnation=self.incarnation, pid=os.getpid(),
