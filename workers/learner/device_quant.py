@@ -139,8 +139,12 @@ def _to_host(buf: torch.Tensor) -> tuple[torch.Tensor, Any]:
     except RuntimeError:   # no pinned memory for this device: a pageable copy (it may block)
         host = torch.empty(buf.numel(), dtype=torch.uint8)
     host.copy_(buf, non_blocking=True)
-    event = torch.cuda.Event() if buf.device.type == "cuda" else torch.Event(buf.device)
-    event.record()
+    if buf.device.type == "cuda":   # on the stream of buf's device (not the current device's: multi-GPU)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(buf.device))
+    else:
+        event = torch.Event(buf.device)
+        event.record()
     return host, event
 
 
