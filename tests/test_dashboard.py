@@ -29,6 +29,7 @@ import pytest
 
 from pipeline.types import DroppedRecord
 from storage.log import CommitLog
+from storage.store import open_store
 from workers.launch import RunSettings, create_run
 from workers.run import metrics_flags
 from workers.tools.dashboard import DashboardServer, dashboard_command, default_events_dir, state_body
@@ -152,6 +153,30 @@ def test_commits_are_read_incrementally_and_match_the_log_totals(store, tmp_path
     assert s["totals"] == json.loads(json.dumps(expected.to_dict()))
     assert (s["syncer"]["commits"], s["syncer"]["deltas_merged"], s["syncer"]["deltas_dropped"],
             s["syncer"]["drop_reasons"]) == (4, 3, 1, {"superseded": 1})
+
+
+def test_finished_waits_until_the_log_is_read_to_its_end(tmp_path, make_commit):
+    """A stopped run with a backlog longer than one refresh reads: not finished (its totals are not
+    final yet) until the last commit is read."""
+    store = open_store(str(tmp_path / "store"))
+    small_run(store)
+    log = CommitLog(store)
+    for seq in range(2, 7):
+        log.append(make_commit(seq, fragment=seq % 2, version=seq))
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    wall = Clock()
+    write_events(logs / "l0.jsonl", [{"t": wall.t, "role": "learner", "id": "l0", "event": "learner-start"},
+                                     {"t": wall.t, "role": "learner", "id": "l0", "event": "learner-stop"}])
+    write_events(logs / "syncer.jsonl", [{"t": wall.t, "role": "syncer", "id": "s", "event": "syncer-stop"}])
+    view = RunView(store.uri, logs, config=ViewConfig(refresh_s=1, max_commits_per_refresh=3), wall=wall,
+                   opener=lambda uri: store)
+    seen = []
+    for _ in range(4):
+        s = view.state()
+        seen.append((s["run"]["commits_read"], s["run"]["finished"]))
+        wall.t += 1
+    assert seen == [(3, False), (6, False), (7, True), (7, True)]
 
 
 @pytest.mark.parametrize("store", ["local", "s3"], indirect=True)

@@ -167,6 +167,7 @@ class RunView:
         self.log: CommitLog | None = None
         self.totals: LogTotals | None = None
         self.next_seq = 0
+        self.caught_up = False   # the log read to the tail seen at the last refresh ("finished" waits for it)
         self.error = ""
         self.epoch = 0
         self.rejected: Counter = Counter()
@@ -220,13 +221,15 @@ class RunView:
 
     def _read_commits(self) -> None:
         tail = self.log.tail()
-        if tail < self.next_seq:
+        self.caught_up = self.next_seq > tail
+        if self.caught_up:
             return
         end = min(tail + 1, self.next_seq + self.cfg.max_commits_per_refresh)
         for rec in self.log.read_range(self.next_seq, end):
             self._add_commit(rec)
             self.next_seq = rec.seq + 1
             self._totals = None
+        self.caught_up = self.next_seq > tail
 
     def _add_commit(self, rec: CommitRecord) -> None:
         self.totals.add(rec)
@@ -357,8 +360,10 @@ class RunView:
         if self._totals is None and self.totals is not None:
             self._totals = self.totals.to_dict()
         totals = self._totals
+        # finished: every role stopped *and* the log read to its end, so the totals shown are final
+        # (a long run's backlog is read max_commits_per_refresh at a time)
         done = bool(learners) and all(lv["status"] == "stopped" for lv in learners) \
-            and self.syncer["status"] in ("stopped", "fenced")
+            and self.syncer["status"] in ("stopped", "fenced") and self.caught_up
         return {
             "format": STATE_FORMAT, "version": STATE_VERSION, "now": round(now, 3), "error": self.error,
             "run": {"uri": self.uri, "events_dir": str(self.events_dir) if self.events_dir else None,
