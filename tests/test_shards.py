@@ -210,7 +210,9 @@ def test_one_shard_dies_and_restarts_alone(tmp_path):
         cluster.start_syncers()
         cluster.wait_ready([s0, s1])
         for lid in ("l0", "l1"):
-            cluster.start_learner(lid, ["--ack-timeout", "0.5"])
+            # paced (400 steps >= 8 s): the learners must still be training after the kill, whatever
+            # the machine's load did to the syncers' start (once in CI they ran out of steps first)
+            cluster.start_learner(lid, ["--ack-timeout", "0.5", "--pace", "0.02"])
         cluster.wait_ready(["l0", "l1"])
         cluster.wait_for(lambda: _tail(store, desc, 1) >= desc.num_fragments + 2, 60, "shard 1 commits")
         cluster.kill(s1)
