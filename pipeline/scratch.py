@@ -7,10 +7,16 @@ page faults, ~1.9 us each, per 16M-value int4 encode). ``borrow`` lends a uint8 
 small pool and takes it back after, so later calls reuse pages already mapped.
 
 No locks and no thread-locals (pipeline/ imports no threading: tests/test_layering.py): ``list.pop``
-and ``list.append`` are atomic, so concurrent callers never get the same buffer. The cost: the
-process keeps up to ``KEEP`` buffers, each as large as the largest payload it held (9.4 MB per
-16M int4 values). A buffer's contents are whatever its last user left: callers write every byte
-they read.
+and ``list.append`` are atomic, so concurrent callers never get the same buffer. A buffer's
+contents are whatever its last user left: callers write every byte they read.
+
+What the pool keeps is bounded (issue 15, the 100M-parameter load test): at most ``KEEP`` buffers,
+none larger than ``MAX_KEPT`` bytes and ``KEEP_BYTES`` bytes in all (192 MiB of address space;
+pages only where a caller wrote). A larger request (a syncer's fp32 version: 400 MB of raw payload
+and as much zstd output per 100M values) gets a buffer of its own that is freed after the block:
+kept, such buffers pinned ~0.9 GB for the process's life, and a learner whose deltas are tens of
+MB never needs them. Per 16M int4 values a payload is 9.4 MB: a 50 MB delta's raw payload and
+frames fit twice over.
 """
 from __future__ import annotations
 
@@ -19,7 +25,9 @@ from typing import Iterator
 
 import numpy as np
 
-KEEP = 8           # buffers kept: a caller's raw payload and frames, for a few threads at once
+KEEP = 8                  # buffers kept: a caller's raw payload and frames, for a few threads at once
+MAX_KEPT = 64 << 20       # bytes: a larger buffer is freed after its block, never kept
+KEEP_BYTES = 192 << 20    # bytes kept in all (the smallest go first past it)
 
 
 class _Buf:
@@ -46,9 +54,16 @@ def _take(nbytes: int) -> _Buf:
     return _Buf(np.empty(max(nbytes, 1), np.uint8))
 
 
+def kept_bytes() -> int:
+    """Bytes of the buffers the pool keeps now."""
+    return sum(b.a.size for b in list(_pool))
+
+
 def _give(b: _Buf) -> None:
+    if b.a.size > MAX_KEPT:   # freed here: its pages go back to the kernel
+        return
     _pool.append(b)
-    while len(_pool) > KEEP:   # keep the largest: they serve every smaller request too
+    while len(_pool) > KEEP or kept_bytes() > KEEP_BYTES:   # keep the largest: they serve every smaller request too
         try:
             _pool.remove(min(list(_pool), key=lambda b: b.a.size))
         except ValueError:

@@ -90,3 +90,30 @@ def test_compress_frames_into_out_keeps_frames_in_their_share():
     frames = codec_frames.compress_frames(raw, 4096, 1, 0.0, map, 3, out=out)
     plain = codec_frames.compress_frames(raw, 4096, 1, 0.0, map, 3)
     assert [(m, bytes(d)) for m, d in frames] == [(m, bytes(d)) for m, d in plain]
+
+
+def test_the_pool_keeps_no_buffer_over_its_bound_and_bounded_bytes_in_all(monkeypatch):
+    monkeypatch.setattr(scratch, "_pool", [])
+    monkeypatch.setattr(scratch, "MAX_KEPT", 1 << 16)
+    monkeypatch.setattr(scratch, "KEEP_BYTES", 3 << 16)
+    with scratch.borrow((1 << 16) + 1) as big:   # over MAX_KEPT: freed after the block
+        big[:] = 1
+    assert scratch._pool == []
+    with scratch.borrow(1 << 16) as a:   # at the bound: kept, and lent again
+        a[:] = 2
+    kept = scratch._pool[0].a
+    with scratch.borrow(100) as b:
+        assert np.shares_memory(b, kept)
+    for n in (1 << 16, 1 << 16, 1 << 16, 1 << 16):   # four at once: KEEP_BYTES holds three
+        stack = [scratch.borrow(n) for _ in range(4)]
+        [s.__enter__() for s in stack]
+        [s.__exit__(None, None, None) for s in stack]
+    assert len(scratch._pool) == 3 and scratch.kept_bytes() <= scratch.KEEP_BYTES
+
+
+@needs_cffi
+def test_stored_frames_leave_the_output_buffer_untouched():
+    raw = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8)   # zstd cannot shrink it
+    out = np.full(codec_frames.out_bytes(raw.size, 1 << 16, 3, 3), 7, np.uint8)
+    got = codec_frames.compress_frames(raw, 1 << 16, 3, 0.02, map, 3, out=out)
+    assert all(m == codec_frames.STORED for m, _ in got) and (out == 7).all()
