@@ -18,8 +18,9 @@ turns (side by side: a busy moment of the machine hits them alike), and the comm
 same bits (checked: the record and the version blob). Reported: the median seconds per phase and
 per round, rounds per second for one shard (one syncer process), nanoseconds per parameter per
 delta, the median per-round speed-up over the first thread count, and the process's CPU seconds
-per round in user space and in the kernel (``getrusage``: at large sizes the kernel's zeroing of
-freshly mapped pages for the round's new arrays is a large share, docs/scale.md). docs/scale.md turns these
+per round in user space and in the kernel, and its minor page faults per round (``getrusage``: at
+large sizes the kernel's zeroing of freshly mapped pages for the round's new arrays is a large
+share, docs/scale.md; numpy asks for huge pages, so a fault can be 2 MiB). docs/scale.md turns these
 into the number of shards the paper's setting needs.
 """
 from __future__ import annotations
@@ -125,7 +126,7 @@ def _one_round(desc: RunDescriptor, state: SyncerState, window, blobs, rnd: int,
     t3 = clock()
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     return {"decode": t1 - t0, "commit": t2 - t1, "version": t3 - t2, "user": r1.ru_utime - r0.ru_utime,
-            "sys": r1.ru_stime - r0.ru_stime}, commit, blob
+            "sys": r1.ru_stime - r0.ru_stime, "faults": r1.ru_minflt - r0.ru_minflt}, commit, blob
 
 
 def bench_load(cfg: LoadConfig, clock: Callable[[], float] = time.perf_counter) -> dict:
@@ -166,6 +167,7 @@ def _summary(cfg: LoadConfig, times: dict[int, list[dict[str, float]]], blob_byt
         med = statistics.median(totals)
         rows.append({"threads": threads, "round_s": med, "rounds_per_s": 1.0 / med,
                      **{f"{ph}_s": statistics.median(p[ph] for p in per_round) for ph in PHASES + CPU},
+                     "faults": statistics.median(p["faults"] for p in per_round),   # minor, per round
                      "ns_per_param_delta": med / (cfg.params * cfg.deltas) * 1e9,
                      "speedup": statistics.median(b / t for b, t in zip(base, totals)),
                      "rounds": totals})
@@ -182,10 +184,10 @@ def print_load(res: dict) -> None:
                     f"({res['delta_blob_mb']:.1f} MB each), {res['version_dtype']} version, "
                     f"median of {res['rounds']} rounds, same bits at every thread count")
     for col in ("threads", "decode s", "commit s", "version s", "round s", "rounds/s/shard", "ns/param/delta",
-                "speed-up", "CPU user s", "CPU sys s"):
+                "speed-up", "CPU user s", "CPU sys s", "faults"):
         t.add_column(col, justify="right")
     for r in res["rows"]:
         t.add_row(str(r["threads"]), f"{r['decode_s']:.2f}", f"{r['commit_s']:.2f}", f"{r['version_s']:.2f}",
                   f"{r['round_s']:.2f}", f"{r['rounds_per_s']:.3f}", f"{r['ns_per_param_delta']:.2f}",
-                  f"{r['speedup']:.2f}×", f"{r['user_s']:.2f}", f"{r['sys_s']:.2f}")
+                  f"{r['speedup']:.2f}×", f"{r['user_s']:.2f}", f"{r['sys_s']:.2f}", f"{r['faults']:,.0f}")
     Console().print(t)
