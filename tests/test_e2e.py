@@ -135,8 +135,12 @@ def test_syncer_killed_and_restarted_loses_nothing(tmp_path):
     run.create()
     try:
         run.syncer("syncer")
-        for m in range(2):   # slowed, and the syncer killed early: they still train when it dies, fast machine or not
-            run.learner(f"l{m}", extra=["--slow", "3"])
+        # slowed 12x (400 steps ~10 s here), and the syncer killed early: they still train when it
+        # dies and after the new one recovers, fast machine or not. Without a syncer no round opens, so
+        # a learner makes no deltas: once in CI (--slow 3) they ran their 400 steps in 2.3 s, ended
+        # within the 2 s outage, and the new syncer had nothing to take over.
+        for m in range(2):
+            run.learner(f"l{m}", extra=["--slow", "12"])
         _wait_for(lambda: CommitLog(run.store).tail() >= 8 and _steps(run, "l0") >= 40, 90, "a few commits")
         os.killpg(run.procs["syncer"].pid, signal.SIGKILL)
         run.procs["syncer"].wait()
