@@ -77,6 +77,9 @@ class Scenario:
 _BASE = RunSpec(learners=3, steps=420, slow=2.0)
 _ALL_BAD = "duplicate,reorder,truncated,corrupted,corrupt-frame,nan,inf,wrong-shape,unknown-fragment,too-old," \
            "tampered-spill,mislabeled-spill,oversized-spill,oversized,duplicate"
+# the two region scenarios' run: 2 regions x 2 learners over the WAN, 0.2 s paced steps (see region-partition)
+_REGION_RUN = dataclasses.replace(_BASE, learners=4, steps=190, slow=1.0, storage="wan", pace_s=0.2, sync_every=30)
+
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     Scenario("learner-kill", "SIGKILL a learner",
@@ -138,7 +141,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              # loop, not the load of a shared machine (a step must take over 0.4 s to break it; 0.28 s
              # was seen at 0.1 s pace with a load average of 13 on 2 cores); 190 steps outlast the
              # 20 s cut by ~10 s. H=30: a delta per learner every 2 s (H in the hundreds is the paper's).
-             dataclasses.replace(_BASE, learners=4, steps=190, slow=1.0, storage="wan", pace_s=0.2, sync_every=30),
+             _REGION_RUN,
              (Fault(2.0, "partition-region", "r1", 20.0),),
              # 15 s, not 5: after the heal the syncer reads r1's inbox on its loop, HEAD + GET per
              # delta across the link (~0.25 s at rtt 100 ms), so the deltas r1 spilled hold commits
@@ -150,7 +153,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              "(a blackhole, what a real partition does) instead of resetting them: calls across the link "
              "hang rather than fail; r1's learners must still keep their pace and spill into r1's bucket, "
              "the held bytes (bus deltas, S3 calls) arrive after the heal and are merged at most once",
-             dataclasses.replace(_BASE, learners=4, steps=190, slow=1.0, storage="wan", pace_s=0.2, sync_every=30),
+             _REGION_RUN,
              (Fault(2.0, "partition-region", "r1:hold", 20.0),),
              Bounds(max_commit_gap_s=15.0),
              checks=("all-learners-merged", "region-kept-training", "regions-verified")),
