@@ -15,7 +15,8 @@ import torch
 from pipeline.errors import FormatError
 from storage.layout import read_descriptor, spill_prefix
 from storage.store import open_store
-from workers.learner.agent_wire import Slots, pack, unpack
+from workers.learner.agent_board import Board, BoardArrival
+from workers.learner.agent_wire import WIRE_VERSION, Slots, fragment_offsets, pack, unpack
 
 from test_hardening_learner import append_version, make_run, start_learner, tiny_model, train_until
 
@@ -61,16 +62,88 @@ def test_agent_stores_the_same_bytes_and_applies_the_same_versions(tmp_path):
 
 def test_agent_wire_refuses_damaged_or_foreign_frames():
     frame = pack("delta", slot=3, header={"a": 1})
-    assert unpack(frame) == {"v": 1, "type": "delta", "slot": 3, "header": {"a": 1}}
+    assert unpack(frame) == {"v": WIRE_VERSION, "type": "delta", "slot": 3, "header": {"a": 1}}
     bad = bytearray(frame)
     bad[-1] ^= 1
     with pytest.raises(FormatError, match="checksum"):
         unpack(bytes(bad))
     import zlib
     import msgpack
-    body = msgpack.packb({"v": 2, "type": "delta"})
+    body = msgpack.packb({"v": WIRE_VERSION + 1, "type": "delta"})
     with pytest.raises(FormatError, match="version"):
         unpack(zlib.crc32(body).to_bytes(4, "big") + body)
+
+
+def test_the_board_carries_rounds_arrivals_and_slots_between_two_mappings():
+    ours = Board(3, 4)
+    theirs = Board(3, 4, fd=ours.fd)          # what the child maps from the inherited fd
+    assert ours.opened() == {} and ours.arrival(0) is None and ours.generation() == 0
+    assert ours.consumed(2) == 0 and ours.done(3) == 0          # never written: zeros
+    theirs.write_opened({0: (1, 4), 2: (1, 5)})
+    assert ours.generation() == 1 and ours.opened() == {0: (1, 4), 2: (1, 5)}
+    theirs.write_opened({2: (2, 7)})                            # round 4 closed, a new epoch
+    assert ours.opened() == {2: (2, 7)}
+    a = BoardArrival(1, theirs.version_slot(1, 1), 9, 33, 2, 7, 1.7e9 + 0.25, "announce")
+    theirs.write_arrival(1, a)
+    assert ours.arrival(1) == a and ours.generation() == 3
+    assert theirs.version_slot(1, 1) != theirs.version_slot(1, 2) == theirs.version_slot(1, 0)
+    ours.set_consumed(1, 1)
+    theirs.set_done(3, 5)
+    assert theirs.consumed(1) == 1 and ours.done(3) == 5
+    theirs.close(close_fd=False)
+    ours.close()
+
+
+def test_the_board_refuses_a_damaged_record_or_a_foreign_header():
+    ours = Board(2, 4)
+    ours.write_opened({1: (1, 2)})
+    ours.words[ours._opened_at + 5 + 2] ^= 1                   # fragment 1's round word
+    with pytest.raises(FormatError, match="checksum"):
+        ours.opened()
+    with pytest.raises(FormatError, match="header"):
+        Board(3, 4, fd=ours.fd)                                 # the child computed another shape
+    ours.words[ours._opened_at + 5 + 2] ^= 1
+    assert ours.opened() == {1: (1, 2)}
+    ours.close()
+
+
+def test_a_version_slot_is_never_rewritten_before_the_learner_copied_it_out(tmp_path):
+    """The agent's publish and the learner's take, on one board and one set of slots (the two
+    processes' halves, without the processes): the newest version wins, a slot is written again
+    only once the generation it held was copied out, and a held version goes out once it was."""
+    from types import SimpleNamespace
+    from workers.learner.agent import SyncAgent
+    from workers.learner.agent_main import Agent
+    from workers.learner.receiver import Arrival
+    store = open_store(str(tmp_path / "run"))
+    make_run(store, tiny_model())
+    d = read_descriptor(store)
+    board, slots = Board(d.num_fragments, 4), Slots(d, 4 + 2 * d.num_fragments)
+    agent = SimpleNamespace(board=board, slots=slots, gen=[0] * d.num_fragments, pending={})
+    learner = SimpleNamespace(board=board, slots=slots, d=d, consumed=[0] * d.num_fragments, queued={},
+                              _arrivals_gen=-1)
+
+    def version(v):
+        vals = {name: np.full(shape, float(v), np.float32) for name, shape, _ in fragment_offsets(d, 1)}
+        return Arrival(1, v, 10 + v, vals, "announce", 1.0e9 + v, 1, v)
+
+    for v in (1, 2):                 # two generations: one per slot, the learner not looking yet
+        agent.pending[1] = version(v)
+        Agent.publish(agent)
+    agent.pending[1] = version(3)    # generation 3 would reuse generation 1's slot: not copied out
+    Agent.publish(agent)
+    assert 1 in agent.pending and board.arrival(1).version == 2
+    got = SyncAgent.take(learner)    # the newest (2) is copied out; 1 was never read
+    assert [(a.fragment, a.version, a.round) for a in got] == [(1, 2, 2)]
+    assert all(np.all(x == 2.0) for x in got[0].values.values())
+    assert SyncAgent.take(learner) == []                         # nothing new
+    Agent.publish(agent)             # consumed 2 >= 3 - 2: generation 3 goes out now
+    assert not agent.pending
+    (a,) = SyncAgent.take(learner)
+    assert (a.version, a.seq, a.found_by, a.committed_at) == (3, 13, "announce", 1.0e9 + 3)
+    assert all(np.all(x == 3.0) for x in a.values.values())
+    slots.close()
+    board.close()
 
 
 def test_slots_share_values_between_two_mappings(tmp_path):

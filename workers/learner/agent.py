@@ -9,7 +9,10 @@ small reader thread: in the default job every answer step cost ~2.5 ms more with
 setting removed.
 
 What crosses (workers/learner/agent_wire.py): a delta's float32 values go into a shared slot and
-a ``delta`` frame names it; a version comes back the same way. ``AgentSender`` and
+a ``delta`` frame names it; a version comes back in a shared slot too, but named on the board
+(workers/learner/agent_board.py), as are the open rounds and the delta slots handed back: the
+training thread reads the board at each step's start, so in the steady state no frame from the
+agent wakes the reader thread mid-step (each did cost ~0.1 ms of training). ``AgentSender`` and
 ``AgentReceiver`` give the Learner the interface of ``Sender`` and ``Receiver`` (submit, drain,
 stats, take, opened ...), so the Learner's logic, the deltas' bytes and the versions applied are
 the same either way: the child runs the same Sender and Receiver code on values copied exactly.
@@ -36,6 +39,7 @@ from pipeline.fragment import extract
 from pipeline.types import DeltaHeader, RunDescriptor
 from workers.bus.bus import BusConfig
 from workers.common.events import EventLog
+from workers.learner.agent_board import Board
 from workers.learner.agent_wire import Slots, pack, unpack
 from workers.learner.receiver import Arrival
 from workers.learner.sender import SenderConfig, SenderStats
@@ -83,27 +87,30 @@ class SyncAgent:
     def __init__(self, d: RunDescriptor, setup: AgentSetup, heartbeat: Callable[[], dict],
                  events: EventLog):
         self.d, self.setup, self.heartbeat, self.events = d, setup, heartbeat, events
-        self.version_slots = d.num_fragments + 2
+        self.version_slots = 2 * d.num_fragments          # two per fragment (agent_board.py)
         self.slots = Slots(d, DELTA_SLOTS + self.version_slots)
+        self.board = Board(d.num_fragments, DELTA_SLOTS)
         ours, theirs = socket.socketpair()
         self.conn = Connection(ours.detach())
         child_fd = theirs.detach()
         self._send_lock = threading.Lock()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "workers.learner.agent_main", "--conn", str(child_fd), "--shm", str(self.slots.fd)],
-            pass_fds=(child_fd, self.slots.fd), stdin=subprocess.DEVNULL)
+            [sys.executable, "-m", "workers.learner.agent_main", "--conn", str(child_fd), "--shm", str(self.slots.fd),
+             "--board", str(self.board.fd)],
+            pass_fds=(child_fd, self.slots.fd, self.board.fd), stdin=subprocess.DEVNULL)
         os.close(child_fd)
         self.failed: str | None = None
-        self.free_d = list(range(DELTA_SLOTS))
-        self.arrivals: dict[int, tuple[int, dict]] = {}    # fragment -> (slot, fields), newest wins
-        self.opened: dict[int, tuple[int, int]] = {}
+        # the training thread's own view of the board (only it reads the board and hands deltas over)
+        self.handed = [0] * DELTA_SLOTS                     # deltas handed over per delta slot
+        self.consumed = [0] * d.num_fragments               # newest arrival generation copied out
+        self._opened: tuple[int, dict[int, tuple[int, int]]] = (-1, {})   # (board generation, rounds)
+        self._arrivals_gen = -1
         self.stats: dict = {}
         self.queued: dict[tuple[int, int], tuple[DeltaHeader, dict]] = {}   # waiting for a delta slot
         self.submitted = 0
         self.sender_stopped = threading.Event()
         self.ready = threading.Event()
         self.done = threading.Event()
-        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._read, name="sync-agent", daemon=True)
 
     def _config(self) -> bytes:
@@ -156,23 +163,7 @@ class SyncAgent:
 
     def _handle(self, msg: dict) -> None:
         kind = msg["type"]
-        freed = msg.get("freed")
-        if freed:
-            with self._lock:
-                self.free_d.extend(freed)
-                items = [self.queued.pop(k) for k in list(self.queued)[:len(freed)]]
-            for item in items:
-                self.submit(*item)
-        if kind == "arrival":
-            with self._lock:
-                old = self.arrivals.pop(msg["fragment"], None)
-                self.arrivals[msg["fragment"]] = (msg["slot"], msg)
-            if old is not None:
-                self.send("vfree", slots=[old[0]])
-        elif kind == "opened":
-            with self._lock:
-                self.opened = {int(p): (e, r) for p, (e, r) in msg["rounds"].items()}
-        elif kind == "stats":
+        if kind == "stats":
             self.stats = msg
         elif kind == "ready":
             self.ready.set()
@@ -183,15 +174,24 @@ class SyncAgent:
         elif kind == "bye":
             self.done.set()
 
-    # -- called by the proxies -------------------------------------------------------------------
-    def submit(self, header: DeltaHeader, values: dict[str, np.ndarray]) -> None:
-        with self._lock:
-            slot = self.free_d.pop() if self.free_d else None
-            if slot is None:         # every slot in flight: hold the newest of its lineage
-                self.queued[(header.fragment, header.base_version)] = (header, values)
-                return
-        self.slots.write(slot, header.fragment, values)
+    # -- called by the proxies, on the training thread -------------------------------------------
+    def _free_slot(self) -> int | None:
+        for slot in range(DELTA_SLOTS):
+            if self.board.done(slot) == self.handed[slot]:   # the agent copied out all we handed over
+                return slot
+        return None
+
+    def _hand_over(self, slot: int, header: DeltaHeader) -> None:
+        self.handed[slot] += 1
         self.send("delta", header=header.to_dict(), slot=slot)
+
+    def submit(self, header: DeltaHeader, values: dict[str, np.ndarray]) -> None:
+        slot = None if self.queued else self._free_slot()
+        if slot is None:         # every slot in flight: hold the newest of its lineage (flush_queued)
+            self.queued[(header.fragment, header.base_version)] = (header, values)
+            return
+        self.slots.write(slot, header.fragment, values)
+        self._hand_over(slot, header)
 
     def submit_difference(self, header: DeltaHeader, base: dict[str, np.ndarray], params: dict) -> None:
         """``submit(header, {n: base[n] - params[n]})``, the subtraction written straight into the
@@ -202,24 +202,47 @@ class SyncAgent:
             current = None
         if current is None or any(a.dtype != np.float32 for a in current.values()):
             current = extract(params, list(params))
-        with self._lock:
-            slot = self.free_d.pop() if self.free_d else None
+        slot = None if self.queued else self._free_slot()
         if slot is None:
             self.submit(header, {n: base[n] - current[n] for n in current})
             return
         for name, view in self.slots.views(slot, header.fragment).items():
             np.subtract(base[name], current[name], out=view)
-        self.send("delta", header=header.to_dict(), slot=slot)
+        self._hand_over(slot, header)
+
+    def flush_queued(self) -> None:
+        """Hand over held deltas, oldest first, as slots come back."""
+        while self.queued:
+            slot = self._free_slot()
+            if slot is None:
+                return
+            header, values = self.queued.pop(next(iter(self.queued)))
+            self.slots.write(slot, header.fragment, values)
+            self._hand_over(slot, header)
+
+    def opened(self) -> dict[int, tuple[int, int]]:
+        gen = self.board.generation()           # one word when nothing is new
+        if gen != self._opened[0]:
+            self._opened = (gen, self.board.opened())
+        return dict(self._opened[1])
 
     def take(self) -> list[Arrival]:
-        with self._lock:
-            got, self.arrivals = self.arrivals, {}
+        """The versions that arrived since the last call (the newest per fragment), copied out."""
+        if self.queued:
+            self.flush_queued()
+        gen = self.board.generation()
+        if gen == self._arrivals_gen:
+            return []
+        self._arrivals_gen = gen                # read before the records: a later write bumps it again
         out = []
-        for p, (slot, m) in sorted(got.items()):
-            out.append(Arrival(p, m["version"], m["seq"], self.slots.read(slot, p), m["found_by"],
-                               m["committed_at"], m["epoch"], m["round"]))
-        if got:
-            self.send("vfree", slots=[slot for slot, _ in got.values()])
+        for p in range(self.d.num_fragments):
+            a = self.board.arrival(p)
+            if a is None or a.gen <= self.consumed[p]:
+                continue
+            values = self.slots.read(a.slot, p)
+            self.board.set_consumed(p, a.gen)   # the slot may be written again from now on
+            self.consumed[p] = a.gen
+            out.append(Arrival(p, a.version, a.seq, values, a.found_by, a.committed_at, a.epoch, a.round))
         return out
 
     def close(self, timeout_s: float = 15.0) -> None:
@@ -237,6 +260,7 @@ class SyncAgent:
             self._thread.join(1.0)
         self.conn.close()
         self.slots.close()
+        self.board.close()
 
 
 class AgentSender:
@@ -276,6 +300,7 @@ class AgentSender:
     def drain(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            self.agent.flush_queued()
             if self.undelivered() == 0 and self.agent.stats.get("idle"):
                 return True
             if self.failed is not None:
@@ -304,8 +329,7 @@ class AgentReceiver:
         return self.agent.take()
 
     def opened(self) -> dict[int, tuple[int, int]]:
-        with self.agent._lock:
-            return dict(self.agent.opened)
+        return self.agent.opened()
 
     def __getattr__(self, name: str):
         if name in ("bytes_received", "errors", "refused", "failed", "awaited", "copy_misses", "copy_wait_s"):

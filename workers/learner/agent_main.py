@@ -2,18 +2,19 @@
 receiver, unchanged, in a process of their own, so that their Python (encoding, sealing, the bus,
 loading and verifying versions) never holds the training process's GIL.
 
-``python -m workers.learner.agent_main --conn FD --shm FD`` (both fds inherited from the learner).
-The first frame on ``--conn`` is ``config`` (workers/learner/agent.py ``SyncAgent._config``); then:
+``python -m workers.learner.agent_main --conn FD --shm FD --board FD`` (fds inherited from the
+learner). The first frame on ``--conn`` is ``config`` (workers/learner/agent.py
+``SyncAgent._config``); then:
 
 * learner -> agent: ``delta`` (header, slot: the values are in the shared slot; the agent copies
-  them out and submits them to its Sender; the slot goes back in the ``freed`` field of the next
-  frame it sends, or in a ``dfree`` frame within ``STATS_EVERY_S``: a frame of its own at once would
-  wake the learner's reader thread in the middle of the answer step), ``vfree`` (version slots handed
-  back), ``beat`` (the learner's heartbeat fields; ``soon``: send one now), ``stop_sender``,
-  ``stop``;
-* agent -> learner (any frame may carry ``freed``: delta slots handed back): ``ready``, ``dfree``,
-  ``arrival`` (a version in a slot, with the Arrival's fields), ``opened`` (the open rounds), ``stats`` (the sender's and receiver's counters, whenever
-  they change), ``failed`` (why this process stops early), ``bye``.
+  them out, submits them to its Sender and counts the slot as done on the board), ``beat`` (the
+  learner's heartbeat fields; ``soon``: send one now), ``stop_sender``, ``stop``;
+* agent -> learner: ``ready``, ``stats`` (the sender's and receiver's counters, when they changed,
+  at most every ``STATS_EVERY_S``), ``failed`` (why this process stops early), ``sender_stopped``,
+  ``bye``;
+* on the board (workers/learner/agent_board.py), read by the training thread at each step's start:
+  the open rounds, each fragment's newest version (written into its version slot) and the delta
+  slots copied out. No frame for them: a frame wakes the learner's reader thread mid-step.
 
 Events go to the learner's own log (appended line by line, with the learner's role and id).
 """
@@ -34,21 +35,27 @@ from workers.bus.bus import BusConfig, BusCounters, CurveKeys, drain_wake
 from workers.bus.signing import Signer, seal_delta
 from workers.common.events import EventLog
 from workers.common.versions import VersionTracker
+from workers.learner.agent_board import Board, BoardArrival
 from workers.learner.agent_wire import Slots, pack, unpack
 from workers.learner.receiver import Receiver
 from workers.learner.sender import Sender, SenderConfig
 
 STATS_EVERY_S = 0.25    # counters go out at most this often (each frame costs the learner's reader thread
                         # the GIL); the loop wakes on a frame, on the receiver's news, or after this
+PENDING_POLL_S = 0.005  # a version waiting for its slot (the learner has not copied out the one before)
 
 
 class Agent:
-    def __init__(self, conn: Connection, shm_fd: int, cfg: dict):
+    def __init__(self, conn: Connection, shm_fd: int, board_fd: int, cfg: dict):
         self.conn, self.cfg = conn, cfg
         store = open_store(cfg["store"], s3_endpoint=cfg.get("s3_endpoint"), create=False)
         self.d = d = read_descriptor(store)
         self.slots = Slots(d, cfg["delta_slots"] + cfg["version_slots"], fd=shm_fd)
-        self.free_v = list(range(cfg["delta_slots"], cfg["delta_slots"] + cfg["version_slots"]))
+        if cfg["version_slots"] != 2 * d.num_fragments:
+            raise ValueError(f"expected 2 version slots per fragment, got {cfg['version_slots']}")
+        self.board = Board(d.num_fragments, cfg["delta_slots"], fd=board_fd)
+        self.done = [0] * cfg["delta_slots"]       # deltas copied out of each delta slot
+        self.gen = [0] * d.num_fragments            # newest arrival generation on the board
         self.events = EventLog(cfg.get("log"), "learner", cfg["learner"], echo=None if cfg.get("log") else sys.stdout)
         curve = CurveKeys(*(k.encode() for k in cfg["curve"])) if cfg.get("curve") else None
         seal = None
@@ -68,8 +75,7 @@ class Agent:
         os.set_blocking(self._news_w, False)
         self.receiver = Receiver(tracker, known, self.events, bus, cfg["poll_s"], curve=curve, on_news=self._news)
         self.submitted = 0
-        self.freed: list[int] = []   # delta slots copied out, not yet handed back
-        self.pending = {}          # fragment -> Arrival waiting for a free version slot (newest wins)
+        self.pending = {}          # fragment -> Arrival waiting for its version slot (newest wins)
         self.sent_opened: dict | None = None
         self.sent_stats: dict | None = None
         self.stats_at = 0.0
@@ -82,8 +88,6 @@ class Agent:
             pass      # the pipe is full: the loop is awake already
 
     def send(self, kind: str, **fields) -> None:
-        if self.freed:
-            fields["freed"], self.freed = self.freed, []
         self.conn.send_bytes(pack(kind, **fields))
 
     def run(self) -> None:
@@ -91,7 +95,7 @@ class Agent:
         self.receiver.start()
         self.send("ready")
         while True:
-            ready = wait([self.conn, self._news_r], STATS_EVERY_S)
+            ready = wait([self.conn, self._news_r], PENDING_POLL_S if self.pending else STATS_EVERY_S)
             if self._news_r in ready:
                 drain_wake(self._news_r)
             while self.conn.poll():
@@ -99,19 +103,28 @@ class Agent:
                     return
             for a in self.receiver.take():
                 self.pending[a.fragment] = a
-            while self.pending and self.free_v:
-                a = self.pending.pop(next(iter(self.pending)))
-                slot = self.free_v.pop()
-                self.slots.write(slot, a.fragment, a.values)
-                self.send("arrival", slot=slot, fragment=a.fragment, version=a.version, seq=a.seq,
-                          found_by=a.found_by, committed_at=a.committed_at, epoch=a.epoch, round=a.round)
+            self.publish()
             self.report()
 
+    def publish(self) -> None:
+        """Write each pending version into its slot and onto the board, once the learner has copied
+        out the generation that slot held before (agent_board.py)."""
+        for p in list(self.pending):
+            g = self.gen[p] + 1
+            if self.board.consumed(p) < g - 2:
+                continue                    # the learner is between steps: next wake-up
+            a = self.pending.pop(p)
+            slot = self.board.version_slot(p, g)
+            self.slots.write(slot, p, a.values)
+            self.board.write_arrival(p, BoardArrival(g, slot, a.version, a.seq, a.epoch, a.round, a.committed_at,
+                                                     a.found_by))
+            self.gen[p] = g
+
     def report(self, final: bool = False) -> None:
-        opened = {str(p): list(v) for p, v in self.receiver.opened().items()}
+        opened = self.receiver.opened()
         if opened != self.sent_opened:
             self.sent_opened = opened
-            self.send("opened", rounds=opened)
+            self.board.write_opened(opened)
         now = time.monotonic()
         if not final and now < self.stats_at + STATS_EVERY_S:
             return
@@ -119,8 +132,6 @@ class Agent:
         if stats != self.sent_stats:
             self.sent_stats = stats
             self.send("stats", **stats)
-        elif self.freed:
-            self.send("dfree")
         self.stats_at = now
 
     def stats(self) -> dict:
@@ -136,12 +147,12 @@ class Agent:
         kind = msg["type"]
         if kind == "delta":
             header = DeltaHeader.from_dict(msg["header"])
-            values = self.slots.read(msg["slot"], header.fragment)
-            self.freed.append(msg["slot"])
+            slot = msg["slot"]
+            values = self.slots.read(slot, header.fragment)
+            self.done[slot] += 1
+            self.board.set_done(slot, self.done[slot])     # the learner may write the slot again
             self.sender.submit(header, values)
             self.submitted += 1
-        elif kind == "vfree":
-            self.free_v.extend(msg["slots"])
         elif kind == "beat":
             self.beat = msg["heartbeat"]
             if msg.get("soon"):
@@ -168,6 +179,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m workers.learner.agent_main")
     p.add_argument("--conn", type=int, required=True)
     p.add_argument("--shm", type=int, required=True)
+    p.add_argument("--board", type=int, required=True)
     args = p.parse_args(argv)
     conn = Connection(args.conn)
     agent = None
@@ -175,7 +187,7 @@ def main(argv: list[str]) -> int:
         msg = unpack(conn.recv_bytes())
         if msg["type"] != "config":
             raise ValueError(f"expected a config frame first, got {msg['type']!r}")
-        agent = Agent(conn, args.shm, msg)
+        agent = Agent(conn, args.shm, args.board, msg)
         agent.run()
     except EOFError:
         return 1          # the learner is gone: nothing to report to

@@ -30,7 +30,7 @@ import numpy as np
 from pipeline.errors import FormatError
 from pipeline.types import RunDescriptor
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2      # 2: opened rounds, arrivals and freed slots moved to the board (agent_board.py)
 ALIGN = 64
 
 
@@ -82,6 +82,7 @@ class Slots:
         self.fd = fd
         self.map = mmap.mmap(fd, self.size * count)
         self.buf = np.frombuffer(self.map, dtype=np.uint8)
+        self._views: dict[tuple[int, int], dict[str, np.ndarray]] = {}
 
     def views(self, slot: int, p: int) -> dict[str, np.ndarray]:
         """Fragment ``p``'s tensors in ``slot``, as float32 arrays over the shared memory."""
@@ -89,9 +90,13 @@ class Slots:
             raise FormatError(f"sync agent: slot {slot} out of range 0..{self.count - 1}")
         if not 0 <= p < self.d.num_fragments:
             raise FormatError(f"sync agent: fragment {p} out of range")
-        base = slot * self.size
-        return {name: self.buf[base + at: base + at + 4 * int(np.prod(shape, dtype=np.int64))]
-                .view(np.float32).reshape(shape) for name, shape, at in fragment_offsets(self.d, p)}
+        views = self._views.get((slot, p))
+        if views is None:      # built once per (slot, fragment): not again on every answer step
+            base = slot * self.size
+            views = {name: self.buf[base + at: base + at + 4 * int(np.prod(shape, dtype=np.int64))]
+                     .view(np.float32).reshape(shape) for name, shape, at in fragment_offsets(self.d, p)}
+            self._views[(slot, p)] = views
+        return views
 
     def write(self, slot: int, p: int, values: dict[str, np.ndarray]) -> None:
         for name, view in self.views(slot, p).items():
@@ -102,7 +107,7 @@ class Slots:
         return {name: view.copy() for name, view in self.views(slot, p).items()}
 
     def close(self, close_fd: bool = True) -> None:
-        self.buf = None
+        self.buf, self._views = None, {}
         try:
             self.map.close()
         except BufferError:

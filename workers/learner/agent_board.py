@@ -1,0 +1,188 @@
+"""The sync agent's board (issue 15): what the agent tells the learner, in shared memory, no frames.
+
+A frame from the agent wakes the learner's reader thread, which then takes the GIL from the
+training thread in the middle of a step: measured at ~0.1-0.16 ms of training time per frame,
+and a round used to send three (the round opened, the round closed, the version arrived;
+docs/scale.md). So the steady-state news goes on this board instead, and the training thread
+reads it itself at the start of each step - one shared word when nothing changed:
+
+* **opened rounds**, one record per fragment (``present``, epoch, round), written by the agent;
+* **arrivals**, one record per fragment (the generation ``gen``, the version slot, the Arrival's
+  fields), written by the agent; generation ``g`` of fragment ``p`` lies in version slot
+  ``2p + g % 2`` (after the delta slots), and ``consumed`` (one record per fragment, written by
+  the learner) is the newest generation it has copied out. The agent writes generation ``g``
+  only once ``consumed >= g - 2``: the slot's previous generation has been copied out, so no side
+  ever reads a slot the other is writing. The newest version wins: a learner that missed ``g - 1``
+  reads ``g``;
+* **delta slots handed back**: ``done`` (one record per delta slot, written by the agent) counts
+  the deltas it copied out of that slot; the learner counts its hand-overs, and a slot whose two
+  counts are equal is the learner's again;
+* ``generation`` (in the header): bumped by the agent after every opened or arrival record, so a
+  step with no news reads one word.
+
+**Format** (version ``BOARD_VERSION``, all little-endian 8-byte words, in one ``memfd``):
+header ``[magic, version, fragments, delta_slots, generation (a record)]``, then the records.
+A record is ``[seq, fields..., crc]``, written by one side only, seqlock style: ``seq`` odd while
+it is written, the fields, ``crc`` = crc32 of ``seq`` and the fields' bytes, then ``seq`` even. A
+reader copies the record and takes it when ``seq`` is even, unchanged after the copy, and the crc
+matches; a torn copy (the writer was busy, or a CPU that reorders stores) is read again, and a
+record that stays wrong ``RETRIES`` times is refused as damaged (``FormatError``): never guessed at.
+Documented in docs/scale.md ("The learner's sync agent").
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.errors import FormatError
+
+BOARD_VERSION = 1
+MAGIC = 0x4452_4442_4F41_5244   # "DDLBOARD"-ish, a fixed 8-byte tag
+RETRIES = 10_000
+FOUND_BY = ("announce", "poll")   # Arrival.found_by, by code
+
+_HEADER = 4                       # magic, version, fragments, delta_slots; then the generation record
+_COUNTER = struct.Struct("<qq")                    # seq, value
+_OPENED = struct.Struct("<qqqq")                   # seq, present, epoch, round
+_ARRIVAL = struct.Struct("<qqqqqqqdq")             # seq, gen, slot, version, log seq, epoch, round, committed_at, found_by
+
+
+@dataclass(frozen=True)
+class BoardArrival:
+    """One arrival record: generation ``gen`` of the fragment's version, in version slot ``slot``."""
+    gen: int
+    slot: int
+    version: int
+    seq: int
+    epoch: int
+    round: int
+    committed_at: float
+    found_by: str
+
+
+def _words(s: struct.Struct) -> int:
+    return s.size // 8 + 1          # the fields, then the crc word
+
+
+class Board:
+    """The board (module docstring) mapped from ``fd``; ``fd=None`` creates the memfd (the learner)."""
+
+    def __init__(self, fragments: int, delta_slots: int, fd: int | None = None):
+        if fragments < 1 or delta_slots < 1:
+            raise ValueError(f"board: fragments and delta_slots must be >= 1, got {fragments}, {delta_slots}")
+        self.fragments, self.delta_slots = fragments, delta_slots
+        self._gen_at = _HEADER
+        self._opened_at = self._gen_at + _words(_COUNTER)
+        self._arrival_at = self._opened_at + fragments * _words(_OPENED)
+        self._consumed_at = self._arrival_at + fragments * _words(_ARRIVAL)
+        self._done_at = self._consumed_at + fragments * _words(_COUNTER)
+        size = 8 * (self._done_at + delta_slots * _words(_COUNTER))
+        created = fd is None
+        if created:
+            fd = os.memfd_create("ddiloco-agent-board", 0)   # Linux, as the slots
+            os.ftruncate(fd, size)
+        have = os.fstat(fd).st_size
+        if have != size:     # the header says why (another version, another shape) when it can be read
+            head = np.frombuffer(os.pread(fd, 8 * _HEADER, 0), dtype=np.int64) if have >= 8 * _HEADER else []
+            raise FormatError(f"sync agent board: {have} bytes with header {[int(w) for w in head]}, expected "
+                              f"{size} for version {BOARD_VERSION}, {fragments} fragments, {delta_slots} delta slots")
+        self.fd = fd
+        self.map = mmap.mmap(fd, size)
+        self.words = np.frombuffer(self.map, dtype=np.int64)
+        if created:
+            self.words[:_HEADER] = (MAGIC, BOARD_VERSION, fragments, delta_slots)
+        elif tuple(int(w) for w in self.words[:_HEADER]) != (MAGIC, BOARD_VERSION, fragments, delta_slots):
+            raise FormatError(f"sync agent board: header {[int(w) for w in self.words[:_HEADER]]}, expected "
+                              f"version {BOARD_VERSION} for {fragments} fragments and {delta_slots} delta slots")
+
+    # -- records ---------------------------------------------------------------------------------
+    def _write(self, at: int, s: struct.Struct, *fields) -> None:
+        seq = int(self.words[at]) + 1
+        body = s.pack(seq + 1, *fields)                    # the crc covers the final (even) seq
+        self.words[at] = seq                               # odd: being written
+        self.map[8 * at + 8: 8 * at + s.size] = body[8:]
+        self.words[at + s.size // 8] = zlib.crc32(body)
+        self.words[at] = seq + 1                           # even: done
+
+    def _read(self, at: int, s: struct.Struct) -> tuple:
+        n = s.size + 8
+        for _ in range(RETRIES):
+            seq = int(self.words[at])
+            raw = self.map[8 * at: 8 * at + n]
+            if seq & 1 or int(self.words[at]) != seq:
+                continue                                   # the writer is busy: read it again
+            if seq == 0 and not any(raw):
+                return s.unpack(raw[:s.size])[1:]          # never written: zeros
+            body, crc = raw[:s.size], int.from_bytes(raw[s.size:], "little", signed=True)
+            fields = s.unpack(body)
+            if fields[0] == seq and zlib.crc32(body) == crc:
+                return fields[1:]
+        raise FormatError(f"sync agent board: the record at word {at} fails its checksum {RETRIES} times: damaged")
+
+    # -- the header's generation -----------------------------------------------------------------
+    def generation(self) -> int:
+        return self._read(self._gen_at, _COUNTER)[0]
+
+    def bump(self) -> None:
+        """The agent, after writing opened or arrival records."""
+        self._write(self._gen_at, _COUNTER, self.generation() + 1)
+
+    # -- opened rounds (agent writes) ------------------------------------------------------------
+    def write_opened(self, opened: dict[int, tuple[int, int]]) -> None:
+        for p in range(self.fragments):
+            e, r = opened.get(p, (-1, -1))
+            self._write(self._opened_at + p * _words(_OPENED), _OPENED, int(p in opened), e, r)
+        self.bump()
+
+    def opened(self) -> dict[int, tuple[int, int]]:
+        out = {}
+        for p in range(self.fragments):
+            present, e, r = self._read(self._opened_at + p * _words(_OPENED), _OPENED)
+            if present:
+                out[p] = (e, r)
+        return out
+
+    # -- arrivals (agent writes; the learner writes consumed) ------------------------------------
+    def version_slot(self, p: int, gen: int) -> int:
+        """The slot (counting the delta slots first) holding generation ``gen`` of fragment ``p``."""
+        return self.delta_slots + 2 * p + gen % 2
+
+    def write_arrival(self, p: int, a: BoardArrival) -> None:
+        self._write(self._arrival_at + p * _words(_ARRIVAL), _ARRIVAL, a.gen, a.slot, a.version, a.seq, a.epoch,
+                    a.round, a.committed_at, FOUND_BY.index(a.found_by))
+        self.bump()
+
+    def arrival(self, p: int) -> BoardArrival | None:
+        gen, slot, version, seq, epoch, rnd, at, found = self._read(self._arrival_at + p * _words(_ARRIVAL), _ARRIVAL)
+        if gen == 0:
+            return None
+        if slot != self.version_slot(p, gen) or not 0 <= found < len(FOUND_BY):
+            raise FormatError(f"sync agent board: arrival of fragment {p} names slot {slot} / found_by {found}")
+        return BoardArrival(gen, slot, version, seq, epoch, rnd, at, FOUND_BY[found])
+
+    def consumed(self, p: int) -> int:
+        return self._read(self._consumed_at + p * _words(_COUNTER), _COUNTER)[0]
+
+    def set_consumed(self, p: int, gen: int) -> None:
+        self._write(self._consumed_at + p * _words(_COUNTER), _COUNTER, gen)
+
+    # -- delta slots handed back (agent writes) --------------------------------------------------
+    def done(self, slot: int) -> int:
+        return self._read(self._done_at + slot * _words(_COUNTER), _COUNTER)[0]
+
+    def set_done(self, slot: int, count: int) -> None:
+        self._write(self._done_at + slot * _words(_COUNTER), _COUNTER, count)
+
+    def close(self, close_fd: bool = True) -> None:
+        self.words = None
+        try:
+            self.map.close()
+        except BufferError:
+            pass   # a view still alive somewhere: the mapping goes with the process
+        if close_fd:
+            os.close(self.fd)
