@@ -6,6 +6,7 @@ Tiny unsigned runs in a temp directory, no syncer, no bus (deltas spill; version
 hand), so both modes see the same inputs and every figure compared is deterministic."""
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -176,6 +177,34 @@ def test_a_dead_agent_stops_the_learner_loudly(tmp_path):
             train_until(learner, lambda: False, "the learner to stop", timeout=10)
     finally:
         learner.close(flush=False)
+
+
+def test_agent_cpus_pin_the_agent_and_bad_sets_are_refused(tmp_path):
+    from workers.common.cpus import parse_cpus
+    from workers.learner.learner import LearnerConfig
+    assert parse_cpus("1-3,0") == (0, 1, 2, 3) and parse_cpus("") is None
+    for bad in ("3-1", "a", "-1", "1,,2"):
+        with pytest.raises(ValueError, match="cpus"):
+            parse_cpus(bad)
+    with pytest.raises(ValueError, match="needs sync_process"):
+        LearnerConfig(agent_cpus=(0,))
+    with pytest.raises(ValueError, match="agent_cpus"):
+        LearnerConfig(sync_process=True, agent_cpus=())
+    store = open_store(str(tmp_path / "run"))
+    model = tiny_model()
+    make_run(store, model)
+    core = max(os.sched_getaffinity(0))
+    learner, _ = start_learner(store, model, sync_process=True, agent_cpus=(core,))
+    try:
+        train_until(learner, lambda: learner.step_count >= 2, "two steps")
+        pid = learner.sender.agent.proc.pid
+        tasks = os.listdir(f"/proc/{pid}/task")
+        assert len(tasks) > 1                      # its sender and receiver threads are up: all of them pinned
+        assert all(os.sched_getaffinity(int(t)) == {core} for t in tasks)
+    finally:
+        learner.close(flush=False)
+    with pytest.raises(RuntimeError, match=r"did not start: ValueError: agent_cpus \[4096\]"):
+        start_learner(store, model, sync_process=True, agent_cpus=(4096,))   # no such core: refused at start
 
 
 @pytest.mark.timeout(180)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
@@ -36,6 +37,7 @@ from storage.layout import read_descriptor
 from storage.regions import learner_region_store
 from storage.store import open_store
 from workers.bus.bus import BusConfig, BusCounters
+from workers.common.cpus import parse_cpus
 from workers.common.events import EventLog
 from workers.bus.keys import SYNCER, KeyRing, key_paths, load_identity, load_public
 from workers.common.metrics import add_metrics_args, start_metrics
@@ -236,6 +238,9 @@ def configure_learner(parser: argparse.ArgumentParser):
     parser.add_argument("--sync-process", action="store_true",
                         help="run the sender and receiver in a child process, off the training process's GIL "
                              "(issue 15; docs/scale.md)")
+    parser.add_argument("--agent-cpus", metavar="CPUS", default=None,
+                        help="with --sync-process: the cores the child may run on, e.g. 3 or 2-3 (Linux); keep it "
+                             "off the training thread's core (docs/scale.md)")
     parser.add_argument("--group-digests", action="store_true",
                         help="torchrun learner: every rank logs a digest of its weights after each applied "
                              "version (for tests; costs a copy of the model)")
@@ -254,6 +259,14 @@ def configure_learner(parser: argparse.ArgumentParser):
             raise SystemExit(f"--pace must be > 0 seconds and takes no --slow, got --pace {args.pace}")
         from workers.job.job import Pace
         pace = Pace(args.pace) if args.pace is not None else None
+        try:
+            agent_cpus = parse_cpus(args.agent_cpus)
+        except ValueError as exc:
+            raise SystemExit(f"--agent-cpus: {exc}") from None
+        if agent_cpus is not None and not args.sync_process:
+            raise SystemExit("--agent-cpus needs --sync-process")
+        if agent_cpus is not None and max(agent_cpus) >= (os.cpu_count() or 1):
+            raise SystemExit(f"--agent-cpus {args.agent_cpus}: this machine has cores 0-{(os.cpu_count() or 1) - 1}")
         shard = _shard(args)
         store = open_store(args.store, s3_endpoint=args.s3_endpoint, create=False)
         if args.region is not None:   # --store may be any copy of the run; from here on only the region's
@@ -263,7 +276,7 @@ def configure_learner(parser: argparse.ArgumentParser):
         events = _events(args, "learner", args.id)
         store, metrics = start_metrics(args, events, "learner", args.id, store)  # (store, None) without the flag
         cfg = LearnerConfig(sender=SenderConfig(ack_timeout_s=args.ack_timeout), poll_s=args.poll, keys=keys,
-                            sync_process=args.sync_process)
+                            sync_process=args.sync_process, agent_cpus=agent_cpus)
         try:
             stats = learner_process(store, args.id, shard, _bus(args), events, steps=args.steps, slow=args.slow,
                                     config=cfg, stop=flag.is_set, group=group, pace=pace)

@@ -61,6 +61,7 @@ class AgentSetup:
     cursor: int
     known: dict[int, int]
     heartbeat: dict
+    cpus: tuple[int, ...] | None = None       # LearnerConfig.agent_cpus
     curve: tuple[str, str, str] | None = dataclasses.field(default=None, repr=False)
     sign_secret: str | None = dataclasses.field(default=None, repr=False)
 
@@ -74,6 +75,7 @@ def agent_for(learner, d: RunDescriptor, cursor: int, known: dict[int, int], cur
     keys = learner.cfg.keys if d.security is not None else None
     setup = AgentSetup(store.uri, getattr(inner, "endpoint", None), learner.id, getattr(fh, "name", None),
                        learner.bus, learner.cfg.sender, learner.cfg.poll_s, cursor, dict(known), learner._heartbeat(),
+                       cpus=learner.cfg.agent_cpus,
                        curve=tuple(k.decode() for k in (curve.public, curve.secret, curve.server_public))
                        if curve is not None else None,
                        sign_secret=keys.own.sign_secret.hex() if keys is not None else None)
@@ -119,7 +121,8 @@ class SyncAgent:
                     ingest=s.bus.ingest if s.bus else None, announce=s.bus.announce if s.bus else None,
                     sender=dataclasses.asdict(s.sender), poll_s=s.poll_s, cursor=s.cursor,
                     known={str(p): v for p, v in s.known.items()}, heartbeat=s.heartbeat, curve=s.curve,
-                    sign_secret=s.sign_secret, delta_slots=DELTA_SLOTS, version_slots=self.version_slots)
+                    sign_secret=s.sign_secret, delta_slots=DELTA_SLOTS, version_slots=self.version_slots,
+                    cpus=list(s.cpus) if s.cpus is not None else None)
 
     def start(self) -> None:
         self.send_frame(self._config())

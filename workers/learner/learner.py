@@ -70,6 +70,7 @@ class LearnerConfig:
     keys: KeyRing | None = field(default=None, repr=False)   # required in a signed run, refused otherwise
     trace_steps: bool = False         # keep each step's parts; close() logs them (workers/learner/steptrace.py)
     sync_process: bool = False        # sender and receiver in a child process (workers/learner/agent.py)
+    agent_cpus: tuple[int, ...] | None = None   # with sync_process: the only cores the agent runs on (None: any)
     # Quantise deltas where the model lives, copying only packed bytes (workers/learner/device_quant.py):
     # "auto" when the model is not on the CPU, "on" always (tests), "off" never. Same bytes either way.
     device_quantise: str = "auto"
@@ -79,6 +80,10 @@ class LearnerConfig:
             raise ValueError(f"stats_window must be an int >= 20, got {self.stats_window!r}")
         if self.poll_s <= 0 or self.drain_s < 0 or self.log_every < 1:
             raise ValueError("poll_s must be > 0, drain_s >= 0 and log_every >= 1")
+        if self.agent_cpus is not None and (not self.sync_process or not self.agent_cpus or any(
+                not isinstance(c, int) or isinstance(c, bool) or c < 0 for c in self.agent_cpus)):
+            raise ValueError(f"agent_cpus must be a non-empty tuple of core numbers >= 0 and needs sync_process, "
+                             f"got {self.agent_cpus!r} (sync_process {self.sync_process})")
         if self.device_quantise not in DEVICE_QUANTISE:
             raise ValueError(f"device_quantise must be one of {DEVICE_QUANTISE}, got {self.device_quantise!r}")
 

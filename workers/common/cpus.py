@@ -1,0 +1,26 @@
+"""CPU sets as users write them (``0``, ``0,2``, ``1-3``), for pinning a process's threads.
+
+Used by ``ddiloco learner --agent-cpus`` (the sync agent's cores, workers/learner/agent_main.py)
+and by the overhead benchmark (infra/overhead_roles.py). Linux only where it pins
+(``os.sched_setaffinity``); parsing works everywhere.
+"""
+from __future__ import annotations
+
+
+def parse_cpus(text: str | None) -> tuple[int, ...] | None:
+    """``"0"``, ``"0,1"``, ``"0-3"`` -> sorted core numbers; None or "" -> None (no pinning)."""
+    if not text:
+        return None
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            first, last = int(lo), int(hi or lo)
+            if last < first:
+                raise ValueError
+            cpus.update(range(first, last + 1))
+    except ValueError:
+        raise ValueError(f"cpus must look like 0 or 0,1 or 0-3, got {text!r}") from None
+    if not cpus or min(cpus) < 0:
+        raise ValueError(f"cpus must name cores >= 0, got {text!r}")
+    return tuple(sorted(cpus))
