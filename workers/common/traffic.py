@@ -25,6 +25,11 @@ Event fields besides ``EventLog``'s (t, role, id, event):
 - ``stores``: region -> ``StoreCounters.as_dict()`` of the requests this process made to that
   region's store;
 - ``bus``: ``{"peer": home, "sent_msgs", "sent_bytes", "recv_msgs", "recv_bytes"}`` or null (no bus).
+
+A learner whose sender and receiver run in its sync agent (workers/learner/agent.py, issue 15)
+counts the agent's store and bus too: the child process sends its counters with its ``stats``
+frames and the meter adds them (``extra``) to the learner's own, region by region, so the events
+have the same shape and cover both processes.
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from pipeline.types import RunDescriptor
-from storage.accounting import CountingStore
+from storage.accounting import CountingStore, StoreCounters
 from storage.store import ObjectStore
 from workers.bus.bus import BusCounters
 from workers.common.events import EventLog
@@ -68,10 +73,14 @@ def _place(uri: str) -> str:
 
 class TrafficMeter:
     """Writes ``accounting`` events for one process (module docstring). ``stores``: region name ->
-    the ``CountingStore`` this process uses there; ``bus``: its sockets' counters (None: no bus)."""
+    the ``CountingStore`` this process uses there; ``bus``: its sockets' counters (None: no bus);
+    ``extra``: counters counted elsewhere that this process answers for (its sync agent's), read at
+    each report: ``{"stores": {region: StoreCounters.as_dict()}, "bus": BusCounters.snapshot() or
+    None}``, added to its own (may be set after construction)."""
 
     def __init__(self, events: EventLog, region: str, home: str, stores: Mapping[str, CountingStore],
-                 bus: BusCounters | None = None, clock: Callable[[], float] = time.monotonic):
+                 bus: BusCounters | None = None, clock: Callable[[], float] = time.monotonic,
+                 extra: Callable[[], Mapping[str, Any]] | None = None):
         for name, s in stores.items():
             if not isinstance(s, CountingStore):
                 raise TypeError(f"TrafficMeter: the store of region {name!r} is not a CountingStore")
@@ -79,18 +88,42 @@ class TrafficMeter:
         self.stores = dict(stores)
         self.bus = bus
         self.clock = clock
+        self.extra = extra
         self.started = clock()
 
     def snapshot(self) -> dict[str, Any]:
-        """The counters now, in the event's shape (``stores``, ``bus``)."""
-        bus = None if self.bus is None else {"peer": self.home, **self.bus.snapshot()}
-        return {"stores": {name: s.snapshot().as_dict() for name, s in sorted(self.stores.items())}, "bus": bus}
+        """The counters now, in the event's shape (``stores``, ``bus``): this process's plus ``extra``'s."""
+        stores = {name: s.snapshot() for name, s in self.stores.items()}
+        bus = None if self.bus is None else self.bus.snapshot()
+        if self.extra is not None:
+            more = self.extra()
+            for name, counts in (more.get("stores") or {}).items():
+                stores[name] = stores.get(name, StoreCounters()) + _store_counters(name, counts)
+            if more.get("bus") is not None:
+                bus = {f: (bus or {}).get(f, 0) + _count(more["bus"], f, "bus") for f in BusCounters.FIELDS}
+        return {"stores": {name: c.as_dict() for name, c in sorted(stores.items())},
+                "bus": None if bus is None else {"peer": self.home, **bus}}
 
     def report(self, life: int, final: bool = False, **fields: Any) -> None:
         """Emit one ``accounting`` event (``fields``: ``step``/``outer_step`` or ``commits``)."""
         self.events.emit(ACCOUNTING_EVENT, format=ACCOUNTING_FORMAT, life=life, final=final, region=self.region,
                          home=self.home, **fields, elapsed_s=round(self.clock() - self.started, 3),
                          **self.snapshot())
+
+
+def _store_counters(region: str, counts: Mapping[str, Any]) -> StoreCounters:
+    """``StoreCounters`` from an ``extra`` source's dict, refused when a field is unknown or not a count."""
+    unknown = set(counts) - set(StoreCounters.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"TrafficMeter extra: unknown store counters {sorted(unknown)} for region {region!r}")
+    return StoreCounters(**{f: _count(counts, f, f"store {region!r}") for f in counts})
+
+
+def _count(counts: Mapping[str, Any], name: str, what: str) -> int:
+    n = counts.get(name, 0)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"TrafficMeter extra: {what} counter {name!r} must be an int >= 0, got {n!r}")
+    return n
 
 
 class SyncerTraffic:

@@ -18,8 +18,9 @@ stats, take, opened ...), so the Learner's logic, the deltas' bytes and the vers
 the same either way: the child runs the same Sender and Receiver code on values copied exactly.
 
 Limits: one syncer (a sharded run keeps its threads), Linux (``memfd``), a store the child can
-open again from its URI (a directory or s3://; not an in-memory store); the child's store
-requests and bus bytes are not in the learner's traffic report (``traffic-report`` events) yet.
+open again from its URI (a directory or s3://; not an in-memory store). The child's store
+requests and bus bytes are in the learner's ``accounting`` events (``SyncAgent.traffic``, added by
+its ``TrafficMeter``), with one GET more than the threads make: the child reads the descriptor.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from multiprocessing.connection import Connection
 from typing import Callable
 
@@ -80,6 +82,8 @@ def agent_for(learner, d: RunDescriptor, cursor: int, known: dict[int, int], cur
                        if curve is not None else None,
                        sign_secret=keys.own.sign_secret.hex() if keys is not None else None)
     agent = SyncAgent(d, setup, learner._heartbeat, learner.events)
+    if learner.traffic is not None:   # the child's store is this learner's region's store (its URI)
+        learner.traffic.extra = partial(agent.traffic, learner.traffic.region)
     return AgentSender(agent), AgentReceiver(agent)
 
 
@@ -176,6 +180,13 @@ class SyncAgent:
             self.failed = msg.get("error", "failed")
         elif kind == "bye":
             self.done.set()
+
+    def traffic(self, region: str) -> dict:
+        """The child's store (``region``'s) and bus counters as of its last ``stats`` frame, in the
+        shape of ``TrafficMeter.extra`` (workers/common/traffic.py). After ``close`` they are the
+        child's totals: its last frame comes before ``bye``."""
+        t = self.stats.get("traffic") or {}
+        return {"stores": {region: t["store"]} if t.get("store") else {}, "bus": t.get("bus")}
 
     # -- called by the proxies, on the training thread -------------------------------------------
     def _free_slot(self) -> int | None:

@@ -9,9 +9,10 @@ learner). The first frame on ``--conn`` is ``config`` (workers/learner/agent.py
 * learner -> agent: ``delta`` (header, slot: the values are in the shared slot; the agent copies
   them out, submits them to its Sender and counts the slot as done on the board), ``beat`` (the
   learner's heartbeat fields; ``soon``: send one now), ``stop_sender``, ``stop``;
-* agent -> learner: ``ready``, ``stats`` (the sender's and receiver's counters, when they changed,
-  at most every ``STATS_EVERY_S``), ``failed`` (why this process stops early), ``sender_stopped``,
-  ``bye``;
+* agent -> learner: ``ready``, ``stats`` (the sender's and receiver's counters and ``traffic``, this
+  process's store and bus counters for the learner's accounting events; when they changed, at most
+  every ``STATS_EVERY_S``, and the latest before ``sender_stopped`` and at the end), ``failed`` (why
+  this process stops early), ``sender_stopped``, ``bye``;
 * on the board (workers/learner/agent_board.py), read by the training thread at each step's start:
   the open rounds, each fragment's newest version (written into its version slot) and the delta
   slots copied out. No frame for them: a frame wakes the learner's reader thread mid-step.
@@ -34,6 +35,7 @@ from storage.store import open_store
 from workers.bus.bus import BusConfig, BusCounters, CurveKeys, drain_wake
 from workers.bus.signing import Signer, seal_delta
 from workers.common.events import EventLog
+from workers.common.traffic import counted
 from workers.common.versions import VersionTracker
 from workers.learner.agent_board import Board, BoardArrival
 from workers.learner.agent_wire import Slots, pack, unpack
@@ -48,7 +50,8 @@ PENDING_POLL_S = 0.005  # a version waiting for its slot (the learner has not co
 class Agent:
     def __init__(self, conn: Connection, shm_fd: int, board_fd: int, cfg: dict):
         self.conn, self.cfg = conn, cfg
-        store = open_store(cfg["store"], s3_endpoint=cfg.get("s3_endpoint"), create=False)
+        # counted: the learner's accounting events add these requests (workers/common/traffic.py)
+        self.store = store = counted(open_store(cfg["store"], s3_endpoint=cfg.get("s3_endpoint"), create=False))
         self.d = d = read_descriptor(store)
         self.slots = Slots(d, cfg["delta_slots"] + cfg["version_slots"], fd=shm_fd)
         if cfg["version_slots"] != 2 * d.num_fragments:
@@ -63,6 +66,7 @@ class Agent:
             seal = partial(_seal, learner=cfg["learner"], signer=Signer(bytes.fromhex(cfg["sign_secret"])),
                            run_id=d.run_id)
         bus = BusConfig(cfg["ingest"], cfg["announce"], counters=BusCounters()) if cfg.get("ingest") else None
+        self.bus_counters = bus.counters if bus is not None else None
         self.beat = dict(cfg["heartbeat"])
         self.sender = Sender(store, d.codec, SenderConfig(**cfg["sender"]), self.events, bus,
                              cfg["learner"].encode(), lambda: self.beat, curve=curve, seal=seal)
@@ -140,7 +144,10 @@ class Agent:
                 "idle": self.sender._idle.is_set(), "submitted": self.submitted, "failed": self.sender.failed,
                 "receiver": {"bytes_received": r.bytes_received, "errors": r.errors, "refused": r.refused,
                              "failed": r.failed, "awaited": r.awaited, "copy_misses": r.copy_misses,
-                             "copy_wait_s": r.copy_wait_s}}
+                             "copy_wait_s": r.copy_wait_s},
+                # after the sender's stats: a spill in flight counts at the store first (Learner.close)
+                "traffic": {"store": self.store.snapshot().as_dict(),
+                            "bus": self.bus_counters.snapshot() if self.bus_counters is not None else None}}
 
     def handle(self, msg: dict) -> bool:
         """One message from the learner; False: stop."""
