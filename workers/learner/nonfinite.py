@@ -57,8 +57,9 @@ def grads_finite(params: Iterable[torch.nn.Parameter]) -> bool:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return True
-    if all(g.dtype is torch.float32 and g.device.type == "cpu" and g.layout is torch.strided
-           and not g.requires_grad for g in grads) and sum(g.numel() for g in grads) <= _MAX_FUSED:
+    f32, strided = torch.float32, torch.strided      # (``is_cpu``, not ``device.type``: 16 vs 41 us per step)
+    if all(g.dtype is f32 and g.is_cpu and g.layout is strided and not g.requires_grad for g in grads) \
+            and sum(g.numel() for g in grads) <= _MAX_FUSED:
         return _grads_finite_fused(grads)
     if not bool(torch.isfinite(torch.nn.utils.get_total_norm(grads))):
         return False
