@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -90,13 +92,23 @@ def children() -> list[int]:
     return out
 
 
-def control(out: str, steps: int, seed: int, cpus: set[int] | None) -> None:
-    """The sync-off loop (module docstring); writes step times and per-step collection counts."""
+def control(out: str, steps: int, seed: int, cpus: set[int] | None, guard: str = "off",
+            neighbour: int | None = None, block: int = 10) -> None:
+    """The sync-off loop (module docstring); writes step times and per-step collection counts.
+
+    Ablation only (infra/overhead_ablate.py; ``ddiloco benchmark --overhead`` runs neither):
+    ``guard`` "on" adds the learner's non-finite check (``float(loss)``, ``grads_finite``) between
+    backward and the optimizer step as ``Learner.step`` does, "alternate" on every odd step;
+    ``neighbour``: a process (pid) that is let run (SIGCONT) in alternate blocks of ``block`` steps
+    and stopped (SIGSTOP) in the others, switched outside the timed window. The per-step ``b``
+    column says which steps had the feature (guard, or the neighbour running): an A/B inside one
+    process, free of the +-3% that separate processes differ by on this machine."""
     pin(cpus)
     import torch
     from workers.job.data import Corpus
     from workers.job.job import JobSettings, make_optimizer, set_lr
     from workers.job.model import GPTConfig, build_model
+    from workers.learner.nonfinite import grads_finite
     from workers.run import DEMO_BATCH_SIZE
     torch.set_num_threads(1)                  # what learner_process sets
     gcfg, job = GPTConfig(), JobSettings(steps=steps, batch_size=DEMO_BATCH_SIZE, shards=1)
@@ -105,19 +117,31 @@ def control(out: str, steps: int, seed: int, cpus: set[int] | None) -> None:
     opt = make_optimizer(model, job)
     batches = corpus.batches(0, job.shards, seed)
     gcs = [0]
-    gc.callbacks.append(lambda phase, info: gcs.__setitem__(0, gcs[0] + (phase == "start")))
-    times, collections = [], []
+    counter = lambda phase, info: gcs.__setitem__(0, gcs[0] + (phase == "start"))   # noqa: E731
+    gc.callbacks.append(counter)
+    times, collections, marks = [], [], []
     for i in range(steps):
         x, y = next(batches)
         set_lr(opt, job, i)
         gcs[0] = 0
+        if neighbour is not None and i % block == 0:
+            os.kill(neighbour, signal.SIGCONT if (i // block) % 2 else signal.SIGSTOP)
+        check = guard == "on" or (guard == "alternate" and i % 2 == 1)
+        b = check or (neighbour is not None and (i // block) % 2 == 1)
         t0 = time.monotonic()
         opt.zero_grad(set_to_none=True)
-        model(x, y)[1].backward()
+        loss = model(x, y)[1]
+        loss.backward()
+        if check and not (math.isfinite(float(loss.detach())) and grads_finite(model.parameters())):
+            raise SystemExit(f"control: non-finite step {i}")
         opt.step()
         times.append(time.monotonic() - t0)
         collections.append(gcs[0])
-    Path(out).write_text(json.dumps({"step_times": times, "gcs": collections}))
+        marks.append(int(b))
+    gc.callbacks.remove(counter)
+    if neighbour is not None:
+        os.kill(neighbour, signal.SIGCONT)
+    Path(out).write_text(json.dumps({"step_times": times, "gcs": collections, "b": marks}))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -178,8 +202,12 @@ def main(argv: list[str]) -> int:
         p.add_argument("--steps", type=int, required=True)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--cpus", default=None)
+        p.add_argument("--guard", choices=("off", "on", "alternate"), default="off",
+                       help="ablation: add the learner's non-finite check (every step, or every odd step)")
+        p.add_argument("--neighbour", type=int, default=None, help="ablation: pid run/stopped in alternate blocks")
+        p.add_argument("--block", type=int, default=10, help="ablation: steps per --neighbour block")
         a = p.parse_args(argv[1:])
-        control(a.out, a.steps, a.seed, parse_cpus(a.cpus))
+        control(a.out, a.steps, a.seed, parse_cpus(a.cpus), guard=a.guard, neighbour=a.neighbour, block=a.block)
         return 0
     return learner(argv)
 
