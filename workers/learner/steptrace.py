@@ -46,14 +46,16 @@ class StepTrace:
             self._gcs += 1
 
     def record(self, parts: StepParts) -> None:
+        """Kept as measured: rounding waits for ``columns`` (off the training loop)."""
         gcs, self._gcs = self._gcs, 0
-        self.rows.append((round(parts.took_s, 6), round(parts.answer_s, 6), round(parts.apply_s, 6),
-                          round(parts.compute_s, 6), parts.answered, parts.applied, gcs, int(parts.logged)))
+        self.rows.append((parts.took_s, parts.answer_s, parts.apply_s, parts.compute_s, parts.answered,
+                          parts.applied, gcs, int(parts.logged)))
 
     def columns(self) -> dict[str, list]:
-        """The rows as one list per column (``COLUMNS``), oldest step first."""
+        """The rows as one list per column (``COLUMNS``), oldest step first; seconds to the microsecond."""
         cols = list(zip(*self.rows)) if self.rows else [()] * len(COLUMNS)
-        return {name: list(col) for name, col in zip(COLUMNS, cols)}
+        return {name: [round(x, 6) for x in col] if name.endswith("_s") else list(col)
+                for name, col in zip(COLUMNS, cols)}
 
     def close(self) -> None:
         """Stop counting collections (the callback list is process-wide)."""
