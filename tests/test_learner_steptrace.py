@@ -28,6 +28,19 @@ def test_trace_keeps_the_window_and_counts_collections():
         assert cols["gcs"][-1] >= 1 and cols["gcs"][:2] == [0, 0]
     finally:
         trace.close()
+
+
+def test_trace_writes_seconds_to_the_microsecond_and_counts_as_they_were():
+    trace = StepTrace(2)
+    try:
+        trace.record(StepParts(0.0123456789, 1e-7, 0.0000015, 0.01234549, 2, 1, True))
+        cols = trace.columns()
+        assert (cols["took_s"], cols["answer_s"], cols["apply_s"], cols["compute_s"]) == \
+            ([0.012346], [0.0], [0.000002], [0.012345])
+        assert (cols["answered"], cols["applied"], cols["logged"]) == ([2], [1], [1])
+        assert all(type(v) is int for v in cols["answered"] + cols["applied"] + cols["gcs"])
+    finally:
+        trace.close()
     assert trace._on_gc not in gc.callbacks
     with pytest.raises(ValueError):
         StepTrace(0)
