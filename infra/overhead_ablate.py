@@ -13,7 +13,10 @@ same repeat. A variant is ``+``-joined words:
   ``--period`` (pure-Python loop / a numpy copy of 32 MiB buffers, beyond L2 / a small torch
   matmul loop), the rest asleep: a stand-in for the syncer and the sync agent, which use 20-35% of
   the other core in the benchmark;
-* ``syncer``: a real idle syncer of a fresh run on ``--load-cpus`` (no learner: it only waits).
+* ``syncer``: a real idle syncer of a fresh run on ``--load-cpus`` (no learner: it only waits);
+* ``stack``: a real sync stack on ``--load-cpus``: a syncer and a learner with its sync agent
+  (``--sync-process``), the learner paced (``--slow 2``: half its time computing) so that the
+  syncer opens and merges rounds all along - the benchmark's neighbours plus some torch work.
 
     python -m infra.overhead_ablate --variants plain,guard,spin30,mem30 --repeats 6 --steps 300
 
@@ -37,19 +40,20 @@ LOADS = ("spin", "mem", "torch")
 
 def parse_variant(text: str) -> dict:
     """``"guard+mem30"`` -> {"guard": True, "load": ("mem", 0.30)}; ValueError on an unknown word."""
-    out: dict = {"guard": False, "load": None, "syncer": False}
+    out: dict = {"guard": False, "load": None, "syncer": False, "stack": False}
     for word in filter(None, text.split("+")):
         if word == "plain":
             continue
         if word == "guard":
             out["guard"] = True
-        elif word == "syncer":
-            out["syncer"] = True
+        elif word in ("syncer", "stack"):
+            out[word] = True
         else:
             kind = next((k for k in LOADS if word.startswith(k)), None)
             duty = word[len(kind):] if kind else ""
             if kind is None or not duty.isdigit() or not 0 < int(duty) <= 100:
-                raise ValueError(f"unknown variant word {word!r}: plain, guard, syncer, or spin/mem/torch + 1..100")
+                raise ValueError(f"unknown variant word {word!r}: plain, guard, syncer, stack, "
+                                 "or spin/mem/torch + 1..100")
             out["load"] = (kind, int(duty) / 100)
     return out
 
@@ -84,7 +88,7 @@ def _start_neighbour(v: dict, args, work: Path) -> tuple[list, object]:
                "--period", str(args.period)]
         proc = subprocess.Popen(["taskset", "-c", args.load_cpus, *cmd])
         return [proc], None
-    if v["syncer"]:
+    if v["syncer"] or v["stack"]:
         from workers.cluster import ClusterConfig, LocalCluster
         from infra.overhead_roles import parse_cpus, pin
         import shutil
@@ -95,7 +99,15 @@ def _start_neighbour(v: dict, args, work: Path) -> tuple[list, object]:
         life = cluster.start_syncers()[0]
         cluster.wait_ready(life.name, 60)
         pin(parse_cpus(args.load_cpus), life.popen.pid)
-        cluster.ablate_pid = life.popen.pid
+        cluster.ablate_pids = [life.popen.pid]
+        if v["stack"]:
+            learner = cluster.start_learner("l0", ["--steps", str(args.steps * 8), "--slow", "2", "--sync-process",
+                                                   "--agent-cpus", args.load_cpus])
+            cluster.wait_ready("l0", 60)
+            pin(parse_cpus(args.load_cpus), learner.popen.pid)
+            time.sleep(1.0)   # the agent is started and pinned by now
+            agents = Path(f"/proc/{learner.popen.pid}/task/{learner.popen.pid}/children").read_text().split()
+            cluster.ablate_pids += [learner.popen.pid, *map(int, agents)]
         return [], cluster
     return [], None
 
@@ -122,12 +134,12 @@ def run_ab(word: str, args, out: Path) -> tuple[float, float]:
     ``--block`` steps (a neighbour, stopped in the other blocks): (median ms without, with)."""
     v = parse_variant(word)
     procs, cluster = _start_neighbour({**v, "guard": False}, args, out.with_suffix(".run"))
-    pid = procs[0].pid if procs else cluster.ablate_pid if cluster is not None else None
+    pids = [p.pid for p in procs] if procs else cluster.ablate_pids if cluster is not None else []
     try:
         time.sleep(0.5)
         cmd = [sys.executable, "-m", "infra.overhead_roles", "control", "--out", str(out), "--steps",
                str(args.steps), "--seed", "0", "--cpus", args.cpus, "--block", str(args.block),
-               *(["--guard", "alternate"] if v["guard"] else []), *(["--neighbour", str(pid)] if pid else [])]
+               *(["--guard", "alternate"] if v["guard"] else []), *(["--neighbour", ",".join(map(str, pids))] if pids else [])]
         subprocess.run(cmd, check=True, capture_output=True)
     finally:
         for p in procs:

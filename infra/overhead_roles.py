@@ -93,13 +93,13 @@ def children() -> list[int]:
 
 
 def control(out: str, steps: int, seed: int, cpus: set[int] | None, guard: str = "off",
-            neighbour: int | None = None, block: int = 10) -> None:
+            neighbour: list[int] | None = None, block: int = 10) -> None:
     """The sync-off loop (module docstring); writes step times and per-step collection counts.
 
     Ablation only (infra/overhead_ablate.py; ``ddiloco benchmark --overhead`` runs neither):
     ``guard`` "on" adds the learner's non-finite check (``float(loss)``, ``grads_finite``) between
     backward and the optimizer step as ``Learner.step`` does, "alternate" on every odd step;
-    ``neighbour``: a process (pid) that is let run (SIGCONT) in alternate blocks of ``block`` steps
+    ``neighbour``: processes (pids) that are let run (SIGCONT) in alternate blocks of ``block`` steps
     and stopped (SIGSTOP) in the others, switched outside the timed window. The per-step ``b``
     column says which steps had the feature (guard, or the neighbour running): an A/B inside one
     process, free of the +-3% that separate processes differ by on this machine."""
@@ -124,10 +124,11 @@ def control(out: str, steps: int, seed: int, cpus: set[int] | None, guard: str =
         x, y = next(batches)
         set_lr(opt, job, i)
         gcs[0] = 0
-        if neighbour is not None and i % block == 0:
-            os.kill(neighbour, signal.SIGCONT if (i // block) % 2 else signal.SIGSTOP)
+        if neighbour and i % block == 0:
+            for pid in neighbour:
+                os.kill(pid, signal.SIGCONT if (i // block) % 2 else signal.SIGSTOP)
         check = guard == "on" or (guard == "alternate" and i % 2 == 1)
-        b = check or (neighbour is not None and (i // block) % 2 == 1)
+        b = check or (bool(neighbour) and (i // block) % 2 == 1)
         t0 = time.monotonic()
         opt.zero_grad(set_to_none=True)
         loss = model(x, y)[1]
@@ -139,8 +140,8 @@ def control(out: str, steps: int, seed: int, cpus: set[int] | None, guard: str =
         collections.append(gcs[0])
         marks.append(int(b))
     gc.callbacks.remove(counter)
-    if neighbour is not None:
-        os.kill(neighbour, signal.SIGCONT)
+    for pid in neighbour or ():
+        os.kill(pid, signal.SIGCONT)
     Path(out).write_text(json.dumps({"step_times": times, "gcs": collections, "b": marks}))
 
 
@@ -204,10 +205,12 @@ def main(argv: list[str]) -> int:
         p.add_argument("--cpus", default=None)
         p.add_argument("--guard", choices=("off", "on", "alternate"), default="off",
                        help="ablation: add the learner's non-finite check (every step, or every odd step)")
-        p.add_argument("--neighbour", type=int, default=None, help="ablation: pid run/stopped in alternate blocks")
+        p.add_argument("--neighbour", default=None,
+                       help="ablation: pids (comma-separated) run/stopped in alternate blocks")
         p.add_argument("--block", type=int, default=10, help="ablation: steps per --neighbour block")
         a = p.parse_args(argv[1:])
-        control(a.out, a.steps, a.seed, parse_cpus(a.cpus), guard=a.guard, neighbour=a.neighbour, block=a.block)
+        control(a.out, a.steps, a.seed, parse_cpus(a.cpus), guard=a.guard,
+                neighbour=[int(x) for x in a.neighbour.split(",")] if a.neighbour else None, block=a.block)
         return 0
     return learner(argv)
 

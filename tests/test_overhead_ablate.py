@@ -14,8 +14,9 @@ from infra.overhead_roles import control
 
 
 def test_variant_words():
-    assert parse_variant("plain") == {"guard": False, "load": None, "syncer": False}
-    assert parse_variant("guard+mem30") == {"guard": True, "load": ("mem", 0.30), "syncer": False}
+    assert parse_variant("plain") == {"guard": False, "load": None, "syncer": False, "stack": False}
+    assert parse_variant("guard+mem30") == {"guard": True, "load": ("mem", 0.30), "syncer": False, "stack": False}
+    assert parse_variant("stack")["stack"]
     assert parse_variant("spin100")["load"] == ("spin", 1.0)
     assert parse_variant("syncer")["syncer"]
     for bad in ("spin0", "spin101", "mem", "gaurd", "torchx"):
@@ -34,7 +35,7 @@ def test_control_stops_and_resumes_the_neighbour_in_blocks(tmp_path):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         out = tmp_path / "c.json"
-        control(str(out), 8, 0, None, neighbour=sleeper.pid, block=2)
+        control(str(out), 8, 0, None, neighbour=[sleeper.pid], block=2)
         assert json.loads(out.read_text())["b"] == [0, 0, 1, 1, 0, 0, 1, 1]
         state = open(f"/proc/{sleeper.pid}/stat").read().rsplit(")", 1)[1].split()[0]
         assert state != "T", "the neighbour was left stopped"
