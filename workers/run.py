@@ -90,6 +90,9 @@ def configure(parser):
       help="learners' storage polls for versions (ddiloco learner --poll; default 0.5)")
     a("--spill-poll", type=float, default=None, metavar="SECONDS",
       help="the syncer's inbox listings (ddiloco syncer --spill-poll; default 0.5)")
+    a("--sync-process", action="store_true",
+      help="each learner's sender and receiver in a child process, off its training loop's GIL (ddiloco learner "
+           "--sync-process; docs/scale.md); one syncer only")
     a("--metrics-port", type=int, default=None, metavar="N",
       help="Prometheus metrics: the syncer at http://127.0.0.1:N/metrics, learner m at N+1+m (0: every process "
            "takes a free port and logs it as a metrics-listening event); off unless given (README \"Metrics\")")
@@ -188,6 +191,8 @@ def run(args, topologies=()) -> int:
     if not 1 <= args.syncers <= args.fragments:
         raise SystemExit(f"--syncers must be in 1..--fragments ({args.fragments}): every shard owns a fragment, "
                          f"got {args.syncers}")
+    if args.sync_process and args.syncers > 1:
+        raise SystemExit("--sync-process serves one syncer: a sharded run (--syncers N) keeps the learners' threads")
     if args.syncers > 1 and args.regions > 1:
         raise SystemExit("--syncers N with --regions is not supported yet (each shard would need its own replicator)")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535 - args.learners:
@@ -250,6 +255,7 @@ def _run_decoupled(args, out: Path, gcfg: GPTConfig, job: JobSettings, steps: in
         slow = ["--slow", str(args.slow)] if args.slow != 1.0 else []
         slow += ["--pace", str(args.pace)] if args.pace is not None else []
         slow += ["--poll", str(args.poll)] if args.poll is not None else []
+        slow += ["--sync-process"] if args.sync_process else []
         cluster.start_learner(lid, ["--shard", str(m), *region, *slow, *metrics_flags(args.metrics_port, m + 1)])
     init_loss = evaluate(model, corpus)
     events.emit("eval", tokens=0, loss=init_loss, versions={})

@@ -173,7 +173,8 @@ class Learner:
         self.sender.start()
         self.receiver.start()
         self.events.emit("learner-start", incarnation=self.incarnation, pid=os.getpid(),
-                         **({"sync_process": True} if agent else {}),
+                         **({"sync_process": True} if agent else {"sync_process": "off: the run has "
+                            f"{d.syncers} syncer shards and the agent serves one"} if self.cfg.sync_process else {}),
                          versions={str(p): v for p, v in versions.items()})
         return self
 
