@@ -50,20 +50,29 @@ def grads_finite(params: Iterable[torch.nn.Parameter]) -> bool:
     anyway (AdamW's second moment would turn inf), so it is skipped like a non-finite one.
 
     CPU float32 gradients (the demo job, any CPU model) take the fused check below; others
-    (an accelerator, other dtypes, sparse) the total norm, as before (issue 15: the norm cost
-    0.32 ms in the default job's 13 ms step - 29 per-tensor kernels on a cold cache - the fused
-    check 0.14 ms, measured inside the training loop). Both refuse every step the norm alone did:
+    (an accelerator, other dtypes, sparse) the total norm, as before (issue 15: inside the
+    training loop the norm cost 0.32 ms of the default job's 13 ms step - 29 per-tensor kernels on
+    a cold cache - the fused check 0.13 ms; docs/scale.md). Both refuse every step the norm alone did:
     with all entries below 2^42 and at most 2^40 of them the norm is below 2^62."""
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [g for p in params if (g := p.grad) is not None]
     if not grads:
         return True
-    f32, strided = torch.float32, torch.strided      # (``is_cpu``, not ``device.type``: 16 vs 41 us per step)
-    if all(g.dtype is f32 and g.is_cpu and g.layout is strided and not g.requires_grad for g in grads) \
-            and sum(g.numel() for g in grads) <= _MAX_FUSED:
+    if _fusable(grads):
         return _grads_finite_fused(grads)
     if not bool(torch.isfinite(torch.nn.utils.get_total_norm(grads))):
         return False
     return float(torch.nn.utils.get_total_norm(grads, float("inf"))) < _BIG   # the fused path's bound
+
+
+def _fusable(grads: list[torch.Tensor]) -> bool:
+    """CPU float32 dense gradients outside autograd, at most ``_MAX_FUSED`` entries in all (one
+    loop, ``is_cpu`` rather than ``device.type``: 16 vs 41 us per step inside the training loop)."""
+    f32, strided, n = torch.float32, torch.strided, 0
+    for g in grads:
+        if g.dtype is not f32 or not g.is_cpu or g.layout is not strided or g.requires_grad:
+            return False
+        n += g.numel()
+    return n <= _MAX_FUSED
 
 
 _UP = torch.tensor(2.0 ** _SCALE_EXP, dtype=torch.float32)
@@ -79,7 +88,7 @@ def _grads_finite_fused(grads: list[torch.Tensor]) -> bool:
     found = torch.zeros((), dtype=torch.float32)
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found, _UP)
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found, _DOWN)
-    return not bool(found)
+    return found.item() == 0.0
 
 
 def older_version(tracker, fragment: int, before: int) -> tuple[int, dict[str, np.ndarray]] | None:
