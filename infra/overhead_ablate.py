@@ -13,6 +13,9 @@ same repeat. A variant is ``+``-joined words:
   ``--period`` (pure-Python loop / a numpy copy of 32 MiB buffers, beyond L2 / a small torch
   matmul loop), the rest asleep: a stand-in for the syncer and the sync agent, which use 20-35% of
   the other core in the benchmark;
+* ``learner`` / ``learner-threads`` (``--ab`` only): ``Learner.step`` (with its sync agent, or
+  its sender and receiver threads) on alternate steps, the plain loop on the others, one process,
+  on a run with no syncer - every learner step an "other" step (overhead_roles ``learner_ab``);
 * ``syncer``: a real idle syncer of a fresh run on ``--load-cpus`` (no learner: it only waits);
 * ``stack``: a real sync stack on ``--load-cpus``: a syncer and a learner with its sync agent
   (``--sync-process``), the learner paced (``--slow 2``: half its time computing) so that the
@@ -131,7 +134,11 @@ def run_variant(v: dict, args, out: Path) -> list[float]:
 
 def run_ab(word: str, args, out: Path) -> tuple[float, float]:
     """One control process with feature ``word`` on alternate steps (guard) or in alternate blocks of
-    ``--block`` steps (a neighbour, stopped in the other blocks): (median ms without, with)."""
+    ``--block`` steps (a neighbour, stopped in the other blocks): (median ms without, with).
+    ``learner`` / ``learner-threads``: ``Learner.step`` on alternate steps (overhead_roles
+    ``learner_ab``; the sync agent, or the sender and receiver threads), on a run with no syncer."""
+    if word in ("learner", "learner-threads"):
+        return _learner_ab(word == "learner", args, out)
     v = parse_variant(word)
     procs, cluster = _start_neighbour({**v, "guard": False}, args, out.with_suffix(".run"))
     pids = [p.pid for p in procs] if procs else cluster.ablate_pids if cluster is not None else []
@@ -139,7 +146,8 @@ def run_ab(word: str, args, out: Path) -> tuple[float, float]:
         time.sleep(0.5)
         cmd = [sys.executable, "-m", "infra.overhead_roles", "control", "--out", str(out), "--steps",
                str(args.steps), "--seed", "0", "--cpus", args.cpus, "--block", str(args.block),
-               *(["--guard", "alternate"] if v["guard"] else []), *(["--neighbour", ",".join(map(str, pids))] if pids else [])]
+               *(["--guard", "alternate"] if v["guard"] else []),
+               *(["--neighbour", ",".join(map(str, pids))] if pids else [])]
         subprocess.run(cmd, check=True, capture_output=True)
     finally:
         for p in procs:
@@ -147,6 +155,22 @@ def run_ab(word: str, args, out: Path) -> tuple[float, float]:
             p.wait()
         if cluster is not None:
             cluster.stop()
+    return _ab_medians(out)
+
+
+def _learner_ab(sync_process: bool, args, out: Path) -> tuple[float, float]:
+    import shutil
+    run = out.with_suffix(".run")
+    shutil.rmtree(run, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "workers.cli", "run", "--create-only", "--insecure", "--out", str(run),
+                    "--learners", "1", "--steps", str(args.steps), "--seed", "0"], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "infra.overhead_roles", "learner-ab", "--out", str(out), "--run",
+                    str(run / "store"), "--steps", str(args.steps), "--cpus", args.cpus,
+                    *(["--sync-process"] if sync_process else [])], check=True, capture_output=True)
+    return _ab_medians(out)
+
+
+def _ab_medians(out: Path) -> tuple[float, float]:
     res = json.loads(out.read_text())
     rows = list(zip(res["step_times"], res["b"]))[WARMUP:]
     return (float(np.median([t for t, b in rows if not b])) * 1e3, float(np.median([t for t, b in rows if b])) * 1e3)

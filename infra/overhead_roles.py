@@ -145,6 +145,50 @@ def control(out: str, steps: int, seed: int, cpus: set[int] | None, guard: str =
     Path(out).write_text(json.dumps({"step_times": times, "gcs": collections, "b": marks}))
 
 
+def learner_ab(out: str, run: str, steps: int, cpus: set[int] | None, sync_process: bool) -> None:
+    """Ablation only (infra/overhead_ablate.py ``--ab learner``): the default job's model and
+    optimizer on run ``run`` (unsigned, no syncer: no round ever opens, so every learner step is an
+    "other" step), stepping through ``Learner.step`` on odd steps and through the plain loop
+    (``control``'s body) on even ones, one process: the learner's own per-step cost, A/B inside
+    one process. Writes ``step_times`` and ``b`` (1: a learner step)."""
+    pin(cpus)
+    import torch
+    from storage.layout import read_descriptor
+    from storage.store import open_store
+    from workers.common.events import EventLog
+    from workers.job.data import Corpus
+    from workers.job.job import job_from, make_optimizer, set_lr
+    from workers.job.model import GPT
+    from workers.learner.learner import Learner, LearnerConfig
+    torch.set_num_threads(1)                  # what learner_process sets
+    store = open_store(run, create=False)
+    gcfg, job = job_from(read_descriptor(store))
+    model = GPT(gcfg)
+    opt = make_optimizer(model, job)
+    learner = Learner(model, opt, store, "l0", LearnerConfig(sync_process=sync_process),
+                      events=EventLog(None, "learner", "l0"))
+    learner.start()
+    batches = Corpus(job.data_config(gcfg.block_size)).batches(0, job.shards, 0)
+    times, marks = [], []
+    try:
+        for i in range(steps):
+            x, y = next(batches)
+            set_lr(opt, job, i)
+            t0 = time.monotonic()
+            if i % 2:
+                learner.step(lambda: model(x, y)[1], tokens=x.numel())
+            else:
+                opt.zero_grad(set_to_none=True)
+                loss = model(x, y)[1]
+                loss.backward()
+                opt.step()
+            times.append(time.monotonic() - t0)
+            marks.append(i % 2)
+    finally:
+        learner.close(flush=False)
+    Path(out).write_text(json.dumps({"step_times": times, "b": marks}))
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infra.overhead_roles", description=__doc__.splitlines()[0])
     for flag in ("--store", "--id", "--log", "--ingest", "--announce"):
@@ -197,6 +241,16 @@ def learner(argv: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "learner-ab":
+        p = argparse.ArgumentParser(prog="python -m infra.overhead_roles learner-ab")
+        for flag in ("--out", "--run"):
+            p.add_argument(flag, required=True)
+        p.add_argument("--steps", type=int, required=True)
+        p.add_argument("--cpus", default=None)
+        p.add_argument("--sync-process", action="store_true")
+        a = p.parse_args(argv[1:])
+        learner_ab(a.out, a.run, a.steps, parse_cpus(a.cpus), a.sync_process)
+        return 0
     if argv and argv[0] == "control":
         p = argparse.ArgumentParser(prog="python -m infra.overhead_roles control")
         p.add_argument("--out", required=True)
