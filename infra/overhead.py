@@ -15,6 +15,10 @@ gets the learner's cores). The first ``--warmup`` steps of every run are left ou
 (allocator and caches warming up: the same on both sides); nothing else is left out: the step
 classes (answer, version applied, garbage collection, other) are reported beside the totals, so a
 tail can be traced to what the step held. Timing claims live here, never in tests.
+
+Separate processes differ by +-4% on a 2-vCPU VM even when they run the same loop, so a 5-repeat
+median is good to about +-2%; infra/overhead_ablate.py times one learner feature or neighbour at a
+time inside one process instead (docs/scale.md, "The other steps, taken apart").
 """
 from __future__ import annotations
 
