@@ -235,10 +235,12 @@ class SyncAgent:
             self._hand_over(slot, header)
 
     def opened(self) -> dict[int, tuple[int, int]]:
+        """The open rounds: the same dict object (not to be changed) until the board has news, so a
+        caller can tell "nothing new" by identity (Learner.answer_rounds)."""
         gen = self.board.generation()           # one word when nothing is new
         if gen != self._opened[0]:
             self._opened = (gen, self.board.opened())
-        return dict(self._opened[1])
+        return self._opened[1]
 
     def take(self) -> list[Arrival]:
         """The versions that arrived since the last call (the newest per fragment), copied out."""

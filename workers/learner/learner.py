@@ -113,6 +113,7 @@ class Learner:
         self.base: dict[int, dict[str, np.ndarray]] = {}
         self.base_version: dict[int, int] = {}
         self.answered: dict[int, tuple[int, int]] = {}   # fragment -> (syncer epoch, round) last answered
+        self._rounds_seen: dict | None = None      # the receiver's open rounds as of the last answer_rounds
         self._answered_steps: dict[int, int] = {}   # fragment -> c_steps its last answer held
         self._at_answer: dict[int, tuple] = {}   # keep_progress: fragment -> (θ_p, c_steps, c_tokens) at the answer
         self.c_steps: list[int] = []
@@ -159,6 +160,7 @@ class Learner:
             self.base[p] = {n: values[n].copy() for n in d.layout.fragments[p]}
             self.base_version[p] = versions[p]
             self.answered[p] = (-1, -1)
+        self._rounds_seen = None
         self.c_steps = [0] * d.num_fragments
         self.c_tokens = [0] * d.num_fragments
         if agent:
@@ -367,8 +369,12 @@ class Learner:
     def answer_rounds(self) -> int:
         """Answer every round opened since the last step boundary (the newest one per fragment);
         returns how many deltas were handed to the sender."""
+        rounds = self.receiver.opened()
+        if rounds is self._rounds_seen:
+            return 0            # the same object as last step (the sync agent's board had no news): all answered
+        self._rounds_seen = rounds
         n = 0
-        for p, opened in sorted(self.receiver.opened().items()):
+        for p, opened in sorted(rounds.items()):
             if opened > self.answered.get(p, (-1, -1)):
                 n += self._answer(p, opened)
         return n
