@@ -70,6 +70,10 @@ def configure(parser: argparse.ArgumentParser):
     parser.add_argument("--sync-process", action="store_true",
                         help="with --overhead: the learner's sender and receiver in a child process "
                              "(LearnerConfig.sync_process)")
+    parser.add_argument("--store-root", default=None, metavar="DIR",
+                        help="with --overhead: where the sync-on runs and their stores live (default: under --out); "
+                             "a directory on tmpfs (e.g. /dev/shm/x) takes the store's fsyncs off this machine's "
+                             "disk, as a remote store (S3) does (docs/scale.md)")
     return _handle
 
 

@@ -120,7 +120,8 @@ def _control(out: Path, steps: int, seed: int, cpus: str | None) -> dict:
 def _sync_on(out: Path, steps: int, seed: int, cpus_learner: str | None, cpus_syncer: str | None,
              sync_process: bool) -> dict:
     """One learner and one syncer on a fresh signed run; the learner's step-trace and thread-cpu."""
-    from infra.overhead_roles import parse_cpus, pin, process_cpu
+    from infra.overhead_roles import pin, process_cpu
+    from workers.common.cpus import parse_cpus
     from workers.cluster import ClusterConfig, LocalCluster
     shutil.rmtree(out, ignore_errors=True)     # a fresh run every repeat
     res = subprocess.run([sys.executable, "-m", "workers.cli", "run", "--create-only", "--out", str(out),
@@ -163,6 +164,8 @@ def run_overhead(args) -> int:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     out = Path(args.out) / "overhead"
     out.mkdir(parents=True, exist_ok=True)
+    runs = Path(args.store_root) / "overhead" if getattr(args, "store_root", None) else out
+    runs.mkdir(parents=True, exist_ok=True)
     seed = int(args.seeds.split(",")[0])
     repeats = []
     for r in range(args.repeats):
@@ -172,7 +175,7 @@ def run_overhead(args) -> int:
             if side == "off":
                 sides["off"] = _control(out / f"control-{r}.json", args.steps, seed, args.cpus_learner)
             else:
-                sides["on"] = _sync_on(out / f"on-{r}", args.steps, seed, args.cpus_learner, args.cpus_syncer,
+                sides["on"] = _sync_on(runs / f"on-{r}", args.steps, seed, args.cpus_learner, args.cpus_syncer,
                                       args.sync_process)
             sides[side]["steal"] = steal_share(before, cpu_ticks())
         fig = compare(sides["on"]["trace"], sides["off"])
@@ -189,7 +192,7 @@ def run_overhead(args) -> int:
     summary = summarise(repeats)
     summary.update({"steps": args.steps, "repeats": args.repeats, "warmup": WARMUP, "seed": seed,
                     "cpus_learner": args.cpus_learner, "cpus_syncer": args.cpus_syncer,
-                    "sync_process": args.sync_process})
+                    "sync_process": args.sync_process, "store_root": getattr(args, "store_root", None)})
     for k, v in summary.items():
         if k != "per_repeat":
             print(f"{k:<40} {v:.4g}" if isinstance(v, float) else f"{k:<40} {v}")

@@ -26,24 +26,10 @@ import threading
 import time
 from pathlib import Path
 
-
-def parse_cpus(text: str | None) -> set[int] | None:
-    """``"0"``, ``"0,1"``, ``"0-3"`` -> core numbers; None/"" -> None (no pinning)."""
-    if not text:
-        return None
-    cpus: set[int] = set()
-    try:
-        for part in text.split(","):
-            lo, _, hi = part.partition("-")
-            cpus.update(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise ValueError(f"cpus must look like 0 or 0,1 or 0-3, got {text!r}") from None
-    if not cpus or min(cpus) < 0:
-        raise ValueError(f"cpus must name cores >= 0, got {text!r}")
-    return cpus
+from workers.common.cpus import parse_cpus
 
 
-def pin(cpus: set[int] | None, pid: int = 0) -> None:
+def pin(cpus: tuple[int, ...] | None, pid: int = 0) -> None:
     """Every thread of ``pid`` (0: this process) to ``cpus``; threads started later inherit it."""
     if cpus is None:
         return
@@ -224,15 +210,14 @@ def learner(argv: list[str]) -> int:
 
     def stop() -> bool:       # called before every step: the CPU of the threads over the steps
         calls[0] += 1
-        if calls[0] == 1:     # the agent (started by Learner.start) is this process's child by now
-            for child in children():
-                pin(parse_cpus(args.agent_cpus), child)
         if calls[0] in (1, args.steps):
             marks[calls[0]] = thread_cpu()
             marks[calls[0]]["agent process"] = sum(process_cpu(c) for c in children())
         return False
     stats = learner_process(store, args.id, 0, BusConfig(args.ingest, args.announce, counters=BusCounters()),
-                            events, steps=args.steps, config=LearnerConfig(keys=keys, trace_steps=True, sync_process=args.sync_process), stop=stop)
+                            events, steps=args.steps, stop=stop,
+                            config=LearnerConfig(keys=keys, trace_steps=True, sync_process=args.sync_process,
+                                                 agent_cpus=parse_cpus(args.agent_cpus) if args.sync_process else None))
     first, last = marks.get(1, {}), marks.get(args.steps, {})
     events.emit("thread-cpu", steps=args.steps - 1,
                 cpu_s={k: round(v - first.get(k, 0.0), 3) for k, v in sorted(last.items())})

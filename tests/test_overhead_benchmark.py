@@ -1,0 +1,28 @@
+"""``ddiloco benchmark --overhead`` runs end to end (infra/overhead.py): one sync-off control and one
+learner + syncer, with the sync agent, the runs under ``--store-root``; the figures are there and
+say what each step held. Timings are not asserted (docs/scale.md has them), only their shape."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.timeout(240)
+def test_overhead_benchmark_reports_both_sides_with_the_runs_under_store_root(tmp_path):
+    out, root, fig = tmp_path / "out", tmp_path / "stores", tmp_path / "fig.json"
+    done = subprocess.run([sys.executable, "-m", "workers.cli", "benchmark", "--overhead", "--steps", "60",
+                           "--repeats", "1", "--sync-process", "--store-root", str(root), "--out", str(out),
+                           "--json", str(fig)], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=220)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    res = json.loads(fig.read_text())
+    assert res["store_root"] == str(root) and res["sync_process"] is True
+    assert (root / "overhead" / "on-0" / "store").is_dir() and not (out / "overhead" / "on-0").exists()
+    rep = res["per_repeat"][0]
+    assert rep["on"]["n"] == rep["off"]["n"] == 60 - 20          # the warm-up steps left out on both sides
+    assert rep["ratio_median"] > 0 and rep["on_by_class"]["answer"]["n"] > 0   # the learner answered rounds
+    assert sum(rep["on_by_class"][k]["n"] for k in ("answer", "applied", "gc", "other")) == rep["on"]["n"]
