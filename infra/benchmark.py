@@ -70,6 +70,10 @@ def configure(parser: argparse.ArgumentParser):
     parser.add_argument("--sync-process", action="store_true",
                         help="with --overhead: the learner's sender and receiver in a child process "
                              "(LearnerConfig.sync_process)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="with --overhead: sync on / off as an A/B inside one learner process, a plain step "
+                             "before each learner step (infra/overhead_interleave.py): free of the +-4%% "
+                             "process-to-process spread, blind to what spills into the next step")
     parser.add_argument("--store-root", default=None, metavar="DIR",
                         help="with --overhead: where the sync-on runs and their stores live (default: under --out); "
                              "a directory on tmpfs (e.g. /dev/shm/x) takes the store's fsyncs off this machine's "

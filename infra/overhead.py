@@ -19,6 +19,10 @@ tail can be traced to what the step held. Timing claims live here, never in test
 Separate processes differ by +-4% on a 2-vCPU VM even when they run the same loop, so a 5-repeat
 median is good to about +-2%; infra/overhead_ablate.py times one learner feature or neighbour at a
 time inside one process instead (docs/scale.md, "The other steps, taken apart").
+
+``--interleave`` instead takes both sides from one learner process, a plain step before each
+learner step (infra/overhead_interleave.py): free of that spread, but blind to what spills from a
+learner step into the next (charged to both sides), so the docs give both figures.
 """
 from __future__ import annotations
 
@@ -118,7 +122,7 @@ def _control(out: Path, steps: int, seed: int, cpus: str | None) -> dict:
 
 
 def _sync_on(out: Path, steps: int, seed: int, cpus_learner: str | None, cpus_syncer: str | None,
-             sync_process: bool) -> dict:
+             sync_process: bool, interleave: bool = False) -> dict:
     """One learner and one syncer on a fresh signed run; the learner's step-trace and thread-cpu."""
     from infra.overhead_roles import pin, process_cpu
     from workers.common.cpus import parse_cpus
@@ -136,9 +140,10 @@ def _sync_on(out: Path, steps: int, seed: int, cpus_learner: str | None, cpus_sy
         syncer_cpu = process_cpu(life.popen.pid)
         cluster.start_learner("l0", ["--steps", str(steps), *(["--cpus", cpus_learner] if cpus_learner else []),
                                        *(["--sync-process"] if sync_process else []),
-                                       *(["--agent-cpus", cpus_syncer] if sync_process and cpus_syncer else [])],
+                                       *(["--agent-cpus", cpus_syncer] if sync_process and cpus_syncer else []),
+                                       *(["--interleave"] if interleave else [])],
                               module="infra.overhead_roles")
-        deadline = time.monotonic() + 60 + steps * 1.0
+        deadline = time.monotonic() + 60 + steps * (2.0 if interleave else 1.0)
         while not cluster.learners_done():
             if time.monotonic() > deadline:
                 raise SystemExit(f"the learner in {out} did not finish in time: {cluster.stderr('l0')}")
@@ -152,8 +157,39 @@ def _sync_on(out: Path, steps: int, seed: int, cpus_learner: str | None, cpus_sy
     if trace is None:
         raise SystemExit(f"no step-trace from the learner in {out}: {cluster.stderr('l0')}")
     cpu = next((e for e in events if e.get("event") == "thread-cpu"), {})
+    if interleave:
+        from infra.overhead_interleave import split
+        ab = next((e for e in events if e.get("event") == "ab-steps"), None)
+        if ab is None:
+            raise SystemExit(f"no ab-steps from the interleaved learner in {out}: {cluster.stderr('l0')}")
+        trace, plain = split(ab, trace)
+        return {"trace": trace, "plain": plain, "thread_cpu": {"syncer process": round(syncer_cpu, 3)},
+                "deltas": None}
     return {"trace": trace, "thread_cpu": {**cpu.get("cpu_s", {}), "syncer process": round(syncer_cpu, 3)},
             "deltas": next((e.get("deltas") for e in events if e.get("event") == "learner-stop"), None)}
+
+
+def _repeat(args, r: int, out: Path, runs: Path, seed: int) -> dict:
+    """One repeat: the control and the sync-on learner, one after the other (order alternating)."""
+    sides = {}
+    for side in (("off", "on") if r % 2 == 0 else ("on", "off")):
+        before = cpu_ticks()
+        if side == "off":
+            sides["off"] = _control(out / f"control-{r}.json", args.steps, seed, args.cpus_learner)
+        else:
+            sides["on"] = _sync_on(runs / f"on-{r}", args.steps, seed, args.cpus_learner, args.cpus_syncer,
+                                   args.sync_process)
+        sides[side]["steal"] = steal_share(before, cpu_ticks())
+    return sides
+
+
+def _interleaved_repeat(args, r: int, runs: Path, seed: int) -> dict:
+    """One repeat of ``--interleave`` (infra/overhead_interleave.py): both sides from one process."""
+    before = cpu_ticks()
+    on = _sync_on(runs / f"on-{r}", args.steps, seed, args.cpus_learner, args.cpus_syncer, args.sync_process,
+                  interleave=True)
+    on["steal"] = steal_share(before, cpu_ticks())
+    return {"on": on, "off": {**on.pop("plain"), "steal": on["steal"]}}
 
 
 def run_overhead(args) -> int:
@@ -168,31 +204,25 @@ def run_overhead(args) -> int:
     runs.mkdir(parents=True, exist_ok=True)
     seed = int(args.seeds.split(",")[0])
     repeats = []
+    interleave = getattr(args, "interleave", False)
     for r in range(args.repeats):
-        sides = {}
-        for side in (("off", "on") if r % 2 == 0 else ("on", "off")):
-            before = cpu_ticks()
-            if side == "off":
-                sides["off"] = _control(out / f"control-{r}.json", args.steps, seed, args.cpus_learner)
-            else:
-                sides["on"] = _sync_on(runs / f"on-{r}", args.steps, seed, args.cpus_learner, args.cpus_syncer,
-                                      args.sync_process)
-            sides[side]["steal"] = steal_share(before, cpu_ticks())
+        sides = _repeat(args, r, out, runs, seed) if not interleave else _interleaved_repeat(args, r, runs, seed)
         fig = compare(sides["on"]["trace"], sides["off"])
         answers = sum(1 for n in sides["on"]["trace"]["answered"] if n) or 1
         fig["thread_cpu_s"] = sides["on"]["thread_cpu"]
         fig["background_cpu_ms_per_answer"] = 1e3 * sum(   # the learner's other threads (or its agent)
             v for k, v in sides["on"]["thread_cpu"].items() if k not in ("MainThread", "syncer process")) / answers
-        fig["syncer_cpu_share"] = sides["on"]["thread_cpu"]["syncer process"] / (
-            sum(sides["on"]["trace"]["took_s"]) or 1.0)
-        fig["order"] = "off,on" if r % 2 == 0 else "on,off"
+        fig["syncer_cpu_share"] = sides["on"]["thread_cpu"]["syncer process"] / (   # over the learner's life
+            sum(sides["on"]["trace"]["took_s"]) + (sum(sides["off"]["step_times"]) if interleave else 0) or 1.0)
+        fig["order"] = "interleaved" if interleave else "off,on" if r % 2 == 0 else "on,off"
         fig["steal_on"], fig["steal_off"] = sides["on"]["steal"], sides["off"]["steal"]   # hypervisor's share
         repeats.append(fig)
         print(_line(r, fig), flush=True)
     summary = summarise(repeats)
     summary.update({"steps": args.steps, "repeats": args.repeats, "warmup": WARMUP, "seed": seed,
                     "cpus_learner": args.cpus_learner, "cpus_syncer": args.cpus_syncer,
-                    "sync_process": args.sync_process, "store_root": getattr(args, "store_root", None)})
+                    "sync_process": args.sync_process, "store_root": getattr(args, "store_root", None),
+                    "interleave": interleave})
     for k, v in summary.items():
         if k != "per_repeat":
             print(f"{k:<40} {v:.4g}" if isinstance(v, float) else f"{k:<40} {v}")

@@ -188,6 +188,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds)")
     p.add_argument("--sync-process", action="store_true", help="LearnerConfig.sync_process (workers/learner/agent.py)")
     p.add_argument("--agent-cpus", default=None, help="with --sync-process: cores of the sync agent process")
+    p.add_argument("--interleave", action="store_true",
+                   help="a plain step before each learner step, one process (infra/overhead_interleave.py)")
     return p
 
 
@@ -214,10 +216,14 @@ def learner(argv: list[str]) -> int:
             marks[calls[0]] = thread_cpu()
             marks[calls[0]]["agent process"] = sum(process_cpu(c) for c in children())
         return False
-    stats = learner_process(store, args.id, 0, BusConfig(args.ingest, args.announce, counters=BusCounters()),
-                            events, steps=args.steps, stop=stop,
-                            config=LearnerConfig(keys=keys, trace_steps=True, sync_process=args.sync_process,
-                                                 agent_cpus=parse_cpus(args.agent_cpus) if args.sync_process else None))
+    bus = BusConfig(args.ingest, args.announce, counters=BusCounters())
+    config = LearnerConfig(keys=keys, trace_steps=True, sync_process=args.sync_process,
+                           agent_cpus=parse_cpus(args.agent_cpus) if args.sync_process else None)
+    if args.interleave:
+        from infra.overhead_interleave import interleaved
+        stats = interleaved(store, args.id, bus, events, args.steps, config)
+    else:
+        stats = learner_process(store, args.id, 0, bus, events, steps=args.steps, stop=stop, config=config)
     first, last = marks.get(1, {}), marks.get(args.steps, {})
     events.emit("thread-cpu", steps=args.steps - 1,
                 cpu_s={k: round(v - first.get(k, 0.0), 3) for k, v in sorted(last.items())})

@@ -26,3 +26,19 @@ def test_overhead_benchmark_reports_both_sides_with_the_runs_under_store_root(tm
     assert rep["on"]["n"] == rep["off"]["n"] == 60 - 20          # the warm-up steps left out on both sides
     assert rep["ratio_median"] > 0 and rep["on_by_class"]["answer"]["n"] > 0   # the learner answered rounds
     assert sum(rep["on_by_class"][k]["n"] for k in ("answer", "applied", "gc", "other")) == rep["on"]["n"]
+
+
+@pytest.mark.timeout(240)
+def test_interleaved_overhead_takes_both_sides_from_one_learner_process(tmp_path):
+    fig = tmp_path / "fig.json"
+    done = subprocess.run([sys.executable, "-m", "workers.cli", "benchmark", "--overhead", "--interleave",
+                           "--steps", "60", "--repeats", "1", "--sync-process", "--out", str(tmp_path / "out"),
+                           "--json", str(fig)], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=220)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    res = json.loads(fig.read_text())
+    rep = res["per_repeat"][0]
+    assert res["interleave"] is True and rep["order"] == "interleaved"
+    assert not list((tmp_path / "out" / "overhead").glob("control-*"))     # no control process
+    assert rep["on"]["n"] == rep["off"]["n"] == 60 - 20
+    assert rep["on_by_class"]["answer"]["n"] > 0 and rep["ratio_median"] > 0
