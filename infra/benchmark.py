@@ -59,7 +59,9 @@ def configure(parser: argparse.ArgumentParser):
                              "'none': no proxies)")
     parser.add_argument("--paths", default="bus,bucket-only", help="with --regions: which paths to measure")
     parser.add_argument("--run-args", default=None, metavar="FLAGS",
-                        help="with --regions: more ddiloco run flags for both runs, e.g. '--poll 0.2 --spill-poll 0.2'")
+                        help="with --regions: more ddiloco run flags for both runs, e.g. '--poll 0.2 --spill-poll 0.2'; "
+                             "with --overhead: for the sync-on runs, e.g. a model's shape '--layers 4 --width 256' "
+                             "(the control trains the same model)")
     parser.add_argument("--overhead", action="store_true",
                         help="instead: a learner's step time sync on / off, the two run one after the other "
                              "(infra/overhead.py)")

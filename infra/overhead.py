@@ -27,6 +27,7 @@ learner step into the next (charged to both sides), so the docs give both figure
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -112,26 +113,33 @@ def steal_share(before: dict, after: dict) -> dict[str, float]:
     return out
 
 
-def _control(out: Path, steps: int, seed: int, cpus: str | None) -> dict:
+def _control(out: Path, steps: int, seed: int, cpus: str | None, model_from: Path | None = None) -> dict:
     cmd = [sys.executable, "-m", "infra.overhead_roles", "control", "--out", str(out), "--steps", str(steps),
-           "--seed", str(seed), *(["--cpus", cpus] if cpus else [])]
+           "--seed", str(seed), *(["--cpus", cpus] if cpus else []),
+           *(["--model-from", str(model_from)] if model_from else [])]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise SystemExit(f"control failed ({res.returncode}): {res.stderr[-2000:]}")
     return json.loads(out.read_text())
 
 
+def _create(out: Path, steps: int, seed: int, run_args: list[str]) -> None:
+    """A fresh signed run of one learner in ``out`` (``ddiloco run --create-only`` and ``run_args``)."""
+    shutil.rmtree(out, ignore_errors=True)
+    res = subprocess.run([sys.executable, "-m", "workers.cli", "run", "--create-only", "--out", str(out),
+                          "--learners", "1", "--steps", str(steps), "--seed", str(seed), *run_args],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"creating the run in {out} failed: {res.stderr[-2000:]}")
+
+
 def _sync_on(out: Path, steps: int, seed: int, cpus_learner: str | None, cpus_syncer: str | None,
-             sync_process: bool, interleave: bool = False) -> dict:
+             sync_process: bool, interleave: bool = False, run_args: list[str] = ()) -> dict:
     """One learner and one syncer on a fresh signed run; the learner's step-trace and thread-cpu."""
     from infra.overhead_roles import pin, process_cpu
     from workers.common.cpus import parse_cpus
     from workers.cluster import ClusterConfig, LocalCluster
-    shutil.rmtree(out, ignore_errors=True)     # a fresh run every repeat
-    res = subprocess.run([sys.executable, "-m", "workers.cli", "run", "--create-only", "--out", str(out),
-                          "--learners", "1", "--steps", str(steps), "--seed", str(seed)], capture_output=True, text=True)
-    if res.returncode != 0:
-        raise SystemExit(f"creating the run in {out} failed: {res.stderr[-2000:]}")
+    _create(out, steps, seed, list(run_args))     # a fresh run every repeat
     cluster = LocalCluster(ClusterConfig(str(out / "store"), out, keydir=out / "keys"))
     try:
         life = cluster.start_syncers()[0]
@@ -169,25 +177,26 @@ def _sync_on(out: Path, steps: int, seed: int, cpus_learner: str | None, cpus_sy
             "deltas": next((e.get("deltas") for e in events if e.get("event") == "learner-stop"), None)}
 
 
-def _repeat(args, r: int, out: Path, runs: Path, seed: int) -> dict:
+def _repeat(args, r: int, out: Path, runs: Path, seed: int, run_args: list[str]) -> dict:
     """One repeat: the control and the sync-on learner, one after the other (order alternating)."""
     sides = {}
     for side in (("off", "on") if r % 2 == 0 else ("on", "off")):
         before = cpu_ticks()
         if side == "off":
-            sides["off"] = _control(out / f"control-{r}.json", args.steps, seed, args.cpus_learner)
+            sides["off"] = _control(out / f"control-{r}.json", args.steps, seed, args.cpus_learner,
+                                    out / "model" / "store" if run_args else None)
         else:
             sides["on"] = _sync_on(runs / f"on-{r}", args.steps, seed, args.cpus_learner, args.cpus_syncer,
-                                   args.sync_process)
+                                   args.sync_process, run_args=run_args)
         sides[side]["steal"] = steal_share(before, cpu_ticks())
     return sides
 
 
-def _interleaved_repeat(args, r: int, runs: Path, seed: int) -> dict:
+def _interleaved_repeat(args, r: int, runs: Path, seed: int, run_args: list[str]) -> dict:
     """One repeat of ``--interleave`` (infra/overhead_interleave.py): both sides from one process."""
     before = cpu_ticks()
     on = _sync_on(runs / f"on-{r}", args.steps, seed, args.cpus_learner, args.cpus_syncer, args.sync_process,
-                  interleave=True)
+                  interleave=True, run_args=run_args)
     on["steal"] = steal_share(before, cpu_ticks())
     return {"on": on, "off": {**on.pop("plain"), "steal": on["steal"]}}
 
@@ -205,8 +214,12 @@ def run_overhead(args) -> int:
     seed = int(args.seeds.split(",")[0])
     repeats = []
     interleave = getattr(args, "interleave", False)
+    run_args = shlex.split(args.run_args or "")
+    if run_args and not interleave:      # the control trains the same model: it reads this run's
+        _create(out / "model", args.steps, seed, run_args)
     for r in range(args.repeats):
-        sides = _repeat(args, r, out, runs, seed) if not interleave else _interleaved_repeat(args, r, runs, seed)
+        sides = (_interleaved_repeat if interleave else _repeat)(args, r, *(() if interleave else (out,)), runs,
+                                                                 seed, run_args)
         fig = compare(sides["on"]["trace"], sides["off"])
         answers = sum(1 for n in sides["on"]["trace"]["answered"] if n) or 1
         fig["thread_cpu_s"] = sides["on"]["thread_cpu"]
@@ -222,7 +235,7 @@ def run_overhead(args) -> int:
     summary.update({"steps": args.steps, "repeats": args.repeats, "warmup": WARMUP, "seed": seed,
                     "cpus_learner": args.cpus_learner, "cpus_syncer": args.cpus_syncer,
                     "sync_process": args.sync_process, "store_root": getattr(args, "store_root", None),
-                    "interleave": interleave})
+                    "interleave": interleave, "run_args": args.run_args})
     for k, v in summary.items():
         if k != "per_repeat":
             print(f"{k:<40} {v:.4g}" if isinstance(v, float) else f"{k:<40} {v}")

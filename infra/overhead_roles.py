@@ -79,7 +79,7 @@ def children() -> list[int]:
 
 
 def control(out: str, steps: int, seed: int, cpus: set[int] | None, guard: str = "off",
-            neighbour: list[int] | None = None, block: int = 10) -> None:
+            neighbour: list[int] | None = None, block: int = 10, model_from: str | None = None) -> None:
     """The sync-off loop (module docstring); writes step times and per-step collection counts.
 
     Ablation only (infra/overhead_ablate.py; ``ddiloco benchmark --overhead`` runs neither):
@@ -98,6 +98,11 @@ def control(out: str, steps: int, seed: int, cpus: set[int] | None, guard: str =
     from workers.run import DEMO_BATCH_SIZE
     torch.set_num_threads(1)                  # what learner_process sets
     gcfg, job = GPTConfig(), JobSettings(steps=steps, batch_size=DEMO_BATCH_SIZE, shards=1)
+    if model_from is not None:     # the model and job of a created run (benchmark --run-args)
+        from storage.layout import read_descriptor
+        from storage.store import open_store
+        from workers.job.job import job_from
+        gcfg, job = job_from(read_descriptor(open_store(model_from, create=False)))
     corpus = Corpus(job.data_config(gcfg.block_size))
     model = build_model(gcfg, seed)
     opt = make_optimizer(model, job)
@@ -128,7 +133,8 @@ def control(out: str, steps: int, seed: int, cpus: set[int] | None, guard: str =
     gc.callbacks.remove(counter)
     for pid in neighbour or ():
         os.kill(pid, signal.SIGCONT)
-    Path(out).write_text(json.dumps({"step_times": times, "gcs": collections, "b": marks}))
+    Path(out).write_text(json.dumps({"step_times": times, "gcs": collections, "b": marks,
+                                     "params": sum(p.numel() for p in model.parameters())}))
 
 
 def learner_ab(out: str, run: str, steps: int, cpus: set[int] | None, sync_process: bool) -> None:
@@ -253,9 +259,11 @@ def main(argv: list[str]) -> int:
         p.add_argument("--neighbour", default=None,
                        help="ablation: pids (comma-separated) run/stopped in alternate blocks")
         p.add_argument("--block", type=int, default=10, help="ablation: steps per --neighbour block")
+        p.add_argument("--model-from", default=None, help="a run's store: its model and job (default: the demo's)")
         a = p.parse_args(argv[1:])
         control(a.out, a.steps, a.seed, parse_cpus(a.cpus), guard=a.guard,
-                neighbour=[int(x) for x in a.neighbour.split(",")] if a.neighbour else None, block=a.block)
+                neighbour=[int(x) for x in a.neighbour.split(",")] if a.neighbour else None, block=a.block,
+                model_from=a.model_from)
         return 0
     return learner(argv)
 

@@ -13,15 +13,23 @@ import pytest
 
 @pytest.mark.timeout(240)
 def test_overhead_benchmark_reports_both_sides_with_the_runs_under_store_root(tmp_path):
+    """Separate processes, a small model given by --run-args (the control reads it from a created run)."""
     out, root, fig = tmp_path / "out", tmp_path / "stores", tmp_path / "fig.json"
     done = subprocess.run([sys.executable, "-m", "workers.cli", "benchmark", "--overhead", "--steps", "60",
                            "--repeats", "1", "--sync-process", "--store-root", str(root), "--out", str(out),
-                           "--json", str(fig)], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                           "--run-args", "--layers 1 --width 32", "--json", str(fig)],
+                          env=dict(os.environ, OMP_NUM_THREADS="1"),
                           capture_output=True, text=True, timeout=220)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     res = json.loads(fig.read_text())
     assert res["store_root"] == str(root) and res["sync_process"] is True
     assert (root / "overhead" / "on-0" / "store").is_dir() and not (out / "overhead" / "on-0").exists()
+    assert res["run_args"] == "--layers 1 --width 32"      # and the control trained that model, read from:
+    from storage.layout import read_descriptor
+    from storage.store import open_store
+    d = read_descriptor(open_store(str(root / "overhead" / "on-0" / "store"), create=False))
+    control = json.loads((out / "overhead" / "control-0.json").read_text())
+    assert control["params"] == sum(t.numel for t in d.layout.tensors) < 137_000   # not the demo's model
     rep = res["per_repeat"][0]
     assert rep["on"]["n"] == rep["off"]["n"] == 60 - 20          # the warm-up steps left out on both sides
     assert rep["ratio_median"] > 0 and rep["on_by_class"]["answer"]["n"] > 0   # the learner answered rounds
