@@ -125,12 +125,17 @@ def run_variant(v: dict, args, out: Path) -> list[float]:
                str(args.steps), "--seed", "0", "--cpus", args.cpus, *(["--guard", "on"] if v["guard"] else [])]
         subprocess.run(cmd, check=True, capture_output=True)
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-        if cluster is not None:
-            cluster.stop()
+        _stop(procs, cluster)
     return json.loads(out.read_text())["step_times"][WARMUP:]
+
+
+def _stop(procs, cluster) -> None:
+    """End a neighbour: its processes, or its cluster."""
+    for p in procs:
+        p.kill()
+        p.wait()
+    if cluster is not None:
+        cluster.stop()
 
 
 def run_ab(word: str, args, out: Path) -> tuple[float, float]:
@@ -151,11 +156,7 @@ def run_ab(word: str, args, out: Path) -> tuple[float, float]:
                *(["--neighbour", ",".join(map(str, pids))] if pids else [])]
         subprocess.run(cmd, check=True, capture_output=True)
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-        if cluster is not None:
-            cluster.stop()
+        _stop(procs, cluster)
     return _ab_medians(out)
 
 

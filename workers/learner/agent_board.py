@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.errors import FormatError
+from workers.learner.agent_wire import unmap
 
 BOARD_VERSION = 1
 MAGIC = 0x4452_4442_4F41_5244   # "DDLBOARD"-ish, a fixed 8-byte tag
@@ -180,9 +181,4 @@ class Board:
 
     def close(self, close_fd: bool = True) -> None:
         self.words = None
-        try:
-            self.map.close()
-        except BufferError:
-            pass   # a view still alive somewhere: the mapping goes with the process
-        if close_fd:
-            os.close(self.fd)
+        unmap(self.map, self.fd if close_fd else None)

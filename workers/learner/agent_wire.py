@@ -108,9 +108,14 @@ class Slots:
 
     def close(self, close_fd: bool = True) -> None:
         self.buf, self._views = None, {}
-        try:
-            self.map.close()
-        except BufferError:
-            pass   # a view still alive somewhere: the mapping goes with the process
-        if close_fd:
-            os.close(self.fd)
+        unmap(self.map, self.fd if close_fd else None)
+
+
+def unmap(mapping: mmap.mmap, fd: int | None) -> None:
+    """Close a shared mapping (and ``fd``, unless None): the slots' and the board's."""
+    try:
+        mapping.close()
+    except BufferError:
+        pass   # a view still alive somewhere: the mapping goes with the process
+    if fd is not None:
+        os.close(fd)
