@@ -281,6 +281,13 @@ def dom_commits(dom: str) -> int:
     return int(m.group(1))
 
 
+def _without_lost_tokens(totals: dict) -> dict:
+    out = {k: v for k, v in totals.items() if k not in ("tokens_dropped", "per_learner")}
+    out["per_learner"] = {lid: {k: v for k, v in row.items() if k != "tokens_dropped"}
+                          for lid, row in totals.get("per_learner", {}).items()}
+    return out
+
+
 def log_totals(store: Path) -> dict:
     done = subprocess.run([sys.executable, "-m", "workers.cli", "log", str(store), "--json"],
                           capture_output=True, text=True, timeout=120)
@@ -332,7 +339,11 @@ def test_dashboard_in_chromium_during_a_real_run(tmp_path):
                          "the dashboard to see the run finished")
         totals = log_totals(out / "store")
         assert final["run"]["commits_read"] == totals["last_seq"] + 1
-        assert final["totals"] == totals                      # the same commits, the same arithmetic
+        # The same commits, the same arithmetic - except the tokens of lost deltas: their lineage reads a
+        # dropped delta's base from its stored blob while it exists (workers/tools/logview.py LogTotals),
+        # and the inbox's clean-up may delete it between the dashboard's reading and this one.
+        assert _without_lost_tokens(final["totals"]) == _without_lost_tokens(totals)
+        assert 0 <= final["totals"]["tokens_dropped"] and 0 <= totals["tokens_dropped"]
         y = final["syncer"]
         assert (y["commits"], y["commits_by_kind"], y["deltas_merged"], y["deltas_dropped"], y["drop_reasons"]) == \
             (totals["commits"], totals["commits_by_kind"], totals["deltas_merged"], totals["deltas_dropped"],

@@ -249,7 +249,10 @@ def test_scraping_a_real_run(tmp_path, capsys):
         s1 = poll("a first merge commit", lambda: (s := scrape(syncer_url)) and merges(s) >= 1 and s)
         l1 = poll("l0's first tokens", lambda: (s := scrape(learner_url)) and tokens(s) > 0 and s)
         s2 = poll("more merges", lambda: (s := scrape(syncer_url)) and merges(s) > merges(s1) and s)
-        l2 = poll("more tokens", lambda: (s := scrape(learner_url)) and tokens(s) > tokens(l1) and s)
+        # delta bytes reach the metrics with the next progress event after the sender counted them:
+        # on a loaded machine the first delta may still be on the sender's thread at "more tokens"
+        l2 = poll("more tokens and delta bytes", lambda: (s := scrape(learner_url)) and tokens(s) > tokens(l1)
+                  and value(s, "ddiloco_learner_delta_bytes_total") > 0 and s)
         assert all(p.poll() is None for p in run.procs.values()), "the run ended before the second scrape"
         # The syncer: merges, deltas, a round size and a grace wait per merge, staleness, versions, bytes.
         assert total(s2, "ddiloco_syncer_deltas_merged_total") > total(s1, "ddiloco_syncer_deltas_merged_total")

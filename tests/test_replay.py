@@ -91,8 +91,8 @@ def s3run(s3_server, tmp_path_factory) -> S3Run:
             tr._spawn(name, ["syncer", "--id", name, *tr.key_args(SYNCER), "--checkpoint-every", "4"])
         try:
             syncer("syncer")
-            for m in range(2):
-                tr.learner(f"l{m}")
+            for m in range(2):   # paced (9.6 s of steps): unpaced on a loaded machine the learners
+                tr.learner(f"l{m}", extra=["--pace", "0.08"])   # could end before the new syncer opened a round
             log = CommitLog(tr.store)
             deadline = time.time() + 60
             while log.tail() < 10 and time.time() < deadline:
