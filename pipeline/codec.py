@@ -36,7 +36,7 @@ import zstandard
 from . import codec_frames as frames
 from . import codec_body, codec_into, kernels, scratch
 from .codec_checks import IN_DTYPES as _IN_DTYPES, check_expect, field, tensor_entries, v1_payload
-from .envelope import bin_header, seal, seal_parts, unseal_view
+from .envelope import seal, seal_parts, unseal_view
 from .errors import FormatError
 from .types import TensorSpec
 
@@ -409,14 +409,7 @@ def encode(kind: str, meta: dict, tensors: Mapping[str, np.ndarray], cfg: CodecC
     bytes per frame (runs write the defaults). ValueError naming the tensor for non-float dtypes or
     non-finite values (never quantised silently; float64 beyond float32's range, or an int4/int8
     block whose largest code would decode beyond it, counts as non-finite for lossy schemes)."""
-    if not isinstance(cfg, CodecConfig):
-        raise ValueError(f"cfg must be a CodecConfig, got {type(cfg).__name__}")
-    version = cfg.format if version is None else version
-    if not isinstance(meta, dict):
-        raise ValueError(f"meta must be a plain dict, got {type(meta).__name__}")
-    if version not in VERSIONS or isinstance(version, bool):
-        raise ValueError(f"codec format version must be one of {VERSIONS}, got {version!r}")
-    frames.check_framing(frame_bytes, min_saving)
+    version = _check_args(cfg, meta, version, frame_bytes, min_saving)
     slots, specs, refused = _plan(tensors, cfg.scheme, cfg.block_size)
     raw_len = sum(s.length for s in slots)
     # the raw payload and the zstd'd frames are intermediates: pooled buffers (pipeline/scratch.py)
@@ -427,29 +420,35 @@ def encode(kind: str, meta: dict, tensors: Mapping[str, np.ndarray], cfg: CodecC
             raise ValueError(f"tensor {slots[bad].name}: {_NON_FINITE}")
         if refused is not None:
             raise refused
-        fields = {"meta": meta, "scheme": cfg.scheme, "block_size": cfg.block_size, "tensors": specs,
-                  "raw_len": raw.size}
-        try:
-            msgpack.packb(meta, use_bin_type=True)   # before compressing: a bad meta fails fast
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise ValueError(f"meta is not plain msgpack-able data: {exc}") from None
-        fields.update(_payload_fields(raw, version, cfg.zstd_level, (frame_bytes, min_saving), map_fn or map, zout))
-        if version == 1:   # the key order of the bytes written before issue 15
-            fields = {k: fields[k] for k in ("meta", "scheme", "block_size", "zstd", "tensors", "raw_len", "payload")}
-            return seal(kind, version, msgpack.packb(fields, use_bin_type=True))
-        return seal_parts(kind, version, _framed_body(fields), checksum=CHECKSUMS.get(version, "sha256"))
+        return _seal_payload(kind, meta, specs, raw, cfg, version, (frame_bytes, min_saving), map_fn or map, zout)
 
 
-def _framed_body(fields: dict) -> list:
-    """``msgpack.packb(fields)`` of a version 2/3 body (``frames`` its last key) as parts, the
-    frames' bytes not copied: ``seal_parts`` copies them once, into the blob."""
-    packer = msgpack.Packer(use_bin_type=True)
-    head = [packer.pack_map_header(len(fields))]
-    head += [packer.pack(k) + packer.pack(v) for k, v in fields.items() if k != "frames"]
-    parts = [b"".join(head + [packer.pack("frames"), packer.pack_array_header(len(fields["frames"]))])]
-    for method, data in fields["frames"]:
-        parts += [b"\x92" + packer.pack(method) + bin_header(memoryview(data).nbytes), data]
-    return parts
+def _check_args(cfg: CodecConfig, meta: dict, version: int | None, frame_bytes: int, min_saving: float) -> int:
+    """``encode``'s (and pipeline/codec_raw.py ``seal_raw``'s) arguments checked; the format to write."""
+    if not isinstance(cfg, CodecConfig):
+        raise ValueError(f"cfg must be a CodecConfig, got {type(cfg).__name__}")
+    version = cfg.format if version is None else version
+    if not isinstance(meta, dict):
+        raise ValueError(f"meta must be a plain dict, got {type(meta).__name__}")
+    if version not in VERSIONS or isinstance(version, bool):
+        raise ValueError(f"codec format version must be one of {VERSIONS}, got {version!r}")
+    frames.check_framing(frame_bytes, min_saving)
+    return version
+
+
+def _seal_payload(kind: str, meta: dict, specs: list, raw: np.ndarray, cfg: CodecConfig, version: int,
+                  framing: tuple[int, float], map_fn: MapFn, zout: np.ndarray) -> bytes:
+    """The blob of a filled raw payload: compressed (``zout``: the frames' scratch) and sealed."""
+    try:
+        msgpack.packb(meta, use_bin_type=True)   # before compressing: a bad meta fails fast
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"meta is not plain msgpack-able data: {exc}") from None
+    fields = {"meta": meta, "scheme": cfg.scheme, "block_size": cfg.block_size, "tensors": specs, "raw_len": raw.size}
+    fields.update(_payload_fields(raw, version, cfg.zstd_level, framing, map_fn, zout))
+    if version == 1:   # the key order of the bytes written before issue 15
+        fields = {k: fields[k] for k in ("meta", "scheme", "block_size", "zstd", "tensors", "raw_len", "payload")}
+        return seal(kind, version, msgpack.packb(fields, use_bin_type=True))
+    return seal_parts(kind, version, codec_body.pack(fields), checksum=CHECKSUMS.get(version, "sha256"))
 
 
 # ------------------------------------------------------------------------------------- decode

@@ -1,8 +1,8 @@
-"""A framed tensor blob's body read without copying its frames (issue 15, docs/scale.md "The codec").
+"""A framed tensor blob's body written and read without copying its frames (issue 15, docs/scale.md "The codec").
 
 ``msgpack.unpackb`` copies every bin into a new ``bytes``: for a version 2/3 body that is the whole
 compressed payload once more (8 MB per 16M int4 values), whose fresh pages cost page faults with
-glibc's default allocator. The writer puts ``frames`` last (pipeline/codec.py ``_framed_body``), each
+glibc's default allocator. The writer (``pack``) puts ``frames`` last, each
 ``[method, bin]``: ``unpack`` reads the keys before it with msgpack and the frames by hand, as
 memoryviews of the body. Anything else — another key order, a non-canonical encoding, a body
 whose head does not fit the first 64 KiB — goes to ``msgpack.unpackb`` with the same limits, so
@@ -14,8 +14,22 @@ from typing import Any
 
 import msgpack
 
+from .envelope import bin_header
+
 _HEAD = 1 << 16            # bytes of the body read for the keys before ``frames``
 _BIN = {0xC4: 1, 0xC5: 2, 0xC6: 4}
+
+
+def pack(fields: dict) -> list:
+    """``msgpack.packb(fields)`` of a version 2/3 body (``frames`` its last key) as parts, the
+    frames' bytes not copied: ``seal_parts`` copies them once, into the blob."""
+    packer = msgpack.Packer(use_bin_type=True)
+    head = [packer.pack_map_header(len(fields))]
+    head += [packer.pack(k) + packer.pack(v) for k, v in fields.items() if k != "frames"]
+    parts = [b"".join(head + [packer.pack("frames"), packer.pack_array_header(len(fields["frames"]))])]
+    for method, data in fields["frames"]:
+        parts += [b"\x92" + packer.pack(method) + bin_header(memoryview(data).nbytes), data]
+    return parts
 
 
 def _frames(mv: memoryview, pos: int, max_array_len: int) -> list | None:

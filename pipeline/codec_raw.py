@@ -18,13 +18,11 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-import msgpack
 import numpy as np
 
 from . import codec, scratch
 from . import codec_frames as frames
 from .codec_checks import IN_DTYPES
-from .envelope import seal, seal_parts
 
 RAW_SCHEMES = ("int4", "int8")   # the schemes a device quantises (bf16/fp32 stay on the codec's own path)
 
@@ -75,16 +73,9 @@ def seal_raw(kind: str, meta: dict, specs: Sequence[tuple[str, Sequence[int], st
     of the tensors named by ``specs`` ((name, shape, dtype) in order; the dtype the tensors had).
     ``cfg.scheme`` must be int4 or int8. ValueError for a payload of the wrong size, bad specs or
     meta, and, with ``encode``'s message, for a tensor with non-finite values."""
-    if not isinstance(cfg, codec.CodecConfig):
-        raise ValueError(f"cfg must be a CodecConfig, got {type(cfg).__name__}")
+    version = codec._check_args(cfg, meta, version, frame_bytes, min_saving)
     if cfg.scheme not in RAW_SCHEMES:
         raise ValueError(f"seal_raw seals {RAW_SCHEMES} payloads, not {cfg.scheme!r}")
-    version = cfg.format if version is None else version
-    if version not in codec.VERSIONS or isinstance(version, bool):
-        raise ValueError(f"codec format version must be one of {codec.VERSIONS}, got {version!r}")
-    if not isinstance(meta, dict):
-        raise ValueError(f"meta must be a plain dict, got {type(meta).__name__}")
-    frames.check_framing(frame_bytes, min_saving)
     tensor_specs = _check_specs(specs)
     layout = payload_layout([s["shape"] for s in tensor_specs], cfg.scheme, cfg.block_size)
     raw_len = sum(length for _, _, length in layout)
@@ -96,17 +87,7 @@ def seal_raw(kind: str, meta: dict, specs: Sequence[tuple[str, Sequence[int], st
     bad = refused_tensor(raw, [s["name"] for s in tensor_specs], layout, cfg.scheme)
     if bad is not None:
         raise ValueError(f"tensor {bad}: {codec._NON_FINITE}")
-    try:
-        msgpack.packb(meta, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise ValueError(f"meta is not plain msgpack-able data: {exc}") from None
-    fields = {"meta": meta, "scheme": cfg.scheme, "block_size": cfg.block_size, "tensors": tensor_specs,
-              "raw_len": raw_len}
-    # From here on, codec.encode's own tail: the same helpers, so the same bytes.
+    # codec.encode's own tail: the same helper, so the same bytes.
     with scratch.borrow(frames.out_bytes(raw_len, frame_bytes, cfg.zstd_level, version)) as zout:
-        fields.update(codec._payload_fields(raw, version, cfg.zstd_level, (frame_bytes, min_saving),
-                                            map_fn or map, zout))
-        if version == 1:
-            fields = {k: fields[k] for k in ("meta", "scheme", "block_size", "zstd", "tensors", "raw_len", "payload")}
-            return seal(kind, version, msgpack.packb(fields, use_bin_type=True))
-        return seal_parts(kind, version, codec._framed_body(fields), checksum=codec.CHECKSUMS.get(version, "sha256"))
+        return codec._seal_payload(kind, meta, tensor_specs, raw, cfg, version, (frame_bytes, min_saving),
+                                   map_fn or map, zout)
