@@ -32,10 +32,7 @@ import numpy as np
 import torch
 
 from pipeline import codec_raw
-from pipeline.codec import CodecConfig
-
-QMAX = {"int4": 7, "int8": 127}
-_MAGIC = {"int4": 1.5 * 2**23 + 8, "int8": 1.5 * 2**23}   # exact in float32 (pipeline/codec.py)
+from pipeline.codec import _MAGIC, _QMAX as QMAX, CodecConfig   # the codec's own constants: the same codes
 # Values per kernel call: bounds the temporaries (about 4 float32 copies of a chunk). An accelerator
 # wants few, large calls (each launches ~12 kernels from the training thread); the CPU wants chunks
 # whose temporaries are not fresh pages: 16M-value chunks took 145 ms per 16M int4 values, 1M 23 ms
@@ -54,7 +51,7 @@ def _quantise_chunk(x: torch.Tensor, scheme: str, bs: int, qmax_t: torch.Tensor,
     t = xb / safe[:, None]
     # The codec clips only where a scale is subnormal; with a normal scale |t| <= qmax (1 + 2**-23)
     # rounds to qmax anyway, so clipping every block gives the same codes.
-    t.clamp_(-qmax, qmax).add_(_MAGIC[scheme])                  # round half to even, never stochastic
+    t.clamp_(-qmax, qmax).add_(float(_MAGIC[scheme]))                  # round half to even, never stochastic
     low = torch.bitwise_and(t.view(torch.int32).view(-1), 0xFF)   # int4: q + 8; int8: q mod 256
     if scheme == "int4":
         low = torch.bitwise_or(low[0::2], torch.bitwise_left_shift(low[1::2], 4))
@@ -84,19 +81,27 @@ def quantise_into(out: torch.Tensor, offset: int, values: Callable[[int, int], t
     return codes_at + nb * bs // per_byte
 
 
-def quantise_payload(tensors: Sequence[torch.Tensor], scheme: str, bs: int) -> torch.Tensor:
-    """The raw payload (uint8, on the tensors' device) of float tensors, as ``codec.encode`` lays it out."""
+def _payload(sources: Sequence[tuple[tuple[int, ...], Callable[[int, int], torch.Tensor]]], device: torch.device,
+             scheme: str, bs: int) -> torch.Tensor:
+    """The raw payload (uint8, on ``device``) of tensors given as (shape, ``values(lo, hi)``), as
+    ``codec.encode`` lays it out."""
     if scheme not in QMAX:
         raise ValueError(f"device quantisation supports {tuple(QMAX)}, not {scheme!r}")
     if sys.byteorder != "little":   # scales are written as the device's float32 bytes: little-endian
         raise ValueError("device quantisation needs a little-endian host")
-    layout = codec_raw.payload_layout([tuple(t.shape) for t in tensors], scheme, bs)
-    device = tensors[0].device if tensors else torch.device("cpu")
+    layout = codec_raw.payload_layout([shape for shape, _ in sources], scheme, bs)
     out = torch.empty(sum(n for _, _, n in layout), dtype=torch.uint8, device=device)
-    for t, (off, _, _) in zip(tensors, layout):
-        flat = t.detach().reshape(-1)
-        quantise_into(out, off, lambda lo, hi, f=flat: f[lo:hi].float(), flat.numel(), scheme, bs)
+    with torch.no_grad():
+        for (shape, values), (off, _, _) in zip(sources, layout):
+            quantise_into(out, off, values, int(np.prod(shape, dtype=np.int64)), scheme, bs)
     return out
+
+
+def quantise_payload(tensors: Sequence[torch.Tensor], scheme: str, bs: int) -> torch.Tensor:
+    """The raw payload (uint8, on the tensors' device) of float tensors, as ``codec.encode`` lays it out."""
+    flats = [t.detach().reshape(-1) for t in tensors]
+    return _payload([(tuple(t.shape), lambda lo, hi, f=f: f[lo:hi].float()) for t, f in zip(tensors, flats)],
+                    tensors[0].device if tensors else torch.device("cpu"), scheme, bs)
 
 
 @dataclass
@@ -153,15 +158,9 @@ def quantise_delta(base: Mapping[str, torch.Tensor], params: Mapping[str, torch.
     """``base[n] − params[n]`` for each name, quantised on the parameters' device, its bytes on their
     way to the host (``base`` float32 on the same device). Enqueued on the current stream, so later
     in-place updates of the parameters (the next optimizer step) cannot race it."""
-    if scheme not in QMAX:
-        raise ValueError(f"device quantisation supports {tuple(QMAX)}, not {scheme!r}")
     specs = [(n, tuple(params[n].shape), "float32") for n in names]
-    layout = codec_raw.payload_layout([s[1] for s in specs], scheme, bs)
-    device = params[names[0]].device if names else torch.device("cpu")
-    out = torch.empty(sum(n for _, _, n in layout), dtype=torch.uint8, device=device)
-    with torch.no_grad():
-        for n, (off, _, _) in zip(names, layout):
-            b, p = base[n].reshape(-1), params[n].detach().reshape(-1)
-            quantise_into(out, off, lambda lo, hi, b=b, p=p: b[lo:hi] - p[lo:hi].float(), p.numel(), scheme, bs)
+    flat = {n: (base[n].reshape(-1), params[n].detach().reshape(-1)) for n in names}
+    sources = [(shape, lambda lo, hi, b=flat[n][0], p=flat[n][1]: b[lo:hi] - p[lo:hi].float()) for n, shape, _ in specs]
+    out = _payload(sources, params[names[0]].device if names else torch.device("cpu"), scheme, bs)
     host, event = _to_host(out)
     return DeviceDelta(specs, scheme, bs, host, event, out if event is not None else None)
