@@ -93,8 +93,7 @@ def _start_neighbour(v: dict, args, work: Path) -> tuple[list, object]:
         return [proc], None
     if v["syncer"] or v["stack"]:
         from workers.cluster import ClusterConfig, LocalCluster
-        from infra.overhead_roles import pin
-        from workers.common.cpus import parse_cpus
+        from workers.common.cpus import parse_cpus, pin
         import shutil
         shutil.rmtree(work, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "workers.cli", "run", "--create-only", "--out", str(work),

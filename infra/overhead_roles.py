@@ -26,19 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from workers.common.cpus import parse_cpus
-
-
-def pin(cpus: tuple[int, ...] | None, pid: int = 0) -> None:
-    """Every thread of ``pid`` (0: this process) to ``cpus``; threads started later inherit it."""
-    if cpus is None:
-        return
-    base = Path(f"/proc/{pid or os.getpid()}/task")
-    for tid in ([int(t) for t in os.listdir(base)] if base.exists() else [pid]):
-        try:
-            os.sched_setaffinity(tid, cpus)
-        except (ProcessLookupError, PermissionError):
-            pass   # a thread that just ended
+from workers.common.cpus import parse_cpus, pin
 
 
 def process_cpu(pid: int) -> float:

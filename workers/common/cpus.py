@@ -1,10 +1,13 @@
-"""CPU sets as users write them (``0``, ``0,2``, ``1-3``), for pinning a process's threads.
+"""CPU sets as users write them (``0``, ``0,2``, ``1-3``), and pinning a process's threads to one.
 
 Used by ``ddiloco learner --agent-cpus`` (the sync agent's cores, workers/learner/agent_main.py)
 and by the overhead benchmark (infra/overhead_roles.py). Linux only where it pins
 (``os.sched_setaffinity``); parsing works everywhere.
 """
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 
 def parse_cpus(text: str | None) -> tuple[int, ...] | None:
@@ -24,3 +27,17 @@ def parse_cpus(text: str | None) -> tuple[int, ...] | None:
     if not cpus or min(cpus) < 0:
         raise ValueError(f"cpus must name cores >= 0, got {text!r}")
     return tuple(sorted(cpus))
+
+
+def pin(cpus, pid: int = 0) -> None:
+    """Every thread of process ``pid`` (0: this one) to the cores ``cpus`` (None: leave it); threads
+    started later inherit it, and those some library started at import (a BLAS pool) are moved too.
+    OSError when the cores cannot be used (e.g. one the machine lacks)."""
+    if cpus is None:
+        return
+    base = Path(f"/proc/{pid or os.getpid()}/task")
+    for tid in ([int(t) for t in os.listdir(base)] if base.exists() else [pid]):
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:
+            pass   # a thread that just ended

@@ -34,6 +34,7 @@ from storage.layout import read_descriptor
 from storage.store import open_store
 from workers.bus.bus import BusConfig, BusCounters, CurveKeys, drain_wake
 from workers.bus.signing import Signer, seal_delta
+from workers.common.cpus import pin
 from workers.common.events import EventLog
 from workers.common.traffic import counted
 from workers.common.versions import VersionTracker
@@ -178,18 +179,6 @@ class Agent:
         return True
 
 
-def pin_process(cpus: list[int]) -> None:
-    """Every thread of this process to ``cpus`` (threads started later inherit it; some libraries
-    started theirs at import, e.g. a BLAS pool: they are moved too)."""
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except ProcessLookupError:
-            pass      # a thread that just ended
-        except OSError as exc:
-            raise ValueError(f"agent_cpus {cpus}: cannot run there ({exc})") from None
-
-
 def _seal(blob: bytes, learner: str, signer: Signer, run_id: str) -> bytes:
     return seal_delta(blob, learner, signer, run_id)
 
@@ -207,7 +196,10 @@ def main(argv: list[str]) -> int:
         if msg["type"] != "config":
             raise ValueError(f"expected a config frame first, got {msg['type']!r}")
         if msg.get("cpus"):   # LearnerConfig.agent_cpus, before the sender's and receiver's threads start
-            pin_process(msg["cpus"])
+            try:
+                pin(msg["cpus"])
+            except OSError as exc:
+                raise ValueError(f"agent_cpus {msg['cpus']}: cannot run there ({exc})") from None
         agent = Agent(conn, args.shm, args.board, msg)
         agent.run()
     except EOFError:
