@@ -233,7 +233,10 @@ def test_a_signed_run_with_the_bus_trains_through_the_agent(tmp_path):
     assert stop["drained"] and stop["step"] == 150 and stop["acked"] >= 1 and stop["versions_applied"] >= 1, stop
     assert stop["acked"] + stop["spilled"] + stop["superseded"] == stop["deltas"], stop
     assert stop["receiver_failed"] is None and stop["undelivered"] == 0
-    produced = {e["delta"] for e in events if e.get("event") == "delta"}
+    made = [e["delta"] for e in events if e.get("event") == "delta"]
+    # each delta logged once (by the agent, as it takes it from its slot: not by the learner as well)
+    assert len(made) == len(set(made)) == stop["deltas"], (len(made), len(set(made)), stop["deltas"])
+    produced = set(made)
     # a delta replaced before it was sent by a newer one of its lineage carries nothing of its own
     superseded = {e["delta"] for e in events if e.get("event") == "delta-superseded"}
     committed = set()

@@ -37,3 +37,15 @@ def test_freed_memory_is_reused_without_faults_only_when_kept():
     assert kept["applied"] is True
     assert kept["faults_second_time"] < 16
     assert default["faults_second_time"] >= 64     # 256 MiB: 65,536 pages of 4 KiB, or 128 huge ones
+
+
+def test_the_syncer_keeps_freed_memory_unless_told_not_to():
+    """A dedicated syncer keeps its freed memory by default (docs/scale.md: at the demo's size its
+    rounds otherwise faulted ~7,600 pages a second, work the kernel did beside a learner's core)."""
+    import argparse
+    from workers.commands import configure_syncer
+    parser = argparse.ArgumentParser()
+    configure_syncer(parser)
+    assert parser.parse_args(["--store", "runs/x"]).keep_freed_memory is True
+    assert parser.parse_args(["--store", "runs/x", "--keep-freed-memory"]).keep_freed_memory is True
+    assert parser.parse_args(["--store", "runs/x", "--no-keep-freed-memory"]).keep_freed_memory is False

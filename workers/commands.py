@@ -134,10 +134,12 @@ def configure_syncer(parser: argparse.ArgumentParser,
     parser.add_argument("--threads", type=int, default=1, metavar="N",
                         help="threads for a round's decode, guard, fold and version encode (same bits at any N; "
                              "docs/scale.md)")
-    parser.add_argument("--keep-freed-memory", action="store_true",
-                        help="keep freed memory in the process (glibc mallopt): large rounds reuse mapped pages "
-                             "instead of the kernel zeroing fresh ones; the process keeps its peak memory "
-                             "(docs/scale.md; worth it from ~10M-parameter fragments)")
+    parser.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=True,
+                        help="keep freed memory in the process (glibc mallopt; on by default): rounds reuse mapped "
+                             "pages instead of the kernel zeroing fresh ones, which at 100M-parameter fragments "
+                             "cost more than the arithmetic and at the demo's size made the syncer fault ~7,600 "
+                             "pages a second, slowing a learner on the next core; the process keeps its peak "
+                             "memory (--no-keep-freed-memory gives it back; docs/scale.md)")
     parser.add_argument("--spill-poll", type=float, default=0.5, metavar="SECONDS",
                         help="seconds between listings of every region's inbox for spilled deltas (a LIST each)")
     parser.add_argument("--shard", metavar="I/N", type=_shard_spec, default=None,
@@ -150,7 +152,7 @@ def configure_syncer(parser: argparse.ArgumentParser,
         if args.threads < 1:
             raise SystemExit(f"--threads must be >= 1, got {args.threads}")
         if args.keep_freed_memory:
-            keep_freed_memory()   # a round's large arrays reuse mapped pages (docs/scale.md: kernel zeroing dominated)
+            keep_freed_memory()   # a round's arrays reuse mapped pages (docs/scale.md: kernel zeroing, neighbours)
         retention = RetentionConfig(enabled=not args.keep_all, keep_checkpoints=args.keep_checkpoints,
                                     keep_commits=args.keep_commits)
         store = open_store(args.store, s3_endpoint=args.s3_endpoint, create=False)

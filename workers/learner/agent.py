@@ -16,6 +16,8 @@ agent wakes the reader thread mid-step (each did cost ~0.1 ms of training). ``Ag
 ``AgentReceiver`` give the Learner the interface of ``Sender`` and ``Receiver`` (submit, drain,
 stats, take, opened ...), so the Learner's logic, the deltas' bytes and the versions applied are
 the same either way: the child runs the same Sender and Receiver code on values copied exactly.
+The child also writes each delta's ``delta`` event to the learner's log as it takes the delta from
+its slot (``AgentSender.logs_deltas``): ~70 us of a cold JSON line off the answer step.
 
 Limits: one syncer (a sharded run keeps its threads), Linux (``memfd``), a store the child can
 open again from its URI (a directory or s3://; not an in-memory store). The child's store
@@ -114,6 +116,7 @@ class SyncAgent:
         self.stats: dict = {}
         self.queued: dict[tuple[int, int], tuple[DeltaHeader, dict]] = {}   # waiting for a delta slot
         self.submitted = 0
+        self._views: dict[int, tuple[dict, dict[str, np.ndarray], list[int]]] = {}   # _param_views
         self.sender_stopped = threading.Event()
         self.ready = threading.Event()
         self.done = threading.Event()
@@ -201,7 +204,8 @@ class SyncAgent:
 
     def submit(self, header: DeltaHeader, values: dict[str, np.ndarray]) -> None:
         slot = None if self.queued else self._free_slot()
-        if slot is None:         # every slot in flight: hold the newest of its lineage (flush_queued)
+        if slot is None:         # every slot in flight: hold the newest of its lineage (flush_queued); one it
+            # replaces never reached the agent, so it is never logged as made: its steps are in the newer one
             self.queued[(header.fragment, header.base_version)] = (header, values)
             return
         self.slots.write(slot, header.fragment, values)
@@ -210,11 +214,8 @@ class SyncAgent:
     def submit_difference(self, header: DeltaHeader, base: dict[str, np.ndarray], params: dict) -> None:
         """``submit(header, {n: base[n] - params[n]})``, the subtraction written straight into the
         slot (the same float32 operation, so the same values) when the parameters are CPU float32."""
-        try:
-            current = {n: t.detach().numpy() for n, t in params.items()}   # views, no copies
-        except (AttributeError, TypeError, RuntimeError):
-            current = None
-        if current is None or any(a.dtype != np.float32 for a in current.values()):
+        current = self._param_views(params)
+        if current is None:
             current = extract(params, list(params))
         slot = None if self.queued else self._free_slot()
         if slot is None:
@@ -223,6 +224,24 @@ class SyncAgent:
         for name, view in self.slots.views(slot, header.fragment).items():
             np.subtract(base[name], current[name], out=view)
         self._hand_over(slot, header)
+
+    def _param_views(self, params: dict) -> dict[str, np.ndarray] | None:
+        """float32 numpy views of ``params`` (CPU tensors; None otherwise), kept per ``params`` dict
+        (the Learner passes the same one for a fragment each time) and built again if a tensor's
+        storage moved (``param.data = ...``): cold, ``detach().numpy()`` per tensor costs the
+        answer step tens of microseconds."""
+        held = self._views.get(id(params))
+        if held is not None and held[0] is params and all(
+                t.data_ptr() == ptr for t, ptr in zip(params.values(), held[2])):
+            return held[1]
+        try:
+            views = {n: t.detach().numpy() for n, t in params.items()}   # views, no copies
+        except (AttributeError, TypeError, RuntimeError):
+            return None
+        if any(a.dtype != np.float32 for a in views.values()):
+            return None
+        self._views[id(params)] = (params, views, [t.data_ptr() for t in params.values()])
+        return views
 
     def flush_queued(self) -> None:
         """Hand over held deltas, oldest first, as slots come back."""
@@ -281,6 +300,8 @@ class SyncAgent:
 
 class AgentSender:
     """The Learner's view of the child's Sender (the same methods it calls on ``Sender``)."""
+
+    logs_deltas = True     # the child writes each delta's ``delta`` event when it takes it (sender.delta_made)
 
     def __init__(self, agent: SyncAgent):
         self.agent = agent

@@ -17,7 +17,8 @@ learner). The first frame on ``--conn`` is ``config`` (workers/learner/agent.py
   the open rounds, each fragment's newest version (written into its version slot) and the delta
   slots copied out. No frame for them: a frame wakes the learner's reader thread mid-step.
 
-Events go to the learner's own log (appended line by line, with the learner's role and id).
+Events go to the learner's own log (appended line by line, with the learner's role and id), each
+delta's ``delta`` event too (written here when the delta is taken from its slot, not by the learner).
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from workers.common.versions import VersionTracker
 from workers.learner.agent_board import Board, BoardArrival
 from workers.learner.agent_wire import Slots, pack, unpack
 from workers.learner.receiver import Receiver
-from workers.learner.sender import Sender, SenderConfig
+from workers.learner.sender import Sender, SenderConfig, delta_made
 
 STATS_EVERY_S = 0.25    # counters go out at most this often (each frame costs the learner's reader thread
                         # the GIL); the loop wakes on a frame, on the receiver's news, or after this
@@ -159,6 +160,7 @@ class Agent:
             values = self.slots.read(slot, header.fragment)
             self.done[slot] += 1
             self.board.set_done(slot, self.done[slot])     # the learner may write the slot again
+            delta_made(self.events, header)                # the learner's ``delta`` event, off its training thread
             self.sender.submit(header, values)
             self.submitted += 1
         elif kind == "beat":

@@ -47,7 +47,7 @@ from workers.bus.keys import KeyRing, Roster
 from workers.learner.device_quant import QMAX as _DEVICE_QMAX, quantise_delta
 from workers.learner.nonfinite import NonFiniteGuard
 from workers.learner.receiver import Receiver
-from workers.learner.sender import Sender, SenderConfig, SenderStats
+from workers.learner.sender import Sender, SenderConfig, SenderStats, delta_made
 from workers.learner.shards import learner_tracker, make_receiver, make_sender
 from workers.learner.steptrace import StepParts, StepTrace
 from workers.bus.signing import seal_delta
@@ -134,6 +134,7 @@ class Learner:
         self.trace = StepTrace(config.stats_window) if config.trace_steps else None
         self._device_quantise = False   # decided in start(): the run's codec and the model's device
         self._base_dev: dict[int, tuple[dict, dict[str, torch.Tensor]]] = {}   # p -> (base[p], its device copy)
+        self._fragment_params: dict[int, dict[str, torch.nn.Parameter]] = {}   # p -> its parameters, by name
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "Learner":
@@ -398,9 +399,8 @@ class Learner:
                              self.c_tokens[p], max(self.step_count - 1, 0), round_id)
         self.seq += 1
         self._answered_steps[p] = header.c_steps
-        # Every produced delta is logged, so a run's ledger can account for each one (docs/chaos.md).
-        self.events.emit("delta", delta=header.id, fragment=p, base=header.base_version, steps=header.c_steps,
-                         tokens=header.c_tokens, step=header.learner_step, round=round_id)
+        if not getattr(self.sender, "logs_deltas", False):   # the sync agent logs it, off this thread
+            delta_made(self.events, header)
         if self._device_quantise:   # Δ quantised where θ lives; the sender waits for its bytes
             c = self.descriptor.codec
             self.sender.submit(header, quantise_delta(self._device_base(p, names), self.params, names, c.scheme,
@@ -408,7 +408,10 @@ class Learner:
             return
         direct = getattr(self.sender, "submit_difference", None)
         if direct is not None and not self.descriptor.learner.keep_progress:
-            direct(header, self.base[p], {n: self.params[n] for n in names})   # Δ straight into shared memory
+            held = self._fragment_params.get(p)
+            if held is None:      # the same dict every answer: the agent keeps its views of it
+                held = self._fragment_params[p] = {n: self.params[n] for n in names}
+            direct(header, self.base[p], held)   # Δ straight into shared memory
             return
         current = extract(self.params, names)
         delta = {n: self.base[p][n] - current[n] for n in names}

@@ -107,6 +107,14 @@ class SenderStats:
     peak_held_bytes: int = 0
 
 
+def delta_made(events: EventLog, header: DeltaHeader) -> None:
+    """The ``delta`` event: one per delta a learner produced, so that a run's ledger can account for
+    each (docs/chaos.md). Written by the learner, or with ``sync_process`` by its agent when it
+    takes the delta from its slot (workers/learner/agent_main.py): off the training thread."""
+    events.emit("delta", delta=header.id, fragment=header.fragment, base=header.base_version,
+                steps=header.c_steps, tokens=header.c_tokens, step=header.learner_step, round=header.round)
+
+
 class Sender:
     def __init__(self, store: ObjectStore, codec: CodecConfig, cfg: SenderConfig, events: EventLog,
                  bus: BusConfig | None, identity: bytes, heartbeat: Callable[[], dict],
