@@ -122,7 +122,7 @@ def test_a_version_slot_is_never_rewritten_before_the_learner_copied_it_out(tmp_
     board, slots = Board(d.num_fragments, 4), Slots(d, 4 + 2 * d.num_fragments)
     agent = SimpleNamespace(board=board, slots=slots, gen=[0] * d.num_fragments, pending={})
     learner = SimpleNamespace(board=board, slots=slots, d=d, consumed=[0] * d.num_fragments, queued={},
-                              _arrivals_gen=-1)
+                              _arrivals_gen=-1, _arrival_seqs=[-1] * d.num_fragments)
 
     def version(v):
         vals = {name: np.full(shape, float(v), np.float32) for name, shape, _ in fragment_offsets(d, 1)}

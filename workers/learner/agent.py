@@ -111,8 +111,9 @@ class SyncAgent:
         # the training thread's own view of the board (only it reads the board and hands deltas over)
         self.handed = [0] * DELTA_SLOTS                     # deltas handed over per delta slot
         self.consumed = [0] * d.num_fragments               # newest arrival generation copied out
-        self._opened: tuple[int, dict[int, tuple[int, int]]] = (-1, {})   # (board generation, rounds)
-        self._arrivals_gen = -1
+        self._opened: tuple[int, dict[int, tuple[int, int]]] = (-1, {})   # (generation seq word, rounds)
+        self._arrivals_gen = -1                             # the generation seq word at the last take()
+        self._arrival_seqs = [-1] * d.num_fragments         # each arrival record's seq word then
         self.stats: dict = {}
         self.queued: dict[tuple[int, int], tuple[DeltaHeader, dict]] = {}   # waiting for a delta slot
         self.submitted = 0
@@ -256,7 +257,7 @@ class SyncAgent:
     def opened(self) -> dict[int, tuple[int, int]]:
         """The open rounds: the same dict object (not to be changed) until the board has news, so a
         caller can tell "nothing new" by identity (Learner.answer_rounds)."""
-        gen = self.board.generation()           # one word when nothing is new
+        gen = self.board.generation_seq()       # one word when nothing is new
         if gen != self._opened[0]:
             self._opened = (gen, self.board.opened())
         return self._opened[1]
@@ -265,12 +266,16 @@ class SyncAgent:
         """The versions that arrived since the last call (the newest per fragment), copied out."""
         if self.queued:
             self.flush_queued()
-        gen = self.board.generation()
+        gen = self.board.generation_seq()
         if gen == self._arrivals_gen:
             return []
         self._arrivals_gen = gen                # read before the records: a later write bumps it again
         out = []
         for p in range(self.d.num_fragments):
+            seq = self.board.arrival_seq(p)     # the same word as at the last read: no new arrival
+            if seq == self._arrival_seqs[p]:
+                continue
+            self._arrival_seqs[p] = seq
             a = self.board.arrival(p)
             if a is None or a.gen <= self.consumed[p]:
                 continue

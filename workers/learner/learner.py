@@ -269,11 +269,11 @@ class Learner:
     def _overwrite(self, values: dict[str, np.ndarray]) -> None:
         alpha = self.descriptor.learner.mixing_alpha if self.descriptor else 0.0
         for name, v in values.items():
-            t = torch.from_numpy(v).to(self.params[name].device, self.params[name].dtype)   # model may be on an accelerator
+            param = self.params[name]
             if alpha > 0.0:   # Streaming DiLoCo's mixing: θ ← α θ_local + (1−α) Θ
-                self.params[name].mul_(alpha).add_(t, alpha=1.0 - alpha)
-            else:
-                self.params[name].copy_(t)
+                param.mul_(alpha).add_(torch.from_numpy(v).to(param.device, param.dtype), alpha=1.0 - alpha)
+            else:             # copy_ converts device and dtype itself (the model may be on an accelerator)
+                param.copy_(torch.from_numpy(v))
 
     @torch.no_grad()
     def _carry(self, p: int, values: dict[str, np.ndarray], at_answer: dict[str, np.ndarray], steps: int,
