@@ -271,3 +271,19 @@ def test_ddiloco_run_sync_process_starts_every_learner_with_its_agent(tmp_path):
     assert len(made) >= 4
     summary = json.loads((out / "summary.json").read_text())
     assert summary.get("drained") is not False
+
+
+def test_a_draining_learner_asks_for_the_counters_and_the_agent_reports_at_once():
+    """Counters come at most every STATS_EVERY_S (1 s: each frame wakes the learner mid-step), so a
+    draining learner asks for them (``report``) and the agent answers with its latest at once."""
+    from types import SimpleNamespace
+    from workers.learner.agent import AgentSender
+    from workers.learner.agent_main import Agent
+    sent = []
+    fake = SimpleNamespace(stats={"submitted": 0, "undelivered": 1, "idle": False}, failed=None, queued={},
+                           flush_queued=lambda: None, send=lambda kind, **f: sent.append(kind))
+    assert AgentSender(fake).drain(0.25) is False          # never idle: it keeps asking until the deadline
+    assert sent and set(sent) == {"report"} and len(sent) >= 2
+    calls = []
+    agent = SimpleNamespace(report=lambda final=False: calls.append(final))
+    assert Agent.handle(agent, {"type": "report"}) is True and calls == [True]   # forced: past the cadence

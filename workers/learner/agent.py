@@ -50,6 +50,7 @@ from workers.learner.sender import SenderConfig, SenderStats
 
 DELTA_SLOTS = 4
 START_TIMEOUT_S = 60.0
+REPORT_EVERY_S = 0.1      # a draining learner asks the child for its counters this often
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,12 +342,16 @@ class AgentSender:
 
     def drain(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
+        asked = -1.0
         while time.monotonic() < deadline:
             self.agent.flush_queued()
             if self.undelivered() == 0 and self.agent.stats.get("idle"):
                 return True
             if self.failed is not None:
                 break
+            if time.monotonic() >= asked + REPORT_EVERY_S:   # the child's counters now, not at its next report
+                self.agent.send("report")
+                asked = time.monotonic()
             time.sleep(0.02)
         return self.undelivered() == 0
 

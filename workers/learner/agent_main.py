@@ -8,7 +8,8 @@ learner). The first frame on ``--conn`` is ``config`` (workers/learner/agent.py
 
 * learner -> agent: ``delta`` (header, slot: the values are in the shared slot; the agent copies
   them out, submits them to its Sender and counts the slot as done on the board), ``beat`` (the
-  learner's heartbeat fields; ``soon``: send one now), ``stop_sender``, ``stop``;
+  learner's heartbeat fields; ``soon``: send one now), ``report`` (send the counters now: the
+  learner is draining), ``stop_sender``, ``stop``;
 * agent -> learner: ``ready``, ``stats`` (the sender's and receiver's counters and ``traffic``, this
   process's store and bus counters for the learner's accounting events; when they changed, at most
   every ``STATS_EVERY_S``, and the latest before ``sender_stopped`` and at the end), ``failed`` (why
@@ -44,8 +45,9 @@ from workers.learner.agent_wire import Slots, pack, unpack
 from workers.learner.receiver import Receiver
 from workers.learner.sender import Sender, SenderConfig, delta_made
 
-STATS_EVERY_S = 0.25    # counters go out at most this often (each frame costs the learner's reader thread
-                        # the GIL); the loop wakes on a frame, on the receiver's news, or after this
+STATS_EVERY_S = 1.0     # counters go out at most this often: each frame wakes the learner's reader thread
+                        # mid-step (0.25 s cost an answer step ~0.1 ms more, docs/scale.md); a draining
+                        # learner asks for them (``report``). The loop wakes on a frame, news, or after this
 PENDING_POLL_S = 0.005  # a version waiting for its slot (the learner has not copied out the one before)
 
 
@@ -167,6 +169,8 @@ class Agent:
             self.beat = msg["heartbeat"]
             if msg.get("soon"):
                 self.sender.beat_soon()
+        elif kind == "report":
+            self.report(final=True)                        # the latest counters, whatever the cadence
         elif kind == "stop_sender":
             self.sender.stop()
             self.sender_stopped = True

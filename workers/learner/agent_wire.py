@@ -4,7 +4,7 @@ Both ends of one learner, on one host: the training process and the child proces
 sender and receiver. Two things cross:
 
 * **messages**, on a socketpair, as ``multiprocessing.connection`` byte frames (length-prefixed;
-  never pickle): ``crc32 (4 bytes, big-endian) || msgpack({"v": 1, "type": ..., fields})``. A
+  never pickle): ``crc32 (4 bytes, big-endian) || msgpack({"v": WIRE_VERSION, "type": ..., fields})``. A
   frame whose checksum or version does not match is refused (``FormatError``): both ends come from
   the same install, so that is a bug or a stray writer, never something to guess around.
 * **tensor values**, in one shared memory file (``memfd``, inherited by the child: no name on the
@@ -30,7 +30,8 @@ import numpy as np
 from pipeline.errors import FormatError
 from pipeline.types import RunDescriptor
 
-WIRE_VERSION = 2      # 2: opened rounds, arrivals and freed slots moved to the board (agent_board.py)
+WIRE_VERSION = 3      # 2: opened rounds, arrivals and freed slots moved to the board (agent_board.py);
+                      # 3: a ``report`` frame (counters now), ``stats`` at most every 1 s instead of 0.25
 ALIGN = 64
 
 
