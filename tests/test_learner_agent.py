@@ -95,6 +95,32 @@ def test_the_board_carries_rounds_arrivals_and_slots_between_two_mappings():
     ours.close()
 
 
+def test_the_learner_rereads_only_the_rounds_that_changed_and_keeps_the_same_rounds_object():
+    """``write_opened(before=...)`` rewrites only the fragments whose round changed; the learner's
+    view (SyncAgent.opened) checks one seq word per fragment and hands out the same dict object
+    until a round changes, which is how ``Learner.answer_rounds`` skips a step with nothing new."""
+    from types import SimpleNamespace
+    from workers.learner.agent import SyncAgent
+    ours = Board(3, 4)
+    theirs = Board(3, 4, fd=ours.fd)
+    view = SimpleNamespace(board=ours, d=SimpleNamespace(num_fragments=3), _opened=(-1, {}), _opened_seqs=[-1] * 3)
+    first = {0: (1, 4), 2: (1, 5)}
+    theirs.write_opened(first)
+    rounds = SyncAgent.opened(view)
+    assert rounds == first and SyncAgent.opened(view) is rounds            # no news: the same object
+    seqs = [ours.opened_seq(p) for p in range(3)]
+    theirs.write_opened(first, before=first)                             # nothing changed: no record written
+    assert [ours.opened_seq(p) for p in range(3)] == seqs and SyncAgent.opened(view) is rounds
+    theirs.write_opened({0: (1, 4), 2: (1, 6)}, before=first)            # only fragment 2's round moved
+    assert [ours.opened_seq(p) for p in range(3)] == [seqs[0], seqs[1], seqs[2] + 2]
+    newer = SyncAgent.opened(view)
+    assert newer is not rounds and newer == {0: (1, 4), 2: (1, 6)} and rounds == first   # handed-out dict kept
+    theirs.write_opened({2: (1, 6)}, before={0: (1, 4), 2: (1, 6)})      # fragment 0's round closed
+    assert SyncAgent.opened(view) == {2: (1, 6)}
+    theirs.close(close_fd=False)
+    ours.close()
+
+
 def test_the_board_refuses_a_damaged_record_or_a_foreign_header():
     ours = Board(2, 4)
     ours.write_opened({1: (1, 2)})

@@ -115,6 +115,7 @@ class SyncAgent:
         self._opened: tuple[int, dict[int, tuple[int, int]]] = (-1, {})   # (generation seq word, rounds)
         self._arrivals_gen = -1                             # the generation seq word at the last take()
         self._arrival_seqs = [-1] * d.num_fragments         # each arrival record's seq word then
+        self._opened_seqs = [-1] * d.num_fragments          # each opened record's seq word at its last read
         self.stats: dict = {}
         self.queued: dict[tuple[int, int], tuple[DeltaHeader, dict]] = {}   # waiting for a delta slot
         self.submitted = 0
@@ -259,9 +260,19 @@ class SyncAgent:
         """The open rounds: the same dict object (not to be changed) until the board has news, so a
         caller can tell "nothing new" by identity (Learner.answer_rounds)."""
         gen = self.board.generation_seq()       # one word when nothing is new
-        if gen != self._opened[0]:
-            self._opened = (gen, self.board.opened())
-        return self._opened[1]
+        if gen == self._opened[0]:
+            return self._opened[1]
+        rounds = self._opened[1]
+        for p in range(self.d.num_fragments):   # then one word per fragment, a record only where it moved
+            seq = self.board.opened_seq(p)
+            if seq == self._opened_seqs[p]:
+                continue
+            self._opened_seqs[p] = seq
+            now = self.board.opened_round(p)
+            if now != rounds.get(p):
+                rounds = {q: r for q, r in rounds.items() if q != p} | ({p: now} if now is not None else {})
+        self._opened = (gen, rounds)            # the same object while no round changed
+        return rounds
 
     def take(self) -> list[Arrival]:
         """The versions that arrived since the last call (the newest per fragment), copied out."""

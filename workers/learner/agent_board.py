@@ -140,8 +140,13 @@ class Board:
         self._write(self._gen_at, _COUNTER, self.generation() + 1)
 
     # -- opened rounds (agent writes) ------------------------------------------------------------
-    def write_opened(self, opened: dict[int, tuple[int, int]]) -> None:
+    def write_opened(self, opened: dict[int, tuple[int, int]], before: dict[int, tuple[int, int]] | None = None
+                     ) -> None:
+        """The open rounds; ``before``: what the board holds now, so that only the fragments whose
+        round changed are written (a reader re-reads only records whose seq word moved)."""
         for p in range(self.fragments):
+            if before is not None and before.get(p) == opened.get(p):
+                continue
             e, r = opened.get(p, (-1, -1))
             self._write(self._opened_at + p * _words(_OPENED), _OPENED, int(p in opened), e, r)
         self.bump()
@@ -149,10 +154,19 @@ class Board:
     def opened(self) -> dict[int, tuple[int, int]]:
         out = {}
         for p in range(self.fragments):
-            present, e, r = self._read(self._opened_at + p * _words(_OPENED), _OPENED)
-            if present:
-                out[p] = (e, r)
+            round_ = self.opened_round(p)
+            if round_ is not None:
+                out[p] = round_
         return out
+
+    def opened_seq(self, p: int) -> int:
+        """Fragment ``p``'s opened record's ``seq`` word (unchanged since a read: the same round)."""
+        return self._seqs[self._opened_at + p * _words(_OPENED)]
+
+    def opened_round(self, p: int) -> tuple[int, int] | None:
+        """The (epoch, round) open for fragment ``p``, or None."""
+        present, e, r = self._read(self._opened_at + p * _words(_OPENED), _OPENED)
+        return (e, r) if present else None
 
     # -- arrivals (agent writes; the learner writes consumed) ------------------------------------
     def version_slot(self, p: int, gen: int) -> int:

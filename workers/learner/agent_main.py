@@ -131,8 +131,8 @@ class Agent:
     def report(self, final: bool = False) -> None:
         opened = self.receiver.opened()
         if opened != self.sent_opened:
+            self.board.write_opened(opened, before=self.sent_opened)   # only the records that changed
             self.sent_opened = opened
-            self.board.write_opened(opened)
         now = time.monotonic()
         if not final and now < self.stats_at + STATS_EVERY_S:
             return

@@ -334,8 +334,9 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         loss = closure()
         loss.backward()
-        if not self.health.check(self, loss):
-            return float(loss.detach())   # skipped, nothing counted; reported and repaired (workers/learner/nonfinite.py)
+        value = float(loss.detach())
+        if not self.health.check(self, loss, value):
+            return value   # skipped, nothing counted; reported and repaired (workers/learner/nonfinite.py)
         self.optimizer.step()
         t_compute = self.clock()
         d = self.descriptor
@@ -348,7 +349,6 @@ class Learner:
             self.sender.beat_soon()
         if self.step_count % d.schedule.sync_every == 0:
             self._report_traffic()        # one outer step: H inner steps (SPEC §2)
-        value = float(loss.detach())
         self.loss_ewma = value if self.loss_ewma is None else 0.9 * self.loss_ewma + 0.1 * value
         took = self.clock() - t0
         self.step_times.append(took)

@@ -132,10 +132,11 @@ class NonFiniteGuard:
         if not isinstance(self.streak_limit, int) or self.streak_limit < 1:
             raise ValueError(f"streak_limit must be an int >= 1, got {self.streak_limit!r}")
 
-    def check(self, learner, loss: torch.Tensor) -> bool:
+    def check(self, learner, loss: torch.Tensor, value: float | None = None) -> bool:
         """True when the step may go on. Otherwise the step is to be skipped; this has already
-        reported it and reloaded what needed reloading (module docstring)."""
-        value = float(loss.detach())
+        reported it and reloaded what needed reloading (module docstring). ``value``: the loss as a
+        float when the caller has it already (one read of the loss per step)."""
+        value = float(loss.detach()) if value is None else value
         where = "loss" if not math.isfinite(value) else \
             "gradient" if not grads_finite(learner.params.values()) else ""
         if not where:
