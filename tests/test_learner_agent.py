@@ -313,3 +313,31 @@ def test_a_draining_learner_asks_for_the_counters_and_the_agent_reports_at_once(
     calls = []
     agent = SimpleNamespace(report=lambda final=False: calls.append(final))
     assert Agent.handle(agent, {"type": "report"}) is True and calls == [True]   # forced: past the cadence
+
+
+def test_the_learners_listeners_see_what_its_agent_logs(tmp_path):
+    """A learner whose log has listeners (its ``--metrics-port`` metrics) gets the agent's event
+    records in the agent's ``stats`` frames: the delta it took and the spill it made reach the
+    listener once each, and the log file still holds each line once (the agent wrote it)."""
+    from workers.common.events import EventLog, read_events
+    from workers.learner.learner import Learner, LearnerConfig
+    store = open_store(str(tmp_path / "run"))
+    model = tiny_model()
+    make_run(store, model)
+    heard: list[dict] = []
+    events = EventLog(tmp_path / "l0.jsonl", "learner", "l0")
+    events.subscribe(heard.append)
+    learner = Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-3), store, "l0",
+                      LearnerConfig(poll_s=0.02, drain_s=5, sync_process=True), events=events).start()
+    try:
+        torch.manual_seed(1)
+        train_until(learner, lambda: learner.step_count >= 3, "three steps")
+    finally:
+        assert learner.close(flush=True)             # one delta per fragment, spilled by the agent (no bus)
+        events.close()
+    written = read_events(tmp_path / "l0.jsonl")
+    for name in ("delta", "delta-spilled"):
+        in_file = [e["delta"] for e in written if e["event"] == name]
+        to_listener = [e["delta"] for e in heard if e["event"] == name]
+        assert in_file and sorted(to_listener) == sorted(in_file) and len(set(in_file)) == len(in_file), name
+    assert all(e["id"] == "l0" and e["role"] == "learner" for e in heard)

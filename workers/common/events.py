@@ -41,6 +41,15 @@ class EventLog:
         for listener in self._listeners:
             listener(rec)
 
+    def has_listeners(self) -> bool:
+        return bool(self._listeners)
+
+    def notify(self, rec: dict) -> None:
+        """Hand ``rec``, a record another process already wrote to this same log (a learner's sync
+        agent, workers/learner/agent_main.py), to this process's listeners; nothing is written."""
+        for listener in self._listeners:
+            listener(rec)
+
     def close(self) -> None:
         with self._lock:
             if self._fh is not None:

@@ -67,6 +67,7 @@ class AgentSetup:
     known: dict[int, int]
     heartbeat: dict
     cpus: tuple[int, ...] | None = None       # LearnerConfig.agent_cpus
+    forward_events: bool = False              # the learner's log has listeners (metrics): send them the child's
     curve: tuple[str, str, str] | None = dataclasses.field(default=None, repr=False)
     sign_secret: str | None = dataclasses.field(default=None, repr=False)
 
@@ -80,7 +81,7 @@ def agent_for(learner, d: RunDescriptor, cursor: int, known: dict[int, int], cur
     keys = learner.cfg.keys if d.security is not None else None
     setup = AgentSetup(store.uri, getattr(inner, "endpoint", None), learner.id, getattr(fh, "name", None),
                        learner.bus, learner.cfg.sender, learner.cfg.poll_s, cursor, dict(known), learner._heartbeat(),
-                       cpus=learner.cfg.agent_cpus,
+                       cpus=learner.cfg.agent_cpus, forward_events=learner.events.has_listeners(),
                        curve=tuple(k.decode() for k in (curve.public, curve.secret, curve.server_public))
                        if curve is not None else None,
                        sign_secret=keys.own.sign_secret.hex() if keys is not None else None)
@@ -132,7 +133,7 @@ class SyncAgent:
                     sender=dataclasses.asdict(s.sender), poll_s=s.poll_s, cursor=s.cursor,
                     known={str(p): v for p, v in s.known.items()}, heartbeat=s.heartbeat, curve=s.curve,
                     sign_secret=s.sign_secret, delta_slots=DELTA_SLOTS, version_slots=self.version_slots,
-                    cpus=list(s.cpus) if s.cpus is not None else None)
+                    cpus=list(s.cpus) if s.cpus is not None else None, forward_events=s.forward_events)
 
     def start(self) -> None:
         self.send_frame(self._config())
@@ -177,7 +178,10 @@ class SyncAgent:
     def _handle(self, msg: dict) -> None:
         kind = msg["type"]
         if kind == "stats":
+            records = msg.pop("events", None)
             self.stats = msg
+            for rec in records or ():       # the child's event records, for this process's listeners (metrics)
+                self.events.notify(rec)
         elif kind == "ready":
             self.ready.set()
         elif kind == "sender_stopped":

@@ -12,7 +12,9 @@ learner). The first frame on ``--conn`` is ``config`` (workers/learner/agent.py
   learner is draining), ``stop_sender``, ``stop``;
 * agent -> learner: ``ready``, ``stats`` (the sender's and receiver's counters and ``traffic``, this
   process's store and bus counters for the learner's accounting events; when they changed, at most
-  every ``STATS_EVERY_S``, and the latest before ``sender_stopped`` and at the end), ``failed`` (why
+  every ``STATS_EVERY_S``, and the latest before ``sender_stopped`` and at the end; ``events``: the
+  records this process logged since the last frame, when the learner's log has listeners such as its
+  metrics, ``config.forward_events``), ``failed`` (why
   this process stops early), ``sender_stopped``, ``bye``;
 * on the board (workers/learner/agent_board.py), read by the training thread at each step's start:
   the open rounds, each fragment's newest version (written into its version slot) and the delta
@@ -25,9 +27,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
+from collections import deque
 from functools import partial
 from multiprocessing.connection import Connection, wait
 
@@ -48,6 +52,7 @@ from workers.learner.sender import Sender, SenderConfig, delta_made
 STATS_EVERY_S = 1.0     # counters go out at most this often: each frame wakes the learner's reader thread
                         # mid-step (0.25 s cost an answer step ~0.1 ms more, docs/scale.md); a draining
                         # learner asks for them (``report``). The loop wakes on a frame, news, or after this
+FORWARD_MAX = 10_000    # event records held for the learner's listeners between two stats frames
 PENDING_POLL_S = 0.005  # a version waiting for its slot (the learner has not copied out the one before)
 
 
@@ -88,6 +93,11 @@ class Agent:
         self.sent_stats: dict | None = None
         self.stats_at = 0.0
         self.sender_stopped = False
+        # With listeners on the learner's side (its metrics), every record this process logs goes to
+        # them too, in the next ``stats`` frame (bounded: the oldest are dropped first).
+        self.forwarded: deque[dict] = deque(maxlen=FORWARD_MAX)
+        if cfg.get("forward_events"):
+            self.events.subscribe(lambda rec: self.forwarded.append(json.loads(json.dumps(rec, default=str))))
 
     def _news(self) -> None:
         try:
@@ -137,9 +147,10 @@ class Agent:
         if not final and now < self.stats_at + STATS_EVERY_S:
             return
         stats = self.stats()
-        if stats != self.sent_stats:
+        records = [self.forwarded.popleft() for _ in range(len(self.forwarded))]
+        if stats != self.sent_stats or records:
             self.sent_stats = stats
-            self.send("stats", **stats)
+            self.send("stats", **stats, **({"events": records} if records else {}))
         self.stats_at = now
 
     def stats(self) -> dict:
