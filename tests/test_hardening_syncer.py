@@ -224,7 +224,8 @@ def test_a_value_bomb_is_dropped_norm_outlier_from_the_first_round_by_default(tm
     _merge_all(syncer)
     _close(syncer)
     rec = _recorded(store)
-    assert rec[late.id] == ["norm-outlier"] and sum(v == ["merged"] for v in rec.values()) == 10
+    # (the reasons in the message: this once saw 8 merged, not reproduced in 9 runs since)
+    assert rec[late.id] == ["norm-outlier"] and sum(v == ["merged"] for v in rec.values()) == 10, rec
     params = syncer.state.fragments[0].params
     assert max(float(np.max(np.abs(a))) for a in params.values()) < 1.0        # the bombs moved nothing
     rebuild(store, desc, CommitLog(store).tail(), use_checkpoint=False)       # replay: the same verdicts
