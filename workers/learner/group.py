@@ -35,6 +35,7 @@ gloo alone where ranks share a GPU (NCCL refuses that).
 from __future__ import annotations
 
 import datetime
+import gc
 import hashlib
 import math
 import os
@@ -273,6 +274,11 @@ class GroupLearner:
         drained = self.learner.close(flush) if self.learner is not None else True
         self.events.emit("group-stop", rank=self.rank, steps=self._s.steps, tokens=self._s.tokens,
                          skipped=self._s.skipped, applies=self._s.applies)
+        # DDP's reducer holds the process group: let it go now, so the group's C++ side (gloo's
+        # threads) is torn down here, not in whatever order the interpreter's exit frees things
+        # (a rank once aborted at exit, "terminate called without an active exception", twice in CI).
+        self.ddp = self.model      # (a plain module: nothing holds the group any more)
+        gc.collect()
         self.group.close()
         return drained
 
