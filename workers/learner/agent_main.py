@@ -14,8 +14,8 @@ learner). The first frame on ``--conn`` is ``config`` (workers/learner/agent.py
   process's store and bus counters for the learner's accounting events; when they changed, at most
   every ``STATS_EVERY_S``, and the latest before ``sender_stopped`` and at the end; ``events``: the
   records this process logged since the last frame, when the learner's log has listeners such as its
-  metrics, ``config.forward_events``), ``failed`` (why
-  this process stops early), ``sender_stopped``, ``bye``;
+  metrics, ``config.forward_events``), ``failed`` (why this process stops early), ``sender_stopped``,
+  ``bye``;
 * on the board (workers/learner/agent_board.py), read by the training thread at each step's start:
   the open rounds, each fragment's newest version (written into its version slot) and the delta
   slots copied out. No frame for them: a frame wakes the learner's reader thread mid-step.
