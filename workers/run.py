@@ -92,7 +92,7 @@ def configure(parser):
       help="the syncer's inbox listings (ddiloco syncer --spill-poll; default 0.5)")
     a("--sync-process", action="store_true",
       help="each learner's sender and receiver in a child process, off its training loop's GIL (ddiloco learner "
-           "--sync-process; docs/scale.md); one syncer only")
+           "--sync-process; docs/scale.md); with --syncers N the child talks to every shard")
     a("--metrics-port", type=int, default=None, metavar="N",
       help="Prometheus metrics: the syncer at http://127.0.0.1:N/metrics, learner m at N+1+m (0: every process "
            "takes a free port and logs it as a metrics-listening event); off unless given (README \"Metrics\")")
@@ -191,8 +191,6 @@ def run(args, topologies=()) -> int:
     if not 1 <= args.syncers <= args.fragments:
         raise SystemExit(f"--syncers must be in 1..--fragments ({args.fragments}): every shard owns a fragment, "
                          f"got {args.syncers}")
-    if args.sync_process and args.syncers > 1:
-        raise SystemExit("--sync-process serves one syncer: a sharded run (--syncers N) keeps the learners' threads")
     if args.syncers > 1 and args.regions > 1:
         raise SystemExit("--syncers N with --regions is not supported yet (each shard would need its own replicator)")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535 - args.learners:

@@ -19,8 +19,9 @@ the same either way: the child runs the same Sender and Receiver code on values 
 The child also writes each delta's ``delta`` event to the learner's log as it takes the delta from
 its slot (``AgentSender.logs_deltas``): ~70 us of a cold JSON line off the answer step.
 
-Limits: one syncer (a sharded run keeps its threads), Linux (``memfd``), a store the child can
-open again from its URI (a directory or s3://; not an in-memory store). The child's store
+In a sharded run the child builds one sender and one receiver per syncer shard, as the learner's
+threads would (workers/learner/shards.py). Limits: Linux (``memfd``), a store the child can open
+again from its URI (a directory or s3://; not an in-memory store). The child's store
 requests and bus bytes are in the learner's ``accounting`` events (``SyncAgent.traffic``, added by
 its ``TrafficMeter``), with one GET more than the threads make: the child reads the descriptor.
 """
@@ -63,7 +64,7 @@ class AgentSetup:
     bus: BusConfig | None
     sender: SenderConfig
     poll_s: float
-    cursor: int
+    cursor: int | list[int]                   # the log cursor the versions were loaded at (one per syncer shard)
     known: dict[int, int]
     heartbeat: dict
     cpus: tuple[int, ...] | None = None       # LearnerConfig.agent_cpus
@@ -72,7 +73,7 @@ class AgentSetup:
     sign_secret: str | None = dataclasses.field(default=None, repr=False)
 
 
-def agent_for(learner, d: RunDescriptor, cursor: int, known: dict[int, int], curve) -> tuple:
+def agent_for(learner, d: RunDescriptor, cursor: int | list[int], known: dict[int, int], curve) -> tuple:
     """(AgentSender, AgentReceiver) for ``learner`` (a started ``Learner``'s state: its store,
     bus, keys, events and the log cursor its versions were loaded at)."""
     store = learner.store

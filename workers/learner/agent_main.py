@@ -43,11 +43,11 @@ from workers.bus.signing import Signer, seal_delta
 from workers.common.cpus import pin
 from workers.common.events import EventLog
 from workers.common.traffic import counted
-from workers.common.versions import VersionTracker
 from workers.learner.agent_board import Board, BoardArrival
 from workers.learner.agent_wire import Slots, pack, unpack
 from workers.learner.receiver import Receiver
 from workers.learner.sender import Sender, SenderConfig, delta_made
+from workers.learner.shards import learner_tracker, make_receiver, make_sender
 
 STATS_EVERY_S = 1.0     # counters go out at most this often: each frame wakes the learner's reader thread
                         # mid-step (0.25 s cost an answer step ~0.1 ms more, docs/scale.md); a draining
@@ -77,16 +77,23 @@ class Agent:
         bus = BusConfig(cfg["ingest"], cfg["announce"], counters=BusCounters()) if cfg.get("ingest") else None
         self.bus_counters = bus.counters if bus is not None else None
         self.beat = dict(cfg["heartbeat"])
-        self.sender = Sender(store, d.codec, SenderConfig(**cfg["sender"]), self.events, bus,
-                             cfg["learner"].encode(), lambda: self.beat, curve=curve, seal=seal)
-        tracker = VersionTracker(store, d)
-        tracker.cursor = cfg["cursor"]
+        sender_cfg = SenderConfig(**cfg["sender"])
+        # one Sender and one Receiver, or one of each per syncer shard (workers/learner/shards.py), as
+        # the learner itself would build them
+        self.sender = make_sender(store, d, bus, lambda st, b: Sender(
+            st, d.codec, sender_cfg, self.events, b, cfg["learner"].encode(), lambda: self.beat, curve=curve,
+            seal=seal))
+        tracker = learner_tracker(store, d)
+        cursors = cfg["cursor"] if isinstance(cfg["cursor"], list) else [cfg["cursor"]]
+        for t, cursor in zip(getattr(tracker, "trackers", [tracker]), cursors, strict=True):
+            t.cursor = cursor
         known = {int(p): v for p, v in cfg["known"].items()}
-        # the receiver wakes this loop through a pipe when a version or a round opening is new
+        # the receivers wake this loop through a pipe when a version or a round opening is new
         self._news_r, self._news_w = os.pipe()
         os.set_blocking(self._news_r, False)
         os.set_blocking(self._news_w, False)
-        self.receiver = Receiver(tracker, known, self.events, bus, cfg["poll_s"], curve=curve, on_news=self._news)
+        self.receiver = make_receiver(tracker, known, bus, lambda t, kn, b: Receiver(
+            t, kn, self.events, b, cfg["poll_s"], curve=curve, on_news=self._news))
         self.submitted = 0
         self.pending = {}          # fragment -> Arrival waiting for its version slot (newest wins)
         self.sent_opened: dict | None = None
@@ -154,12 +161,16 @@ class Agent:
         self.stats_at = now
 
     def stats(self) -> dict:
-        r = self.receiver
+        senders = getattr(self.sender, "senders", [self.sender])         # one, or one per syncer shard
+        receivers = getattr(self.receiver, "receivers", [self.receiver])
         return {"sender": dataclasses.asdict(self.sender.stats), "undelivered": self.sender.undelivered(),
-                "idle": self.sender._idle.is_set(), "submitted": self.submitted, "failed": self.sender.failed,
-                "receiver": {"bytes_received": r.bytes_received, "errors": r.errors, "refused": r.refused,
-                             "failed": r.failed, "awaited": r.awaited, "copy_misses": r.copy_misses,
-                             "copy_wait_s": r.copy_wait_s},
+                "idle": all(s._idle.is_set() for s in senders), "submitted": self.submitted,
+                "failed": self.sender.failed,
+                "receiver": {"bytes_received": sum(r.bytes_received for r in receivers),
+                             "errors": sum(r.errors for r in receivers), "refused": sum(r.refused for r in receivers),
+                             "failed": self.receiver.failed, "awaited": sum(r.awaited for r in receivers),
+                             "copy_misses": sum(r.copy_misses for r in receivers),
+                             "copy_wait_s": sum(r.copy_wait_s for r in receivers)},
                 # after the sender's stats: a spill in flight counts at the store first (Learner.close)
                 "traffic": {"store": self.store.snapshot().as_dict(),
                             "bus": self.bus_counters.snapshot() if self.bus_counters is not None else None}}

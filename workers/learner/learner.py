@@ -48,7 +48,7 @@ from workers.learner.device_quant import QMAX as _DEVICE_QMAX, quantise_delta
 from workers.learner.nonfinite import NonFiniteGuard
 from workers.learner.receiver import Receiver
 from workers.learner.sender import Sender, SenderConfig, SenderStats, delta_made
-from workers.learner.shards import learner_tracker, make_receiver, make_sender
+from workers.learner.shards import learner_tracker, make_receiver, make_sender, split_bus
 from workers.learner.steptrace import StepParts, StepTrace
 from workers.bus.signing import seal_delta
 from workers.common.traffic import TrafficMeter, counted, region_names
@@ -147,7 +147,7 @@ class Learner:
             raise ValueError(f"run {d.run_id} was created before syncer-driven rounds (driver {d.schedule.driver!r}): "
                              "its log still replays, but learners of this version cannot train it; create a new run")
         self._check_model(d)
-        agent = self.cfg.sync_process and d.syncers == 1   # off the training process's GIL (issue 15)
+        agent = self.cfg.sync_process                  # sync off the training process's GIL (issue 15)
         self._device_quantise = self._use_device_quantise(d, agent)   # refused before anything is claimed
         curve, seal = self._security(d)
         tracker = learner_tracker(self.store, d)    # the run's log, or every syncer shard's (issue 15)
@@ -164,9 +164,11 @@ class Learner:
         self._rounds_seen = None
         self.c_steps = [0] * d.num_fragments
         self.c_tokens = [0] * d.num_fragments
-        if agent:
+        if agent:   # the child builds the same sender(s) and receiver(s), one per syncer shard if sharded
             from workers.learner.agent import agent_for
-            self.sender, self.receiver = agent_for(self, d, tracker.cursor, versions, curve)
+            split_bus(self.bus, d.syncers)           # a wrong endpoint count is refused here, not in the child
+            cursor = tracker.cursor if d.syncers == 1 else [t.cursor for t in tracker.trackers]
+            self.sender, self.receiver = agent_for(self, d, cursor, versions, curve)
         else:   # one of each, or one per syncer shard (workers/learner/shards.py: fragment p to shard p % N)
             self.sender = make_sender(self.store, d, self.bus, lambda store, bus: Sender(
                 store, d.codec, self.cfg.sender, self.events, bus, self.id.encode(), self._heartbeat, curve=curve,
@@ -176,9 +178,7 @@ class Learner:
         self.sender.start()
         self.receiver.start()
         self.events.emit("learner-start", incarnation=self.incarnation, pid=os.getpid(),
-                         **({"sync_process": True} if agent else {"sync_process": "off: the run has "
-                            f"{d.syncers} syncer shards and the agent serves one"} if self.cfg.sync_process else {}),
-                         versions={str(p): v for p, v in versions.items()})
+                         **({"sync_process": True} if agent else {}), versions={str(p): v for p, v in versions.items()})
         return self
 
     def close(self, flush: bool = True) -> bool:
