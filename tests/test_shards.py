@@ -260,3 +260,30 @@ def test_a_shard_syncer_owns_its_fragments_only(tmp_path):
     values, versions = ShardedTracker(store, desc).load_all()
     assert versions == {0: 0, 1: 0, 2: 0, 3: 0}
     assert set(values) == {n for n, _ in model.named_parameters()}
+
+
+def test_a_sharded_learners_counters_add_up_and_its_cursors_go_to_each_shard():
+    """What a sync agent reads from its per-shard senders, receivers and trackers
+    (workers/learner/shards.py): idle only when every shard's sender is, counts summed, the copy
+    wait a mean over every wait (not of the shards' means), one log cursor per shard."""
+    from types import SimpleNamespace
+    from workers.common.aggregate import RunningMean
+    from workers.learner.shards import ShardedReceiver, ShardedSender, ShardedTracker
+
+    def receiver(waits):
+        mean = RunningMean()
+        for w in waits:
+            mean.append(w)
+        return SimpleNamespace(awaited=len(waits), copy_misses=2 * len(waits), _copy_wait=mean)
+
+    r = ShardedReceiver([receiver([1.0, 1.0, 1.0]), receiver([5.0])])
+    assert (r.awaited, r.copy_misses, r.copy_wait_s) == (4, 8, 2.0)       # (1+1+1+5)/4, not (1+5)/2
+    assert ShardedReceiver([receiver([])]).copy_wait_s == 0.0
+    busy, idle = SimpleNamespace(idle=lambda: False), SimpleNamespace(idle=lambda: True)
+    assert ShardedSender([idle, idle]).idle() and not ShardedSender([idle, busy]).idle()
+    tracker = ShardedTracker.__new__(ShardedTracker)
+    tracker.trackers = [SimpleNamespace(cursor=-1), SimpleNamespace(cursor=-1)]
+    tracker.cursor = [7, 9]
+    assert tracker.cursor == [7, 9] and [t.cursor for t in tracker.trackers] == [7, 9]
+    with pytest.raises(ValueError, match="2 shard cursors"):
+        tracker.cursor = [7]

@@ -84,9 +84,7 @@ class Agent:
             st, d.codec, sender_cfg, self.events, b, cfg["learner"].encode(), lambda: self.beat, curve=curve,
             seal=seal))
         tracker = learner_tracker(store, d)
-        cursors = cfg["cursor"] if isinstance(cfg["cursor"], list) else [cfg["cursor"]]
-        for t, cursor in zip(getattr(tracker, "trackers", [tracker]), cursors, strict=True):
-            t.cursor = cursor
+        tracker.cursor = cfg["cursor"]        # one log cursor, or a list of them: one per shard
         known = {int(p): v for p, v in cfg["known"].items()}
         # the receivers wake this loop through a pipe when a version or a round opening is new
         self._news_r, self._news_w = os.pipe()
@@ -161,16 +159,12 @@ class Agent:
         self.stats_at = now
 
     def stats(self) -> dict:
-        senders = getattr(self.sender, "senders", [self.sender])         # one, or one per syncer shard
-        receivers = getattr(self.receiver, "receivers", [self.receiver])
+        r = self.receiver      # one, or one per syncer shard behind the same counters (workers/learner/shards.py)
         return {"sender": dataclasses.asdict(self.sender.stats), "undelivered": self.sender.undelivered(),
-                "idle": all(s._idle.is_set() for s in senders), "submitted": self.submitted,
-                "failed": self.sender.failed,
-                "receiver": {"bytes_received": sum(r.bytes_received for r in receivers),
-                             "errors": sum(r.errors for r in receivers), "refused": sum(r.refused for r in receivers),
-                             "failed": self.receiver.failed, "awaited": sum(r.awaited for r in receivers),
-                             "copy_misses": sum(r.copy_misses for r in receivers),
-                             "copy_wait_s": sum(r.copy_wait_s for r in receivers)},
+                "idle": self.sender.idle(), "submitted": self.submitted, "failed": self.sender.failed,
+                "receiver": {"bytes_received": r.bytes_received, "errors": r.errors, "refused": r.refused,
+                             "failed": r.failed, "awaited": r.awaited, "copy_misses": r.copy_misses,
+                             "copy_wait_s": r.copy_wait_s},
                 # after the sender's stats: a spill in flight counts at the store first (Learner.close)
                 "traffic": {"store": self.store.snapshot().as_dict(),
                             "bus": self.bus_counters.snapshot() if self.bus_counters is not None else None}}

@@ -167,8 +167,7 @@ class Learner:
         if agent:   # the child builds the same sender(s) and receiver(s), one per syncer shard if sharded
             from workers.learner.agent import agent_for
             split_bus(self.bus, d.syncers)           # a wrong endpoint count is refused here, not in the child
-            cursor = tracker.cursor if d.syncers == 1 else [t.cursor for t in tracker.trackers]
-            self.sender, self.receiver = agent_for(self, d, cursor, versions, curve)
+            self.sender, self.receiver = agent_for(self, d, tracker.cursor, versions, curve)
         else:   # one of each, or one per syncer shard (workers/learner/shards.py: fragment p to shard p % N)
             self.sender = make_sender(self.store, d, self.bus, lambda store, bus: Sender(
                 store, d.codec, self.cfg.sender, self.events, bus, self.id.encode(), self._heartbeat, curve=curve,

@@ -183,11 +183,15 @@ class Sender:
         with self._lock:
             return len(self.queue) + len(self.pending), self._held_bytes
 
+    def idle(self) -> bool:
+        """The sender thread has nothing in hand (it is waiting for work)."""
+        return self._idle.is_set()
+
     def drain(self, timeout_s: float) -> bool:
         """Wait until every submitted delta is durable (or ``timeout_s``). True if all are."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.undelivered() == 0 and self._idle.is_set():
+            if self.undelivered() == 0 and self.idle():
                 return True
             if self.failed is not None or not self._thread.is_alive():
                 break

@@ -66,6 +66,18 @@ class ShardedTracker:
     def next_incarnation(self, learner: str) -> int:
         return max(t.next_incarnation(learner) for t in self.trackers)
 
+    @property
+    def cursor(self) -> list[int]:
+        """Each shard's log cursor, in shard order (what a sync agent resumes from)."""
+        return [t.cursor for t in self.trackers]
+
+    @cursor.setter
+    def cursor(self, cursors: list[int]) -> None:
+        if len(cursors) != len(self.trackers):
+            raise ValueError(f"{len(self.trackers)} shard cursors expected, got {len(cursors)}")
+        for t, c in zip(self.trackers, cursors):
+            t.cursor = c
+
 
 class ShardedSender:
     """One ``Sender`` per shard; a delta goes to its fragment's owner."""
@@ -98,6 +110,9 @@ class ShardedSender:
 
     def undelivered(self) -> int:
         return sum(s.undelivered() for s in self.senders)
+
+    def idle(self) -> bool:
+        return all(s.idle() for s in self.senders)
 
     @property
     def failed(self) -> str | None:
@@ -159,6 +174,20 @@ class ShardedReceiver:
     @property
     def bytes_received(self) -> int:
         return sum(r.bytes_received for r in self.receivers)
+
+    @property
+    def awaited(self) -> int:
+        return sum(r.awaited for r in self.receivers)
+
+    @property
+    def copy_misses(self) -> int:
+        return sum(r.copy_misses for r in self.receivers)
+
+    @property
+    def copy_wait_s(self) -> float:
+        """The mean over every shard's waits (not a mean of the shards' means)."""
+        count = sum(r._copy_wait.count for r in self.receivers)
+        return sum(r._copy_wait.total for r in self.receivers) / count if count else 0.0
 
 
 def learner_tracker(store: ObjectStore, descriptor: RunDescriptor) -> VersionTracker | ShardedTracker:
