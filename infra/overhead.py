@@ -218,8 +218,10 @@ def run_overhead(args) -> int:
     if run_args and not interleave:      # the control trains the same model: it reads this run's
         _create(out / "model", args.steps, seed, run_args)
     for r in range(args.repeats):
-        sides = (_interleaved_repeat if interleave else _repeat)(args, r, *(() if interleave else (out,)), runs,
-                                                                 seed, run_args)
+        if interleave:
+            sides = _interleaved_repeat(args, r, runs, seed, run_args)
+        else:
+            sides = _repeat(args, r, out, runs, seed, run_args)
         fig = compare(sides["on"]["trace"], sides["off"])
         answers = sum(1 for n in sides["on"]["trace"]["answered"] if n) or 1
         fig["thread_cpu_s"] = sides["on"]["thread_cpu"]
