@@ -348,6 +348,11 @@ class ChaosRun:
     def learners_done(self) -> bool:
         return self.cluster is None or self.cluster.learners_done()
 
+    def settled(self, timeout_s: float) -> bool:
+        """Like ``drain`` but marks nothing: whether the syncer committed every durable delta within
+        ``timeout_s`` (a mid-run look, not the run's verdict)."""
+        return self._started().wait_drained(timeout_s).ok
+
     def drain(self, timeout_s: float = 60.0) -> bool:
         """After the learners exit: True once the syncer has committed (and logged) every durable
         delta of the real learners (``LocalCluster.drain_status``; a rogue's refused objects stay)."""

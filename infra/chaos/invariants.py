@@ -322,11 +322,15 @@ def no_blocking(obs: Observation, factor: float, abs_s: float) -> Check:
             allowed = max(factor * median, abs_s)
             prev_t = next(e["t"] for e in life if e.get("event") == "learner-start")
             for e in steps:
-                window = (prev_t, e["t"])
+                g = float(e["max_gap_s"])
+                # The gap ends at a step start after the previous event but may begin before it: a
+                # learner stopped inside the step that emitted that event reports the stop in the
+                # *next* event (seen: a 4 s pause judged as a 4.07 s stall). So the gap lies within
+                # (prev_t - g, t), and it is the harness's doing if a pause overlaps that.
+                window = (prev_t - g, e["t"])
                 prev_t = e["t"]
                 if any(a < window[1] and b > window[0] for a, b in pauses):
                     continue          # the harness stopped it: not the loop's doing
-                g = float(e["max_gap_s"])
                 if g > worst.get(lid, {}).get("max_gap_s", -1.0):
                     worst[lid] = {"max_gap_s": round(g, 4), "median_gap_s": round(median, 5),
                                   "allowed_s": round(allowed, 3), "step": e["step"]}

@@ -1,0 +1,305 @@
+"""Progress invariants (issue 25; SPEC §11 "Progress"): not whether the books balance, but whether every
+live learner's work keeps reaching the model. The bookkeeping checks (invariants.py) passed while a
+restarted syncer's runaway clock made every learner stop answering; these do not.
+
+All five are functions of what a run left behind - the commit log and the learners' event logs
+(``invariants.Observation``) - and of the run's H (``sync_every``) and K (``quorum``):
+
+- ``learner_progress`` (a): every learner life's work reaches the model at least once per 2H of its
+  own steps. A merged delta holding ``c_steps`` steps up to learner step ``s`` carries the work of
+  own steps ``s - c_steps + 1 .. s`` (a delta is cumulative since its base, SPEC §3); the longest
+  run of a life's steps that no merged delta carries must stay <= 2H. Healthy, that run is the
+  tau steps between an answer and the version's arrival (SPEC §3). Exempt: the steps after the last
+  merged delta of a life the harness SIGKILLed (lost with the process, counted by the ledger).
+  A learner the harness paused takes no steps while paused, so its pauses cost it nothing here.
+- ``fragment_progress`` (b): no fragment goes more than 2H global steps (round ids are global
+  steps) between merges while learners answer it: a gap is a violation when some learner answered
+  a round of that fragment inside it (a delta event naming a round in the gap) - answers nobody
+  merged.
+- ``utilisation_recovers`` (c): after each fault ends, each learner's utilisation - the share of its
+  own steps whose work a merged delta of each fragment carries, averaged over the fragments (tokens
+  merged / tokens trained, at a fixed batch) -
+  over the 4H steps that start 4H steps after the fault ended is within 10 points (``tolerance``)
+  of its undisturbed level (the same share over its steps outside every fault and its recovery).
+  Points, not a ratio: a healthy 24-step window's share moves by +-0.1 with the version lag on a
+  busy machine, while a frozen fragment of P costs 1/P of the level and a stopped learner all of it.
+- ``drops_truthful`` (d): every recorded drop has a reason, and a drop counted harmless
+  (``duplicate``, ``superseded``: workers/tools/logview.py HARMLESS) really is: the same delta, or a
+  newer delta of its lineage (learner, incarnation, base version; it holds the older one's work),
+  was merged. A harmless drop of never-merged work is a lie the ledger would believe.
+- ``quorum_minimum`` (e): every merge commit merged at least K distinct learners.
+"""
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+from pipeline.types import CommitRecord
+from .invariants import Check, Observation, _lives_of
+
+HARMLESS = ("duplicate", "superseded")
+REPAIRS = ("resume", "restart", "restore", "up", "heal", "start")   # a mark that ends a fault (its ``what``)
+FAULTS = ("pause", "kill", "blackhole", "down", "partition", "rogue", "slow")
+
+
+@dataclass(frozen=True)
+class Life:
+    """One learner life as its event log tells it."""
+
+    learner: str
+    incarnation: int
+    started: float                   # its learner-start time
+    steps: tuple[tuple[float, int], ...]   # (t, step) of its step events, in order
+    last_step: int                   # the last step it took (from its stop or its last step event)
+    killed: bool
+
+
+def lives(obs: Observation) -> list[Life]:
+    out = []
+    for lid, events in sorted(obs.learner_events.items()):
+        for life in _lives_of(events):
+            start = next(e for e in life if e.get("event") == "learner-start")
+            steps = tuple((e["t"], int(e["step"])) for e in life if e.get("event") == "step")
+            stop = next((e for e in life if e.get("event") == "learner-stop"), None)
+            produced = [int(e.get("step", 0)) for e in life if e.get("event") == "delta"]
+            last = max([s for _, s in steps] + produced + ([int(stop["step"]) - 1] if stop else []) + [0])
+            out.append(Life(lid, int(start.get("incarnation", -1)), float(start["t"]), steps, last,
+                            bool(obs.process_of(lid, life).get("killed", False))))
+    return out
+
+
+def carried(records: Iterable[CommitRecord], learner: str, incarnation: int,
+            fragment: int | None = None) -> list[tuple[int, int]]:
+    """The own-step intervals [lo, hi] whose work merged deltas of this learner life carry (of one
+    fragment, or of any), as disjoint sorted intervals."""
+    spans = sorted((max(0, i.learner_step - i.c_steps + 1), i.learner_step) for r in records if r.kind == "merge"
+                   and (fragment is None or r.fragment == fragment)
+                   for i in r.inputs if i.learner == learner and i.incarnation == incarnation and i.c_steps > 0)
+    out: list[list[int]] = []
+    for lo, hi in spans:
+        if out and lo <= out[-1][1] + 1:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(a, b) for a, b in out]
+
+
+def _covered(spans: Sequence[tuple[int, int]], lo: int, hi: int) -> int:
+    """How many of the steps lo..hi (inclusive) the spans carry."""
+    return sum(max(0, min(b, hi) - max(a, lo) + 1) for a, b in spans)
+
+
+def _uncovered_runs(spans: Sequence[tuple[int, int]], last: int, tail: bool) -> list[tuple[int, int]]:
+    """Runs of steps 0..last no span carries; without ``tail`` the run after the last span is left out."""
+    runs, at = [], 0
+    for a, b in spans:
+        if a > at:
+            runs.append((at, min(a - 1, last)))
+        at = max(at, b + 1)
+        if at > last:
+            break
+    if tail and at <= last:
+        runs.append((at, last))
+    return [(a, b) for a, b in runs if b >= a]
+
+
+# -- (a) -------------------------------------------------------------------------------------------
+
+def learner_progress(obs: Observation, H: int) -> Check:
+    bound = 2 * H
+    worst: dict[str, dict] = {}
+    problems = []
+    for life in lives(obs):
+        name = f"{life.learner}/{life.incarnation}"
+        spans = carried(obs.records, life.learner, life.incarnation)
+        runs = _uncovered_runs(spans, life.last_step, tail=not life.killed)
+        longest = max(runs, key=lambda r: r[1] - r[0], default=None)
+        n = 0 if longest is None else longest[1] - longest[0] + 1
+        worst[name] = {"longest_uncarried_steps": n, "at": list(longest) if longest else None,
+                       "steps": life.last_step + 1, "carried": _covered(spans, 0, life.last_step)}
+        if n > bound:
+            problems.append(f"{name}: own steps {longest[0]}..{longest[1]} ({n} steps) reached the model in no "
+                            f"merged delta (bound 2H = {bound})")
+    if not worst:
+        problems.append("no learner life to judge")
+    detail = problems[0] if problems else "longest run of own steps no merge carried: " + ", ".join(
+        f"{k} {w['longest_uncarried_steps']}" for k, w in worst.items()) + f" (bound 2H = {bound})"
+    return Check("progress-learners", not problems, detail, {"bound_steps": bound, "per_life": worst,
+                                                            "violations": problems[:10]})
+
+
+# -- (b) -------------------------------------------------------------------------------------------
+
+def fragment_progress(obs: Observation, H: int, fragments: int) -> Check:
+    bound = 2 * H
+    answered: dict[int, list[int]] = defaultdict(list)
+    for events in obs.learner_events.values():
+        for e in events:
+            if e.get("event") == "delta" and isinstance(e.get("round"), int) and e["round"] >= 0:
+                answered[int(e["fragment"])].append(int(e["round"]))
+    problems, per = [], {}
+    for p in range(fragments):
+        rounds = sorted(r.round for r in obs.merges() if r.fragment == p and r.round >= 0)
+        asked = sorted(answered.get(p, []))
+        worst = 0
+        # the gaps between merges, and after the last one (answers nobody merged at the end)
+        for a, b in zip(rounds, rounds[1:] + [None]):
+            hi = b if b is not None else (asked[-1] + 1 if asked else a)
+            if hi - a <= bound:
+                continue
+            # answers to rounds inside the gap that no merge took (at least 2H after the last merge)
+            inside = asked[bisect.bisect_left(asked, a + bound):bisect.bisect_left(asked, hi)]
+            if inside:
+                worst = max(worst, hi - a)
+                problems.append(f"fragment {p}: no merge between rounds {a} and {b if b is not None else 'the end'} "
+                                f"({hi - a} global steps, bound 2H = {bound}) although learners answered "
+                                f"{len(inside)} rounds in it (e.g. round {inside[0]})")
+        per[str(p)] = {"merges": len(rounds), "answers": len(asked), "worst_gap_steps": worst}
+        if not rounds and asked:
+            problems.append(f"fragment {p}: learners answered {len(asked)} rounds and none was merged")
+    return Check("progress-fragments", not problems, problems[0] if problems else
+                 f"every fragment merged at least every 2H = {bound} global steps while answered", 
+                 {"bound_steps": bound, "per_fragment": per, "violations": problems[:10]})
+
+
+# -- (c) -------------------------------------------------------------------------------------------
+
+def fault_windows(obs: Observation) -> list[tuple[float, float]]:
+    """(start, end) wall times of every fault the harness applied, from its timeline: a fault mark to
+    the next repair mark of the same target (a kill without restart ends at the kill)."""
+    out, open_at = [], {}
+    for m in obs.marks:
+        who, what = m["who"], m["what"]
+        if what.startswith(FAULTS) and what != "start":
+            open_at.setdefault(who, m["t"])
+        elif what.startswith(REPAIRS) and who in open_at:
+            out.append((open_at.pop(who), m["t"]))
+    end = max((m["t"] for m in obs.marks), default=0.0)
+    out += [(t, end if not obs.marks else max(t, end)) for t in open_at.values()]
+    return sorted(out)
+
+
+def _step_at(life: Life, t: float) -> int | None:
+    """The life's step at wall time ``t`` (interpolated between step events; None outside them)."""
+    if not life.steps or t < life.steps[0][0] or t > life.steps[-1][0]:
+        return None
+    k = bisect.bisect_left([x for x, _ in life.steps], t)
+    if life.steps[k][0] == t or k == 0:
+        return life.steps[k][1]
+    (t0, s0), (t1, s1) = life.steps[k - 1], life.steps[k]
+    return int(s0 + (s1 - s0) * (t - t0) / max(t1 - t0, 1e-9))
+
+
+def utilisation_recovers(obs: Observation, H: int, fragments: int, tolerance: float = 0.10) -> Check:
+    """(c): a step's work on fragment p reaches the model only in a merged delta of p, so a life's
+    utilisation over some steps is the mean over fragments of the share of those steps carried."""
+    faults = fault_windows(obs)
+    if not faults:
+        return Check("progress-recovery", True, "no fault in this run", {"faults": 0})
+    problems, measured = [], []
+    for life in lives(obs):
+        per = [carried(obs.records, life.learner, life.incarnation, p) for p in range(fragments)]
+
+        def share(lo: int, hi: int) -> float:
+            return sum(_covered(sp, lo, hi) for sp in per) / (len(per) * (hi - lo + 1))
+
+        end = life.last_step - 2 * H          # the life's last 2H steps are its tail, not a level
+        disturbed = []
+        for a, b in faults:
+            sa, sb = _step_at(life, a), _step_at(life, b)
+            if sa is None and sb is None:
+                continue
+            disturbed.append((sa if sa is not None else 0, (sb if sb is not None else life.last_step) + 8 * H))
+        calm = [s for s in range(2 * H, max(end, 0)) if not any(x <= s <= y for x, y in disturbed)]
+        if len(calm) < 4 * H:
+            continue                            # no undisturbed stretch long enough to be a level
+        level = sum(share(x, x) for x in calm) / len(calm)
+        for a, b in faults:
+            sb = _step_at(life, b)
+            if sb is None:
+                continue
+            lo, hi = sb + 4 * H, sb + 8 * H - 1
+            if hi > end:
+                continue                        # the life ended before the window: nothing to measure
+            got = share(lo, hi)
+            measured.append({"life": f"{life.learner}/{life.incarnation}", "fault_end_step": sb,
+                             "window": [lo, hi], "utilisation": round(got, 3), "undisturbed": round(level, 3)})
+            if got < level - tolerance:
+                problems.append(f"{life.learner}/{life.incarnation}: utilisation {got:.2f} over own steps {lo}..{hi} "
+                                f"(4H after the fault that ended at step {sb}) vs {level:.2f} undisturbed")
+    detail = problems[0] if problems else (
+        f"{len(measured)} post-fault windows, each within {tolerance:.2f} of its learner's undisturbed level"
+        if measured else "no post-fault window inside a learner life (the run ended first)")
+    return Check("progress-recovery", not problems, detail, {"faults": len(faults), "windows": measured[:40],
+                                                            "violations": problems[:10]})
+
+
+# -- (d) -------------------------------------------------------------------------------------------
+
+def drops_truthful(records: Sequence[CommitRecord], bases: Mapping[str, int] | None = None) -> Check:
+    """(d). ``bases``: each produced delta's base version (from the learners' ``delta`` events; a
+    drop record does not hold it), so "a newer delta of its lineage was merged" is checked on the
+    lineage itself; without it, any newer merged delta of the same learner life is taken."""
+    bases = bases or {}
+    merged_ids = {i.delta_id for r in records if r.kind == "merge" for i in r.inputs}
+    newest: dict[tuple, int] = {}          # (learner, incarnation, base) -> newest merged seq
+    for r in records:
+        if r.kind == "merge":
+            for i in r.inputs:
+                key = (i.learner, i.incarnation, i.base_version)
+                newest[key] = max(newest.get(key, -1), i.seq)
+    problems, harmless, lost = [], 0, 0
+    for r in records:
+        for d in r.dropped:
+            category = d.reason.split(":")[0].strip()
+            if not category:
+                problems.append(f"commit {r.seq}: {d.delta_id} dropped without a reason")
+                continue
+            if category not in HARMLESS:
+                lost += 1
+                continue
+            harmless += 1
+            if d.delta_id in merged_ids:
+                continue
+            learner, inc, seq = _parse_id(d.delta_id)
+            base = bases.get(d.delta_id)
+            if any(k[0] == learner and k[1] == inc and s > seq and (base is None or k[2] == base)
+                   for k, s in newest.items()):
+                continue
+            problems.append(f"commit {r.seq}: {d.delta_id} dropped {category!r} (counted harmless) but neither it "
+                            f"nor a newer delta of its lineage was ever merged: lost work")
+    return Check("progress-drops-truthful", not problems, problems[0] if problems else
+                 f"{harmless} harmless drops each carried by a merged copy or a newer delta of its lineage; "
+                 f"{lost} drops counted lost", {"harmless": harmless, "lost": lost, "violations": problems[:10]})
+
+
+def _parse_id(delta_id: str) -> tuple[str, int, int]:
+    learner, inc, seq = delta_id.rsplit("/", 2)
+    return learner, int(inc), int(seq)
+
+
+def produced_bases(obs: Observation) -> dict[str, int]:
+    """Every produced delta's base version, from its producer's ``delta`` event."""
+    return {e["delta"]: int(e.get("base", -1)) for ev in obs.learner_events.values() for e in ev
+            if e.get("event") == "delta"}
+
+
+# -- (e) -------------------------------------------------------------------------------------------
+
+def quorum_minimum(records: Sequence[CommitRecord], K: int) -> Check:
+    small = [(r.seq, len({i.learner for i in r.inputs})) for r in records if r.kind == "merge"
+             and len({i.learner for i in r.inputs}) < K]
+    sizes = [len({i.learner for i in r.inputs}) for r in records if r.kind == "merge"]
+    return Check("progress-quorum", not small,
+                 f"{len(small)} merges of fewer than K = {K} learners, e.g. commit {small[0][0]} "
+                 f"({small[0][1]})" if small else f"every merge had >= K = {K} distinct learners "
+                 f"(min {min(sizes, default=0)}, mean {sum(sizes) / max(len(sizes), 1):.2f})",
+                 {"K": K, "below": small[:20], "merges": len(sizes)})
+
+
+def progress_checks(obs: Observation, H: int, K: int, fragments: int) -> list[Check]:
+    """The five progress invariants of issue 25, in order (a)-(e)."""
+    return [learner_progress(obs, H), fragment_progress(obs, H, fragments), utilisation_recovers(obs, H, fragments),
+            drops_truthful(obs.records, produced_bases(obs)), quorum_minimum(obs.records, K)]

@@ -1,0 +1,131 @@
+"""Issue 25: the progress invariants (infra/chaos/progress.py) on hand-built logs - each holds on a
+healthy run and fails on the defect it is there to catch (a learner that stops answering, a frozen
+fragment, a harmless-counted drop of never-merged work, a merge below quorum, a slow recovery)."""
+from __future__ import annotations
+
+from infra.chaos import progress
+from infra.chaos.invariants import Observation
+from pipeline.types import CommitRecord, DroppedRecord, InputRecord
+
+H = 6
+
+
+def _inp(learner: str, seq: int, step: int, steps: int, base: int = 0, inc: int = 1, rnd: int = -1) -> InputRecord:
+    return InputRecord(f"{learner}/{inc}/{seq}", learner, inc, seq, f"deltas/{learner}/{seq}", "c" * 64, base,
+                       steps, steps * 10, step, 1.0, 0, rnd)
+
+
+def _merge(seq: int, fragment: int, rnd: int, *inputs: InputRecord, dropped=()) -> CommitRecord:
+    return CommitRecord(seq=seq, epoch=1, kind="merge", fragment=fragment, version=seq, inputs=tuple(inputs),
+                        dropped=tuple(dropped), round=rnd, info={"committed_at": float(seq)})
+
+
+def _events(learner: str, last_step: int, deltas=(), t0: float = 0.0, dt: float = 0.1, inc: int = 1) -> list[dict]:
+    ev = [{"t": t0, "event": "learner-start", "incarnation": inc, "pid": hash(learner) % 1000}]
+    ev += [{"t": t0 + s * dt, "event": "step", "step": s, "max_gap_s": dt} for s in range(10, last_step + 1, 10)]
+    ev += [{"t": t0 + step * dt, "event": "delta", "delta": f"{learner}/{inc}/{seq}", "fragment": p, "base": base,
+            "steps": 1, "tokens": 10, "step": step, "round": rnd} for seq, p, base, step, rnd in deltas]
+    ev.append({"t": t0 + (last_step + 1) * dt, "event": "learner-stop", "step": last_step + 1})
+    return sorted(ev, key=lambda e: e["t"])
+
+
+def _obs(records, events, marks=()) -> Observation:
+    return Observation(records=list(records), learner_events=events, syncer_events={}, lives={}, marks=list(marks))
+
+
+def _healthy(learner: str = "l0", steps: int = 60, period: int = H, tau: int = 1):
+    """Answers every ``period`` steps; each answer carries the steps since the last version (tau
+    steps after the previous answer)."""
+    inputs, deltas, base_step = [], [], 0
+    for seq, step in enumerate(range(period - 1, steps, period)):
+        inputs.append(_inp(learner, seq, step, step - base_step + 1, base=seq, rnd=step))
+        deltas.append((seq, 0, seq, step, step))
+        base_step = step + tau + 1
+    return inputs, deltas
+
+
+def test_learner_progress_holds_for_steady_answers_and_fails_when_a_learner_stops_answering():
+    inputs, deltas = _healthy(steps=120)
+    records = [_merge(k, 0, i.round, i) for k, i in enumerate(inputs)]
+    ok = progress.learner_progress(_obs(records, {"l0": _events("l0", 119, deltas)}), H)
+    assert ok.ok, ok.detail
+    assert ok.data["per_life"]["l0/1"]["longest_uncarried_steps"] <= 2
+    # the runaway-clock defect: the learner trained 120 steps, its answers stopped after step 60
+    stopped = [r for r in records if r.inputs[0].learner_step < 60]
+    bad = progress.learner_progress(_obs(stopped, {"l0": _events("l0", 119, deltas)}), H)
+    assert not bad.ok and "reached the model in no merged delta" in bad.detail
+
+
+def test_learner_progress_counts_a_long_post_outage_delta_and_exempts_a_killed_lifes_tail():
+    # an outage: nothing merged for 80 steps, then one delta holding all of them (the backlog) is merged
+    records = [_merge(0, 0, 5, _inp("l0", 0, 5, 6)), _merge(1, 0, 11, _inp("l0", 1, 90, 84, base=1))]
+    events = {"l0": _events("l0", 92, [(0, 0, 0, 5, 5), (1, 0, 1, 90, 11)])}
+    assert progress.learner_progress(_obs(records, events), H).ok
+    # the guard dropped that delta instead: 84 steps never reached the model
+    dropped = [records[0], CommitRecord(seq=1, epoch=1, kind="drop", fragment=0, version=1, dropped=(
+        DroppedRecord("l0/1/1", "l0", "k", "c" * 64, "norm-outlier", 840),))]
+    assert not progress.learner_progress(_obs(dropped, events), H).ok
+    # a SIGKILLed life loses its last steps with the process: not a progress violation
+    obs = _obs(records[:1], {"l0": _events("l0", 92, [(0, 0, 0, 5, 5)])})
+    obs.lives = {"l0": [{"pid": hash("l0") % 1000, "killed": True, "role": "learner", "how": "killed"}]}
+    assert progress.learner_progress(obs, H).ok
+
+
+def test_fragment_progress_fails_when_answered_rounds_go_unmerged():
+    inputs, deltas = _healthy(steps=120)
+    records = [_merge(k, 0, i.round, i) for k, i in enumerate(inputs)]
+    events = {"l0": _events("l0", 119, deltas)}
+    assert progress.fragment_progress(_obs(records, events), H, 1).ok
+    frozen = records[:4]           # rounds 5..23 merged, then answers to rounds 29..119 never were
+    bad = progress.fragment_progress(_obs(frozen, events), H, 1)
+    assert not bad.ok and "fragment 0" in bad.detail
+    # a gap nobody answered (every learner dead or paused) is no violation
+    quiet = {"l0": _events("l0", 119, [d for d in deltas if d[4] < 24])}
+    assert progress.fragment_progress(_obs(frozen, quiet), H, 1).ok
+
+
+def test_drops_truthful_tells_overtaken_work_from_true_duplicates():
+    merged = _merge(0, 0, 11, _inp("l0", 1, 11, 6, base=1))
+    events = {"l0": _events("l0", 20, [(0, 0, 0, 5, 5), (1, 0, 1, 11, 11), (2, 0, 1, 8, 11)])}
+    # seq 0 was on base 0, and only the base-1 lineage was merged: "duplicate" is a lie
+    lie = CommitRecord(seq=1, epoch=1, kind="drop", fragment=0, version=1, dropped=(
+        DroppedRecord("l0/1/0", "l0", "k", "c" * 64, "duplicate", 60),))
+    bad = progress.drops_truthful([merged, lie], progress.produced_bases(_obs([], events)))
+    assert not bad.ok and "l0/1/0" in bad.detail
+    # a superseded delta is harmless only if a newer delta of its own lineage was merged: l0/1/2
+    # (base 1, seq 2) is newer than the merged seq 1, so nothing carried its work
+    events["l0"].append({"t": 0.9, "event": "delta", "delta": "l0/1/2", "fragment": 0, "base": 1, "steps": 1,
+                         "tokens": 10, "step": 8, "round": 11})
+    newer = CommitRecord(seq=1, epoch=1, kind="drop", fragment=0, version=1, dropped=(
+        DroppedRecord("l0/1/2", "l0", "k", "c" * 64, "superseded", 60),))
+    assert not progress.drops_truthful([merged, newer], progress.produced_bases(_obs([], events))).ok
+    # the overtaken drop named for what it is (lost), and an older delta of the merged lineage (harmless)
+    honest = CommitRecord(seq=1, epoch=1, kind="drop", fragment=0, version=1, dropped=(
+        DroppedRecord("l0/1/0", "l0", "k", "c" * 64, "overtaken", 60),))
+    older = CommitRecord(seq=2, epoch=1, kind="drop", fragment=0, version=1, dropped=(
+        DroppedRecord("l0/1/5", "l0", "k", "c" * 64, "superseded", 60),))
+    good = progress.drops_truthful([_merge(0, 0, 11, _inp("l0", 6, 11, 6, base=1)), honest, older],
+                                   {"l0/1/0": 0, "l0/1/5": 1})
+    assert good.ok and good.data == {"harmless": 1, "lost": 1, "violations": []}
+
+
+def test_quorum_minimum_counts_distinct_learners():
+    two = _merge(0, 0, 5, _inp("l0", 0, 5, 6), _inp("l1", 0, 5, 6))
+    one = _merge(1, 0, 11, _inp("l0", 1, 11, 6), _inp("l0", 2, 12, 7))
+    assert progress.quorum_minimum([two], 2).ok
+    bad = progress.quorum_minimum([two, one], 2)
+    assert not bad.ok and bad.data["below"] == [(1, 1)]
+
+
+def test_utilisation_recovers_only_when_merges_resume_at_the_old_level():
+    inputs, deltas = _healthy(steps=240)
+    records = [_merge(k, 0, i.round, i) for k, i in enumerate(inputs)]
+    events = {"l0": _events("l0", 239, deltas)}
+    marks = [{"t": 6.0, "who": "syncer", "what": "kill", "detail": ""},
+             {"t": 8.0, "who": "syncer", "what": "restart", "detail": ""}]
+    ok = progress.utilisation_recovers(_obs(records, events, marks), H, 1)
+    assert ok.ok and ok.data["windows"], ok.detail
+    # after the fault (step 80) merges resume, but only every third answer: utilisation a third of before
+    sparse = [r for r in records if r.inputs[0].learner_step < 80 or r.seq % 3 == 0]
+    bad = progress.utilisation_recovers(_obs(sparse, events, marks), H, 1)
+    assert not bad.ok and "undisturbed" in bad.detail
