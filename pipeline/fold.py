@@ -8,8 +8,10 @@ read-only and shared between successive states).
 
 Per round of fragment p, for each input (sorted by learner, incarnation, seq):
 dropped with a recorded reason if rejected by the caller, for another fragment, already merged
-(high-water mark; ``stale-incarnation`` when a newer life of its learner was merged), without steps or
-tokens, based on a future or forgotten version, undecodable, of the wrong
+(high-water mark, and in runs with ``versions.marks = 2`` the merged marks per lineage of
+pipeline/marks.py, issue 25: ``duplicate``, ``superseded: ...``, ``stale-incarnation`` when a newer
+life of its learner was merged; an answer overtaken by its learner's newer merged one is merged
+like any late answer), without steps or tokens, based on a future or forgotten version, undecodable, of the wrong
 shape, non-finite, or older than another delta of the same learner in the round. For survivors:
 ``theta_m = Theta^(base) - Delta_m`` and ``v_m = Theta^(current) - theta_m`` with published values
 (what learners received), computed as ``(Theta^(current) - Theta^(base)) + Delta_m`` in float64 so
@@ -30,17 +32,19 @@ import numpy as np
 from .checksum import tensor_digest
 from .envelope import DEFAULT_MAX_BYTES, seal, unseal
 from .errors import FormatError
+from .marks import MARKS_LINEAGE, MergedMarks, marks_from_body, prior_verdict
 from .merge import MapFn, merge_fragment, token_weights
 from .outer import nesterov_step
 from .types import CommitRecord, DeltaHeader, DroppedRecord, InputRecord, RunDescriptor
 
 __all__ = ["FragmentState", "SyncerState", "RoundInput", "FoldResult", "ReplayMismatch", "DropReason", "published",
            "initial_state", "fold", "fold_fence", "check_commit", "compare_records", "CHECKPOINT_KIND",
-           "CHECKPOINT_VERSION"]
+           "CHECKPOINT_VERSION", "merged_before"]
 
 CHECKPOINT_KIND = "syncer-checkpoint"
 NON_FINITE_RESULT = "non-finite-result"   # the merged step overflowed: the round's survivors are dropped
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2      # v2: + merged marks (issue 25); states without marks still write v1
+CHECKPOINT_READS = (1, 2)
 
 
 def _frozen(a: np.ndarray) -> np.ndarray:
@@ -122,9 +126,11 @@ class SyncerState:
     high_water: list[dict[str, tuple[int, int]]]   # per fragment: learner -> newest merged (incarnation, seq)
     last_seq: int                                   # seq of the last commit folded (-1 before any)
     run_id: str = ""                                # checked against the descriptor when a checkpoint loads
+    marks: list[MergedMarks] | None = None          # per fragment (issue 25); None: rule 1 runs
 
     def to_bytes(self) -> bytes:
-        """The checkpoint blob: envelope kind ``syncer-checkpoint`` v1 (docs/algorithm.md)."""
+        """The checkpoint blob: envelope kind ``syncer-checkpoint`` v2 with merged marks, v1 (the
+        very bytes written before issue 25) without (docs/algorithm.md)."""
         def arrays(d: Mapping[str, np.ndarray]) -> dict[str, Any]:
             return {n: {"shape": list(a.shape), "data": np.ascontiguousarray(a, dtype="<f4").tobytes()}
                     for n, a in sorted(d.items())}
@@ -136,18 +142,34 @@ class SyncerState:
                           for f in self.fragments],
             "high_water": [{m: list(o) for m, o in sorted(hw.items())} for hw in self.high_water],
         }
+        if self.marks is None:
+            return seal(CHECKPOINT_KIND, 1, msgpack.packb(body, use_bin_type=True))
+        body["marks"] = [m.to_body() for m in self.marks]
         return seal(CHECKPOINT_KIND, CHECKPOINT_VERSION, msgpack.packb(body, use_bin_type=True))
+
+    def with_seq(self, seq: int) -> "SyncerState":
+        """The same state after commit ``seq`` that changed nothing else (a fence, a drop)."""
+        return SyncerState(list(self.fragments), list(self.high_water), seq, self.run_id, self.marks)
 
     @classmethod
     def from_bytes(cls, blob: bytes, descriptor: RunDescriptor, what: str | None = None) -> "SyncerState":
         """Load and validate a checkpoint against the run descriptor (FormatError naming the problem)."""
         name = what or CHECKPOINT_KIND
-        _, raw = unseal(blob, CHECKPOINT_KIND, CHECKPOINT_VERSION, max_bytes=DEFAULT_MAX_BYTES, what=name)
+        version, raw = unseal(blob, CHECKPOINT_KIND, CHECKPOINT_READS, max_bytes=DEFAULT_MAX_BYTES, what=name)
+        rule = descriptor.versions.marks
+        if (version == 2) != (rule == MARKS_LINEAGE):
+            # A v1 state lacks the marks rule 2 needs (it would merge a merged delta again); a v2
+            # one in a rule-1 run would not replay with the rule the run was written with.
+            raise FormatError(f"{name}: a version {version} checkpoint, but the run's descriptor has versions.marks "
+                              f"{rule} (which needs version {2 if rule == MARKS_LINEAGE else 1})")
         try:
             body = msgpack.unpackb(raw, raw=False, strict_map_key=False, max_bin_len=DEFAULT_MAX_BYTES)
         except Exception as exc:
             raise FormatError(f"{name}: body does not decode ({exc.__class__.__name__})") from None
-        return _state_from_body(body, descriptor, name)
+        state = _state_from_body(body, descriptor, name)
+        if version == 2:
+            state.marks = marks_from_body(body.get("marks"), [set(f.history) for f in state.fragments], name)
+        return state
 
 
 def _need(d: Any, key: str, typ: type | tuple, where: str) -> Any:
@@ -254,7 +276,8 @@ def initial_state(descriptor: RunDescriptor, init: Mapping[str, np.ndarray], *, 
             params[spec.name] = _frozen(a)
         momentum = {n: _frozen(np.zeros(a.shape, np.float32)) for n, a in params.items()}
         fragments.append(FragmentState(0, params, momentum, {0: published(params, descriptor.versions.dtype)}))
-    return SyncerState(fragments, [{} for _ in fragments], last_seq, descriptor.run_id)
+    marks = [MergedMarks() for _ in fragments] if descriptor.versions.marks == MARKS_LINEAGE else None
+    return SyncerState(fragments, [{} for _ in fragments], last_seq, descriptor.run_id, marks)
 
 
 @dataclass(frozen=True)
@@ -313,8 +336,42 @@ def _check_seq(state: SyncerState, seq: int) -> None:
         raise ValueError(f"commit seq {seq} does not follow the last folded seq {state.last_seq} (the log is serial)")
 
 
+def _prior_reason(h: DeltaHeader, mark: Sequence[int] | None, marks: MergedMarks | None, fs: FragmentState,
+                  legacy: bool) -> str:
+    """Why the merged history rules ``h`` out ("" = never merged, pipeline/marks.py). ``legacy``: a
+    learner-driven run's log, replayed with the reasons it was written with (all ``duplicate``)."""
+    if legacy:
+        return "duplicate" if mark is not None and h.order <= tuple(mark) else ""
+    # Below the mark with an older incarnation: a newer life of this learner id was merged - this
+    # life restarted since, or two processes run under one id (issue 11 item 13): stale-incarnation.
+    category, detail = prior_verdict(h.learner, h.incarnation, h.seq, h.base_version, mark, marks, fs.history)
+    return str(DropReason(category, detail)) if category else ""
+
+
+def _fragment_marks(state: SyncerState, descriptor: RunDescriptor, fragment: int) -> MergedMarks | None:
+    """Fragment ``fragment``'s merged marks; None under rule 1. ValueError when the state does not
+    carry what the descriptor's rule needs (a rule-1 state in a rule-2 run, or the reverse)."""
+    rule2 = descriptor.versions.marks == MARKS_LINEAGE
+    if rule2 != (state.marks is not None) or (rule2 and len(state.marks) != len(state.fragments)):
+        raise ValueError(f"the state {'lacks' if rule2 else 'holds'} merged marks, but the run's versions.marks is "
+                         f"{descriptor.versions.marks}")
+    return state.marks[fragment] if rule2 else None
+
+
+def merged_before(state: SyncerState, descriptor: RunDescriptor, h: DeltaHeader) -> str:
+    """Why the merged history rules ``h`` out ("" = it may count toward a quorum): the fold's own
+    rule, and ``base-too-old`` for a delta below its learner's mark whose base left the history
+    (it can never merge). The syncer's ingest asks this (issue 25): an overtaken answer counts."""
+    fs, mark = state.fragments[h.fragment], state.high_water[h.fragment].get(h.learner)
+    prior = _prior_reason(h, mark, _fragment_marks(state, descriptor, h.fragment), fs,
+                          descriptor.schedule.driver == "learner")
+    below = mark is not None and h.order < tuple(mark)
+    return prior or ("base-too-old" if below and h.base_version not in fs.history else "")
+
+
 def _why_dropped(inp: RoundInput, fragment: int, fs: FragmentState, hw: Mapping[str, tuple[int, int]],
-                 specs: Mapping[str, tuple[int, ...]], seen: set[str], legacy: bool = False) -> str:
+                 marks: MergedMarks | None, specs: Mapping[str, tuple[int, ...]], seen: set[str],
+                 legacy: bool = False) -> str:
     """The reason to drop one input, or "" to keep it. Metadata first, then contents.
     ``legacy``: a learner-driven run's log, replayed with the reasons it was written with."""
     h = inp.header
@@ -322,13 +379,11 @@ def _why_dropped(inp: RoundInput, fragment: int, fs: FragmentState, hw: Mapping[
         return inp.reject_reason
     if h.fragment != fragment:
         return "wrong-fragment"
-    mark = hw.get(h.learner)
-    if h.id in seen or (mark is not None and h.order <= tuple(mark)):
-        if not legacy and h.id not in seen and h.incarnation < mark[0]:
-            # A newer life of this learner id was merged: this life restarted since, or two processes
-            # run under one id (each claims its own incarnation from storage; issue 11 item 13).
-            return str(DropReason("stale-incarnation", f"incarnation {mark[0]} of {h.learner} was merged since"))
+    if h.id in seen:
         return "duplicate"
+    prior = _prior_reason(h, hw.get(h.learner), marks, fs, legacy)
+    if prior:
+        return prior
     if h.c_steps == 0:
         return "zero-steps"
     if h.c_tokens == 0:    # weighs nothing (SPEC §4 token weight) and must never reach token_weights
@@ -367,7 +422,8 @@ def _dropped(inp: RoundInput, reason: str) -> DroppedRecord:
 
 
 def _select(inputs: Sequence[RoundInput], fragment: int, fs: FragmentState, hw: Mapping[str, tuple[int, int]],
-            specs: Mapping[str, tuple[int, ...]], schedule: str) -> tuple[list[RoundInput], list[DroppedRecord]]:
+            marks: MergedMarks | None, specs: Mapping[str, tuple[int, ...]], schedule: str
+            ) -> tuple[list[RoundInput], list[DroppedRecord]]:
     """The round's survivors (sorted by learner, incarnation, seq) and its drops, every one with its
     reason (sorted by learner, delta id, key)."""
     ordered = sorted(inputs, key=lambda i: (i.header.learner, i.header.incarnation, i.header.seq, i.key, i.checksum))
@@ -375,7 +431,7 @@ def _select(inputs: Sequence[RoundInput], fragment: int, fs: FragmentState, hw: 
     candidates: list[RoundInput] = []
     seen: set[str] = set()
     for inp in ordered:
-        reason = _why_dropped(inp, fragment, fs, hw, specs, seen, schedule == "learner")
+        reason = _why_dropped(inp, fragment, fs, hw, marks, specs, seen, schedule == "learner")
         if reason:
             dropped.append(_dropped(inp, reason))
         else:                                    # a later copy of a kept delta (fast path + spill) is a duplicate
@@ -401,12 +457,13 @@ def fold(state: SyncerState, descriptor: RunDescriptor, fragment: int, inputs: S
                          f"(state has {len(state.fragments)})")
     fs = state.fragments[fragment]
     hw = state.high_water[fragment]
+    marks = _fragment_marks(state, descriptor, fragment)
     specs = {s.name: s.shape for s in descriptor.fragment_specs(fragment)}
-    survivors, dropped = _select(inputs, fragment, fs, hw, specs, descriptor.schedule.driver)
+    survivors, dropped = _select(inputs, fragment, fs, hw, marks, specs, descriptor.schedule.driver)
     info = dict(info or {})
 
     def drop_commit(dropped: list[DroppedRecord]) -> FoldResult:
-        new_state = SyncerState(list(state.fragments), list(state.high_water), seq, state.run_id)
+        new_state = state.with_seq(seq)
         record = CommitRecord(seq=seq, epoch=epoch, kind="drop", fragment=fragment, version=fs.version,
                               dropped=tuple(dropped), high_water={m: list(o) for m, o in sorted(hw.items())},
                               quorum=round_size, grace_wait_s=float(grace_wait_s), info=info, round=round_id)
@@ -443,7 +500,12 @@ def fold(state: SyncerState, descriptor: RunDescriptor, fragment: int, inputs: S
     fragments[fragment] = FragmentState(version, params, momentum, history)
     high_water = list(state.high_water)
     high_water[fragment] = new_hw
-    new_state = SyncerState(fragments, high_water, seq, state.run_id)
+    new_marks = None
+    if marks is not None:     # each survivor's lineage marked; marks of bases that left the history pruned
+        new_marks = list(state.marks)
+        new_marks[fragment] = marks.merged([(i.header.learner, i.header.incarnation, i.header.seq,
+                                             i.header.base_version) for i in survivors], history.keys())
+    new_state = SyncerState(fragments, high_water, seq, state.run_id, new_marks)
 
     records = tuple(InputRecord(delta_id=i.header.id, learner=i.header.learner, incarnation=i.header.incarnation,
                                 seq=i.header.seq, key=i.key, checksum=i.checksum, base_version=i.header.base_version,
@@ -461,8 +523,8 @@ def fold(state: SyncerState, descriptor: RunDescriptor, fragment: int, inputs: S
 def fold_fence(state: SyncerState, seq: int, epoch: int, info: dict | None = None) -> FoldResult:
     """A fence commit (a new syncer epoch takes over): only ``last_seq`` advances."""
     _check_seq(state, seq)
-    new_state = SyncerState(list(state.fragments), list(state.high_water), seq, state.run_id)
-    return FoldResult(new_state, CommitRecord(seq=seq, epoch=epoch, kind="fence", info=dict(info or {})), None)
+    return FoldResult(state.with_seq(seq), CommitRecord(seq=seq, epoch=epoch, kind="fence", info=dict(info or {})),
+                      None)
 
 
 def compare_records(rec: CommitRecord, got: CommitRecord, recorded_output: Mapping[str, np.ndarray] | None,

@@ -21,9 +21,9 @@ from typing import Callable, Sequence
 from pipeline.commit import Commit, CommitMeta, apply_commit, initial_window
 from pipeline.envelope import digest
 from pipeline.errors import FormatError
-from pipeline.fold import DropReason, RoundInput, SyncerState
+from pipeline.fold import DropReason, RoundInput, SyncerState, merged_before
 from pipeline.guard import NormWindow
-from pipeline.types import CommitRecord, RunDescriptor
+from pipeline.types import CommitRecord, DeltaHeader, RunDescriptor
 from storage.checkpoints import write_checkpoint
 from storage.errors import AlreadyExists, Fenced, StoreError
 from storage.layout import commit_key, version_key
@@ -94,6 +94,11 @@ class Committer:
     def high_water(self, fragment: int, learner: str) -> list[int] | None:
         """The newest merged (incarnation, seq) of ``learner`` on ``fragment`` (None: none yet)."""
         return self.state.high_water[fragment].get(learner)
+
+    def merged_before(self, header: DeltaHeader) -> str:
+        """Why the merged history rules ``header`` out, by the fold's own rule ("" = never merged,
+        e.g. an answer overtaken by its learner's newer merged one, issue 25)."""
+        return merged_before(self.state, self.descriptor, header)
 
     def next_version_key(self, fragment: int) -> str:
         return version_key(fragment, self.state.fragments[fragment].version + 1, self.epoch)

@@ -12,7 +12,10 @@ problem (it must report, never repair), recovery *salvages* what it can and says
   its fragment is **adopted** from the commit's stored version, checked against the commit's
   output checksum and, in a signed run, the syncer's signatures: the published values become the
   fragment's parameters, its outer momentum restarts at zero, its high-water marks are the
-  record's; that fragment's later commits are adopted the same way (the exact momentum is gone);
+  record's (and, issue 25, its merged marks gain the record's inputs and its recovery floor rises to
+  the record's high-water marks: a delta at or below them that no mark accounts for is dropped
+  ``unaccounted``, never merged a second time); that fragment's later commits are adopted the same
+  way (the exact momentum is gone);
 - a merge whose version object is lost too: the fragment keeps its values under the recorded
   version number (a number is never reused) and the record's high-water marks;
 - a commit that is missing or does not open (a gap, a flipped byte): what it did is unknown;
@@ -191,7 +194,19 @@ class _Salvage:
         high_water = list(state.high_water)
         high_water[p] = {m: (int(o[0]), int(o[1])) for m, o in rec.high_water.items()}
         self.folder.window = window_after(self.folder.window, rec)   # as recorded: it was not re-folded
-        return SyncerState(fragments, high_water, rec.seq, state.run_id)
+        return SyncerState(fragments, high_water, rec.seq, state.run_id, _adopted_marks(state, rec, history))
+
+
+def _adopted_marks(state: SyncerState, rec: CommitRecord, history: dict) -> list | None:
+    """The merged marks after adopting ``rec`` (issue 25; None in rule-1 runs): its inputs marked,
+    bases outside ``history`` pruned, and the floor raised to the record's high-water marks,
+    because the commits before it may have merged what the marks do not show."""
+    if state.marks is None:
+        return None
+    marks = list(state.marks)
+    merged = [(i.learner, i.incarnation, i.seq, i.base_version) for i in rec.inputs]
+    marks[rec.fragment] = marks[rec.fragment].merged(merged, history.keys()).raised_floor(rec.high_water)
+    return marks
 
 
 def _frozen(d: dict) -> dict:
@@ -205,7 +220,7 @@ def _frozen(d: dict) -> dict:
 
 def _advance(state: SyncerState, seq: int) -> SyncerState:
     """Only the seq moves (what a fence does)."""
-    return SyncerState(list(state.fragments), list(state.high_water), seq, state.run_id)
+    return state.with_seq(seq)
 
 
 def _bump(state: SyncerState, p: int, descriptor: RunDescriptor) -> SyncerState:
@@ -217,7 +232,10 @@ def _bump(state: SyncerState, p: int, descriptor: RunDescriptor) -> SyncerState:
     history[version] = fs.history[fs.version]
     fragments = list(state.fragments)
     fragments[p] = FragmentState(version, fs.params, fs.momentum, history)
-    return SyncerState(fragments, list(state.high_water), state.last_seq, state.run_id)
+    marks = None if state.marks is None else list(state.marks)
+    if marks is not None:        # issue 25: the lost commit may have merged what the marks do not show
+        marks[p] = marks[p].pruned(history.keys()).raised_floor(state.high_water[p])
+    return SyncerState(fragments, list(state.high_water), state.last_seq, state.run_id, marks)
 
 
 def republish_damaged(store: ObjectStore, descriptor: RunDescriptor, state: SyncerState,

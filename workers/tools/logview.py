@@ -38,6 +38,9 @@ from workers.tools.replay_cli import EXIT_DAMAGED, EXIT_USAGE, add_location_args
 
 
 HARMLESS = ("duplicate", "superseded")   # another copy, or a newer delta of the same lineage, carried the work
+# Every other reason is lost work: ``stale-incarnation``, ``base-too-old`` ... An overtaken answer
+# (below its learner's mark, never merged) is merged in runs with merged marks (issue 25), and
+# ``superseded: seq S of its lineage was merged`` names a merged delta of an earlier commit.
 
 
 @dataclass
@@ -71,7 +74,8 @@ class LogTotals:
     that superseded it (merged in the same commit); another (lost) one gets its base from its
     stored blob when ``base_of`` can read it, else it joins the lineage of the previous delta of its
     learner life and fragment if its counter grew since, and is a lineage of its own otherwise.
-    Duplicates (one delta twice: bus and spill) are not counted. Every step trains all
+    Duplicates (one delta twice: bus and spill) and deltas superseded by a delta of their lineage
+    merged in an earlier commit (``superseded: seq S ...``, issue 25) are not counted. Every step trains all
     ``fragments`` fragments, so token totals are divided by their number: "tokens merged" then
     reads as tokens of training, comparable with the tokens the learners trained.
     """
@@ -111,8 +115,8 @@ class LogTotals:
                 t.reasons[reason] += 1
                 t.harmless += reason in HARMLESS
                 life = _life(d.delta_id)
-                if reason == "duplicate" or life is None:
-                    continue
+                if reason == "duplicate" or life is None or (reason == "superseded" and d.reason != reason):
+                    continue       # the work is in a delta merged before (issue 25: "superseded: seq S ...")
                 if reason == "superseded":    # the fold keeps the newest of a lineage, merged right here
                     base = next((i.base_version for i in rec.inputs if (i.learner, i.incarnation) ==
                                  (d.learner, life[0]) and i.seq > life[1]), None)

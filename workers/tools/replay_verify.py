@@ -287,6 +287,8 @@ def _state_difference(saved: SyncerState, got: SyncerState) -> tuple[int, str, f
                 return p, tensor, diff, f"retained version {v} differs"
         if saved.high_water[p] != got.high_water[p]:
             return p, "", None, f"high-water marks {saved.high_water[p]}, recomputed {got.high_water[p]}"
+        if saved.marks is not None and got.marks is not None and saved.marks[p] != got.marks[p]:   # issue 25
+            return p, "", None, f"merged marks {saved.marks[p]}, recomputed {got.marks[p]}"
     return -1, "", None, "the encodings differ"
 
 
