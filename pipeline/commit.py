@@ -9,10 +9,13 @@ window, the commit record and the published values:
 1. inputs the caller already rejected from their bytes or the round's set (``RoundInput.reject_reason``:
    ``bad-signature``, ``unsigned``, ``dtype-mismatch``, ``pending-overflow`` ...) pass through as they are;
 2. the norm guard marks outliers ``norm-outlier`` against the window and the fragment's cap
-   (non-finite deltas are left to the fold, which says ``non-finite``);
+   (non-finite deltas are left to the fold, which says ``non-finite``); a version-3 guard judges
+   the round's inputs together, per step of work (``guard.round_verdicts``, issue 25);
 3. the fold (pipeline/fold.py) drops for every other reason and merges the survivors;
-4. a merge commit records the norm of each merged input, in ``inputs`` order
-   (``CommitRecord.norms``), and only a merge commit moves the window, by exactly those norms.
+4. a merge commit records the (raw) norm of each merged input, in ``inputs`` order
+   (``CommitRecord.norms``), and only a merge commit moves the window, by exactly those norms
+   (version 3: each divided by the square root of the input's recorded ``c_steps``,
+   ``guard.window_values``, so the window is a function of the records alone).
 
 Replay and recovery call :func:`verify_commit`, which is :func:`apply_commit` with the record's
 own metadata followed by a bit-for-bit comparison (norms with ``guard.norms_agree``). Pure and
@@ -30,17 +33,19 @@ import numpy as np
 from .errors import FormatError
 from .fold import (DropReason, ReplayMismatch, RoundInput, SyncerState, compare_records, fold,
                    fold_fence)
-from .guard import NormGuardConfig, NormWindow, cap_limit, delta_norm, guard_config, norms_agree, verdict
+from .guard import (NormGuardConfig, NormWindow, cap_limit, delta_norm, guard_config, mark_outliers, norms_agree,
+                    window_values)
 from .merge import MapFn
 from .types import CommitRecord, RunDescriptor
 
 __all__ = ["CommitMeta", "Commit", "apply_commit", "verify_commit", "initial_window", "backfill_window",
-           "window_after", "with_recorded_decisions", "PENDING_OVERFLOW", "RECORDED_REASONS"]
+           "window_after", "with_recorded_decisions", "PENDING_OVERFLOW", "BELOW_QUORUM", "RECORDED_REASONS"]
 
 # Drop reasons replay takes from the commit record rather than recomputing: what the live syncer
 # decided about the *set* of a round (issue 11 item 5), not about a delta's bytes.
 PENDING_OVERFLOW = "pending-overflow"
-RECORDED_REASONS = frozenset({PENDING_OVERFLOW})
+BELOW_QUORUM = "below-quorum"          # late answers of fewer than K learners, expired (issue 25)
+RECORDED_REASONS = frozenset({PENDING_OVERFLOW, BELOW_QUORUM})
 _END = object()
 
 
@@ -111,13 +116,7 @@ def _guard(inputs: Sequence[RoundInput], history: Sequence[float], cfg: NormGuar
     judged = [k for k, i in enumerate(inputs) if not i.reject_reason and i.tensors is not None]
     jobs = [partial(cap_limit, params, cfg)] + [partial(delta_norm, inputs[k].tensors) for k in judged]
     limit, *values = list(map_fn(_run_job, jobs))
-    out, norms = list(inputs), {}
-    for k, n in zip(judged, values):
-        norms[inputs[k].checksum] = n
-        reason = verdict(n, history, cfg, limit)
-        if reason:
-            out[k] = dataclasses.replace(inputs[k], reject_reason=reason)
-    return out, norms
+    return mark_outliers(inputs, judged, values, history, cfg, limit)
 
 
 def apply_commit(state: SyncerState, window: NormWindow | None, descriptor: RunDescriptor, fragment: int,
@@ -152,7 +151,12 @@ def window_after(window: NormWindow | None, record: CommitRecord) -> NormWindow 
     if window is None or record.kind != "merge" or record.norms is None \
             or not 0 <= record.fragment < window.fragments:
         return window
-    return window.pushed(record.fragment, record.norms)
+    return window.pushed(record.fragment, _window_values(window, record))
+
+
+def _window_values(window: NormWindow, record: CommitRecord) -> tuple[float, ...]:
+    """What a merge commit with valid norms adds to the window (``guard.window_values``)."""
+    return window_values(window.cfg, record.norms, [i.c_steps for i in record.inputs])
 
 
 def backfill_window(window: NormWindow, older: Iterable[CommitRecord | None]) -> NormWindow:
@@ -167,7 +171,7 @@ def backfill_window(window: NormWindow, older: Iterable[CommitRecord | None]) ->
             break
         if rec is not None and rec.kind == "merge" and rec.norms is not None \
                 and 0 <= rec.fragment < window.fragments and not window.full(rec.fragment):
-            window = window.prepended(rec.fragment, rec.norms)
+            window = window.prepended(rec.fragment, _window_values(window, rec))
     return window
 
 

@@ -31,6 +31,13 @@ wrote); new runs (workers/launch.py ``RunSettings``) write 3. No document versio
 readers of v2..v4 refuse unknown fields, so a reader that does not know ``codec.format`` refuses
 such a run by name instead of writing another format into it; an explicit ``format: 1`` is
 refused (a document has one spelling per meaning, so rewriting it gives its bytes back).
+
+``versions.marks`` (issue 25, pipeline/marks.py): the exactly-once rule, by the same pattern -
+written only when it is not 1, so older descriptors keep their bytes and their rule; new runs write 2.
+
+``guard.version`` (issue 25, pipeline/guard.py): 3 = per-step norms and round agreement, written by
+new runs; versions 1 and 2 keep their rules. A version-3 map has the fields of a version-2 one, so no
+document version changes; a reader that knows only 1 and 2 refuses it by name (``guard.version``).
 """
 from __future__ import annotations
 
@@ -43,6 +50,7 @@ from .envelope import pack_record, unpack_record
 from .errors import FormatError
 from .fragment import FragmentLayout
 from .guard import NormGuardConfig
+from .marks import MARKS_ISSUE_11, MARKS_LINEAGE
 from .merge import MergeConfig
 from .outer import OuterConfig
 from .policy import PolicyConfig
@@ -60,16 +68,22 @@ RESERVED_EXTRA = ("security", "norm_guard", "job")    # v1 kept these in extra; 
 @dataclass(frozen=True)
 class VersionsConfig:
     """How merged fragment versions travel (``dtype``, the syncer keeps fp32 master state) and how
-    many recent versions of each fragment are kept (``retain``; the fold, recovery and gc read it)."""
+    many recent versions of each fragment are kept (``retain``; the fold, recovery and gc read it).
+    ``marks``: the exactly-once rule (pipeline/marks.py, issue 25): 1 = one high-water mark per
+    learner (every run before issue 25; the section is written without the field), 2 = merged marks
+    per lineage within the retained versions (new runs)."""
 
     dtype: str = "fp32"
     retain: int = 16
+    marks: int = MARKS_ISSUE_11
 
     def __post_init__(self) -> None:
         if self.dtype not in VERSION_DTYPES:
             raise ValueError(f"versions dtype {self.dtype!r} not one of {VERSION_DTYPES}")
         if not isinstance(self.retain, int) or isinstance(self.retain, bool) or self.retain < 1:
             raise ValueError(f"versions retain must be an int >= 1, got {self.retain!r}")
+        if self.marks not in (MARKS_ISSUE_11, MARKS_LINEAGE) or isinstance(self.marks, bool):
+            raise ValueError(f"versions marks must be {MARKS_ISSUE_11} or {MARKS_LINEAGE}, got {self.marks!r}")
 
 
 @dataclass(frozen=True)
@@ -182,7 +196,7 @@ class RunDescriptor:
                        "fragments": [list(f) for f in self.layout.fragments], "strategy": self.layout.strategy},
             "schedule": {"sync_every": self.schedule.sync_every, "offsets": list(self.schedule.offsets),
                          "driver": self.schedule.driver},
-            "policy": plain(self.policy), "codec": _codec_dict(self.codec), "versions": plain(self.versions),
+            "policy": plain(self.policy), "codec": _codec_dict(self.codec), "versions": _versions_dict(self.versions),
             "merge": {"method": self.merge.method, "embedding_tensors": sorted(self.merge.embedding_tensors)},
             "outer": plain(self.outer), "learner": plain(self.learner),
             "guard": None if self.guard is None else dataclasses.asdict(self.guard),
@@ -410,6 +424,30 @@ def _codec(m: Any, path: str) -> CodecConfig:
     return _parse_codec(m, path)
 
 
+_VERSIONS_FIELDS = {"dtype": str, "retain": int}
+_parse_versions = _config(VersionsConfig, {**_VERSIONS_FIELDS, "marks": int})
+
+
+def _versions_dict(v: VersionsConfig) -> dict[str, Any]:
+    """The ``versions`` section: ``marks`` only when it is not 1, so every descriptor written
+    before issue 25 keeps its exact bytes (and its runs replay with the rule they were written with)."""
+    d = {k: getattr(v, k) for k in _VERSIONS_FIELDS}
+    if v.marks != MARKS_ISSUE_11:
+        d["marks"] = v.marks
+    return d
+
+
+def _versions(m: Any, path: str) -> VersionsConfig:
+    """The ``versions`` section; without ``marks`` it is rule 1 (written before the field existed)."""
+    _fields(m, path, (*_VERSIONS_FIELDS, "marks"), _VERSIONS_FIELDS)
+    if "marks" not in m:
+        return _parse_versions({**m, "marks": MARKS_ISSUE_11}, path)
+    if _typed(m["marks"], int, f"{path}.marks") == MARKS_ISSUE_11:
+        raise FormatError(f"{path}.marks: {MARKS_ISSUE_11} is written by leaving the field out "
+                          f"(a descriptor without it means rule {MARKS_ISSUE_11})")
+    return _parse_versions(m, path)
+
+
 def _security(m: Any, path: str) -> RunSecurity:
     return RunSecurity.from_dict(m, path)
 
@@ -426,7 +464,7 @@ _PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "layout": _layout, "schedule": _schedule,
     "policy": _config(PolicyConfig, {"quorum": int, "overlap": int, "gamma": float, "cap_s": float}),
     "codec": _codec,
-    "versions": _config(VersionsConfig, {"dtype": str, "retain": int}),
+    "versions": _versions,
     "merge": _merge,
     "outer": _config(OuterConfig, {"lr": float, "momentum": float}),
     "learner": _config(LearnerRules, {"mixing_alpha": float, "keep_progress": bool}),

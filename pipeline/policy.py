@@ -1,7 +1,8 @@
 """When a fragment's round closes: minimum quorum plus the adaptive grace window (SPEC §4).
 
 A round closes when at least K distinct learners have a pending delta for the fragment and the
-grace window after the quorum has passed:
+grace window after the quorum has passed (K is a minimum, issue 25: no decision here ever merges
+fewer than K distinct learners' work; answers of fewer are held, bounded, or dropped with a reason):
 
     grace = clamp(gamma * (tau * step_time - quorum_wait - sync_time), 0, cap)
 
@@ -20,7 +21,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Sequence
 
-__all__ = ["PolicyConfig", "Pending", "Timing", "Decision", "Ewma", "grace_window", "decide", "late_deadline"]
+__all__ = ["PolicyConfig", "Pending", "Timing", "Decision", "Ewma", "grace_window", "decide", "late_deadline",
+           "late_answers", "expire_late"]
 
 
 def _finite(name: str, value: float, minimum: float = 0.0) -> None:
@@ -86,7 +88,9 @@ class Verdict(str, Enum):
     GRACE_EXPIRED = "grace-expired"      # the window closed: merge what answered
     ALL_REPORTED = "all-reported"        # every live learner answered: merge now
     NO_ROUND = "no-round"                # the fragment has no open round: late answers wait for the next
-    LATE_EXPIRED = "late-expired"        # late answers held past their deadline: merged on their own
+    LATE_EXPIRED = "late-expired"        # late answers held past their deadline, >= K learners: merged
+    BELOW_QUORUM = "below-quorum"        # late answers of < K learners past their deadline: recorded dropped
+    FOLD_BELOW_QUORUM = "fold-below-quorum"   # the fold left < K learners: only its drops are committed
     REJECTED_ONLY = "rejected-only"      # only refused deltas: a commit that records their drops
 
 
@@ -96,7 +100,9 @@ class Decision:
     zero-step deltas so that the fold records them as dropped. ``superseded``: older pending deltas of
     a learner that has a newer one; pass them to the fold with ``merge`` so it records them.
     ``wait_s``: time until the decision may change without new deltas (None: only new deltas can
-    change it). ``reason``: a ``Verdict`` (its string value is accepted and converted)."""
+    change it). ``reason``: a ``Verdict`` (its string value is accepted and converted).
+    ``dropped``: delta ids the syncer records as dropped ``below-quorum`` now (``expire_late``,
+    issue 25); never in ``merge``."""
 
     merge: tuple[str, ...]
     superseded: tuple[str, ...]
@@ -104,8 +110,11 @@ class Decision:
     quorum_met_at: float | None
     grace_s: float | None
     reason: Verdict
+    dropped: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if set(self.dropped) & set(self.merge):
+            raise ValueError(f"Decision.dropped and merge overlap: {sorted(set(self.dropped) & set(self.merge))}")
         try:
             object.__setattr__(self, "reason", Verdict(self.reason))
         except ValueError:
@@ -159,7 +168,8 @@ def decide(pending: Sequence[Pending], now: float, cfg: PolicyConfig, timing: Ti
     delta has ``c_steps == 0`` or ``c_tokens == 0`` do not count toward the quorum (the fold drops
     them). The quorum is met when the K-th distinct learner had a pending delta (its first pending arrival); the round started at the
     earliest pending arrival among counting learners. If ``live_learners`` is known and every live
-    learner has reported, the round closes at once.
+    learner has reported, the round closes at once - but only once the quorum is met: with fewer
+    live learners than K nothing closes (K is a minimum, issue 25).
 
     ``round_id`` (syncer-driven rounds, SPEC §4): only answers to this round (or a later one) count
     toward its quorum; late answers to earlier rounds are merged with it but never close it.
@@ -207,12 +217,43 @@ def decide(pending: Sequence[Pending], now: float, cfg: PolicyConfig, timing: Ti
 def late_deadline(oldest_arrival: float, step_time_s: float, sync_every: int) -> float:
     """When late answers that no round took stop waiting for one (SPEC §4, syncer-driven rounds).
 
-    A late answer joins its fragment's next round; if that round cannot close (no learner left
-    to answer it: the run is ending, or everyone stalled) it is merged on its own once two full
-    round periods (2·H steps) have passed since it arrived, so no delta waits forever.
+    A late answer (``late_answers``) joins its fragment's next round; if no round can take it (no
+    learner left to answer: the run is ending, everyone stalled, or fewer than K learners run)
+    ``expire_late`` decides its fate once two full round periods (2·H steps) have passed since it
+    arrived, so no delta waits forever.
     """
     _finite("oldest_arrival", oldest_arrival, minimum=-math.inf)
     _finite("step_time_s", step_time_s)
     if not isinstance(sync_every, int) or sync_every < 1:
         raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
     return oldest_arrival + 2 * sync_every * step_time_s
+
+
+def late_answers(pending: Sequence[Pending], round_id: int | None) -> list[Pending]:
+    """The answers to a round that was closed or replaced (issue 25): every pending delta when the
+    fragment has no open round (``round_id`` None), else those to an earlier round. An answer to
+    the open round is merely below its quorum: it is never late, and never expires on its own -
+    it becomes late when its round is replaced (workers/syncer/rounds.py), so it waits at most
+    H + 2·H steps."""
+    return [p for p in pending if round_id is None or p.round < round_id]
+
+
+def expire_late(pending: Sequence[Pending], cfg: PolicyConfig, round_id: int | None) -> Decision:
+    """What becomes of a fragment's pending deltas once its oldest late answer is past its
+    ``late_deadline`` (SPEC §4, issue 25: K is a minimum). ``round_id``: the open round (None).
+
+    * at least K distinct learners with work (steps and tokens) among ``pending``: merge every
+      pending delta (``late-expired``; the fold sorts out which supersede which);
+    * none with work: hand them all to the fold too, which records each one's own reason
+      (``zero-steps``, ``zero-tokens``) - a drop commit, nothing of value is lost;
+    * otherwise (1..K-1 learners): record the late answers as dropped (``below-quorum``,
+      ``Decision.dropped``; never-merged work, counted lost); answers to the open round stay
+      pending, they may still make its quorum.
+    """
+    working = {p.learner for p in pending if p.c_steps > 0 and p.c_tokens > 0}
+    ordered = sorted(pending, key=lambda p: (p.learner, p.order, p.delta_id))
+    if len(working) >= cfg.quorum or not working:
+        return Decision(tuple(p.delta_id for p in ordered), (), 0.0, None, None, Verdict.LATE_EXPIRED)
+    late = {p.delta_id for p in late_answers(pending, round_id)}
+    return Decision((), (), 0.0, None, None, Verdict.BELOW_QUORUM,
+                    dropped=tuple(dict.fromkeys(p.delta_id for p in ordered if p.delta_id in late)))

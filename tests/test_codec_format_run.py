@@ -26,6 +26,7 @@ from pipeline.descriptor import RunDescriptor
 from pipeline.envelope import pack_record, unpack_record, unseal
 from pipeline.errors import FormatError
 from pipeline.fragment import specs_from_arrays
+from pipeline.guard import NormGuardConfig
 from storage.layout import DELTA_PREFIX, DESCRIPTOR_KEY, VERSION_PREFIX, read_descriptor, write_descriptor
 from storage.log import CommitLog
 from storage.store import open_store
@@ -81,8 +82,10 @@ def test_descriptors_written_before_the_field_keep_their_bytes_and_mean_format_1
         v1 = json.loads((FIXTURES / f"descriptor_v1_{name}.json").read_text())
         d = RunDescriptor.from_bytes(base64.b64decode(v1["envelope_base64"]))
         assert d.codec.format == 1 and "format" not in d.to_dict()["codec"]
-    # and a run that chooses format 1 writes exactly what runs wrote before the field
-    plain = RunSettings(**_PRE_FORMAT_SETTINGS, codec_format=1).descriptor(
+    # and a run that chooses format 1 - and the other rules of that time: the issue-11 exactly-once
+    # marks and the version-2 norm guard (issue 25 made newer ones the default) - writes exactly what
+    # runs wrote before the field
+    plain = RunSettings(**_PRE_FORMAT_SETTINGS, codec_format=1, marks=1, norm_guard=NormGuardConfig()).descriptor(
         "pre-format-v2", specs_from_arrays(INIT), ("wte.weight",))
     assert plain.to_bytes() == base64.b64decode(docs["v2"]["envelope_base64"])
 

@@ -208,7 +208,7 @@ def test_property_any_header_and_blob_is_merged_or_recorded_and_replays(deltas, 
 
 def test_a_value_bomb_is_dropped_norm_outlier_from_the_first_round_by_default(tmp_path):
     store, desc = _make_run(str(tmp_path / "s"))
-    assert guard_config(desc) == NormGuardConfig()          # on, without asking for it
+    assert guard_config(desc) == NormGuardConfig(version=3)   # on, without asking for it (issue 25: v3)
     syncer, _ = _syncer(store)
     bomb = DeltaHeader("l0", 1, 0, 0, 0, 4, 400, 3)
     _offer(syncer, _blob(desc, bomb, fill=1e4, scheme="fp32"), bomb.to_dict())   # the run's very first delta
@@ -309,7 +309,8 @@ def test_a_copy_below_the_high_water_mark_never_counts_toward_the_quorum(tmp_pat
     assert decide(items, 1.0, syncer.policy, Timing()).reason == "empty"
     _merge_all(syncer)
     _close(syncer)
-    assert [d.reason for r in _commits(store) for d in r.dropped] == ["duplicate", "duplicate"]
+    # issue 25: seq 5 of the same lineage (learner, incarnation, base) was merged and holds their work
+    assert [d.reason for r in _commits(store) for d in r.dropped] == ["superseded: seq 5 of its lineage was merged"] * 2
     rebuild(store, desc, CommitLog(store).tail(), use_checkpoint=False)
 
 

@@ -21,8 +21,9 @@ from pipeline.checksum import tensor_digest
 from pipeline.fold import published
 from pipeline.codec import RUN_FORMAT, CodecConfig
 from pipeline.descriptor import LearnerRules, RunDescriptor, VersionsConfig
+from pipeline.marks import MARKS_LINEAGE
 from pipeline.fragment import FragmentLayout, fragment_offsets, make_layout, specs_from_arrays
-from pipeline.guard import NormGuardConfig
+from pipeline.guard import NEW_RUN_VERSION, NormGuardConfig
 from pipeline.merge import MergeConfig, default_embedding_tensors
 from pipeline.outer import OuterConfig
 from pipeline.policy import PolicyConfig
@@ -71,6 +72,7 @@ class RunSettings:
     extra: dict[str, Any] = field(default_factory=dict)   # free-form notes, never read
     regions: RegionsConfig | None = None   # the run topology (issue 14); None: one region, this store
     syncers: int = 1                   # syncer shards (issue 15): shard i owns fragments p % syncers == i
+    marks: int = MARKS_LINEAGE         # exactly-once rule (issue 25, pipeline/marks.py); 1: the issue-11 rule
 
     def __post_init__(self) -> None:
         if {"security", "norm_guard", "job"} & set(self.extra):
@@ -95,12 +97,25 @@ class RunSettings:
             schedule=ScheduleConfig(self.sync_every, tuple(fragment_offsets(self.fragments, self.sync_every))),
             policy=PolicyConfig(self.quorum, self.overlap, self.grace_gamma, self.grace_cap_s),
             codec=CodecConfig(self.compression, self.block_size, self.zstd_level, self.codec_format),
-            versions=VersionsConfig(self.version_dtype, self.retain_versions),
+            versions=VersionsConfig(self.version_dtype, self.retain_versions, self.marks),
             merge=MergeConfig(self.merge, frozenset(embedding_tensors)),
             outer=OuterConfig(self.outer_lr, self.outer_momentum),
             learner=LearnerRules(self.mixing_alpha, self.keep_progress),
             # Always recorded, so replay knows the run's guard (issue 11 item 2: on unless turned off).
-            guard=self.norm_guard if self.norm_guard is not None else NormGuardConfig())
+            # (version 3: per-step norms and round agreement, issue 25; old runs keep the map they wrote)
+            guard=self.norm_guard if self.norm_guard is not None else NormGuardConfig(version=NEW_RUN_VERSION))
+
+
+def check_quorum(quorum: int, learners: int) -> None:
+    """Refuse a quorum K that the ``learners`` (M) a launcher starts can never meet (issue 25): K
+    is a minimum (SPEC §4), so with K > M no round would ever close and no learner's work would
+    reach the model. ``ValueError`` naming both numbers."""
+    for name, v in (("quorum K", quorum), ("learners M", learners)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if quorum > learners:
+        raise ValueError(f"quorum K={quorum} exceeds the {learners} learner(s) M: K is a minimum, so no round "
+                         f"could ever close (use K <= M)")
 
 
 def create_run(store: ObjectStore, init: Mapping[str, np.ndarray], settings: RunSettings,
@@ -137,5 +152,5 @@ def create_run(store: ObjectStore, init: Mapping[str, np.ndarray], settings: Run
             log.append(sign_commit(rec, signer, desc.run_id) if signer is not None else rec)
     if desc.regions is not None:   # every region holds the run before any of its learners starts
         for spec in desc.regions.others:
-            seed_region(store, open_region(spec, create=True))
+            seed_region(store, open_region(spec, create=True), spec.name)   # its region marker (issue 25)
     return desc

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from pipeline.codec import RUN_FORMAT, SCHEMES, VERSIONS as CODEC_FORMATS
-from pipeline.guard import NormGuardConfig
+from pipeline.guard import NEW_RUN_VERSION, NormGuardConfig
 from pipeline.regions import RegionSpec, RegionsConfig
 from storage.shards import run_records
 from storage.store import ObjectStore, open_store
@@ -32,7 +32,7 @@ from .cluster import ClusterConfig, LocalCluster, create_job_run, global_eval_lo
 from workers.job.data import Corpus, evaluate
 from workers.common.events import EventLog, Tail, read_events
 from workers.job.job import LR_SCHEDULES, JobSettings, dp_baseline
-from .launch import RunSettings
+from .launch import RunSettings, check_quorum
 from workers.tools.accounting import report_lines, traffic_report
 from workers.tools.cost import parse_prices
 from workers.tools.logview import stored_base, token_figures
@@ -162,7 +162,8 @@ def settings_from_args(args, gcfg: GPTConfig, job: JobSettings) -> RunSettings:
                        outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, seed=args.seed,
                        keep_progress=args.keep_progress, grace_gamma=args.grace_gamma,
                        model=gcfg.to_dict(), job=job.to_dict(), syncers=getattr(args, "syncers", 1),
-                       norm_guard=NormGuardConfig(factor=args.norm_guard) if args.norm_guard else None)
+                       norm_guard=NormGuardConfig(factor=args.norm_guard, version=NEW_RUN_VERSION)
+                       if args.norm_guard else None)
 
 
 def local_regions(args, store_uri: str, out: Path) -> RegionsConfig | None:
@@ -181,6 +182,10 @@ def local_regions(args, store_uri: str, out: Path) -> RegionsConfig | None:
 def run(args, topologies=()) -> int:
     if args.learners < 1:
         raise SystemExit(f"--learners must be >= 1, got {args.learners}")
+    try:
+        check_quorum(args.quorum, args.learners)    # issue 25: refused before anything starts
+    except ValueError as exc:
+        raise SystemExit(f"--quorum {args.quorum} --learners {args.learners}: {exc}") from None
     if not args.slow >= 1.0:
         raise SystemExit(f"--slow must be >= 1, got {args.slow}")
     if args.pace is not None and (not args.pace > 0 or args.slow != 1.0):

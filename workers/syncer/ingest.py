@@ -5,8 +5,9 @@ checked and admitted to the per-fragment pending sets that rounds are made of.
 since the last commit; it is handed everything else it uses in its constructor: the store and
 region inboxes, the run's descriptor and key list, the round book (a delta or heartbeat is a sign
 of life and a pace sample, workers/syncer/rounds.py) and a view of the merged high-water marks,
-which the committer owns (workers/syncer/committer.py). Everything here runs on the syncer's one
-loop thread. A bus delta is acked ``durable`` only after it is in the inbox.
+which the committer owns (workers/syncer/committer.py), with its verdict on a delta below the mark
+(``merged_before``, issue 25). Everything here runs on the syncer's one loop thread. A bus delta is
+acked ``durable`` only after it is in the inbox.
 
 What cannot be attributed to a listed learner (undecodable, oversized, unknown learner or
 fragment, peer mismatch) is refused here (:class:`~workers.syncer.records.Refusal`): counted,
@@ -38,6 +39,7 @@ from workers.syncer.records import BELOW_HIGH_WATER, Held, InboxRef, PendingKey,
 from workers.syncer.rounds import RoundBook
 
 HighWater = Callable[[int, str], Sequence[int] | None]   # (fragment, learner) -> merged (incarnation, seq)
+MergedBefore = Callable[[DeltaHeader], str]              # why the merged history rules it out ("" = never merged)
 
 
 @dataclass
@@ -53,18 +55,21 @@ class IngestStats:
 class Ingest:
     """``inboxes``: every region's store whose inbox is read (issue 14; None: ``store`` alone).
     ``wake_members``: called when an inbox holds a delta of an unlisted learner (the membership
-    records are re-read soon). ``io``: runs the inbox clean-up after a commit."""
+    records are re-read soon). ``io``: runs the inbox clean-up after a commit. ``merged_before``:
+    the fold's verdict on a delta below its learner's mark (``Committer.merged_before``; None: every
+    delta below the mark is held out, the issue-11 rule)."""
 
     def __init__(self, store: ObjectStore, descriptor: RunDescriptor, roster: Roster | None, rounds: RoundBook,
                  high_water: HighWater, events, clock: Callable[[], float], sleep: Callable[[float], None],
                  io: Executor, *, max_pending: int, max_per_poll: int,
                  inboxes: Sequence[ObjectStore] | None = None, wake_members: Callable[[], None] | None = None,
-                 remote_threads: int = 4):
+                 remote_threads: int = 4, merged_before: MergedBefore | None = None):
         self.store, self.descriptor, self.roster, self.rounds = store, descriptor, roster, rounds
         self.high_water, self.events, self.clock, self.sleep, self.io = high_water, events, clock, sleep, io
         self.max_pending, self.max_per_poll = max_pending, max_per_poll
         self.inboxes = list(inboxes) if inboxes else [store]
         self.wake_members = wake_members
+        self.merged_before = merged_before
         # Other regions' inboxes are listed and fetched off the loop (workers/syncer/remote_inbox.py);
         # 0: read on the loop, as the home inbox is.
         self.remote_threads = remote_threads
@@ -223,11 +228,12 @@ class Ingest:
                 self.bad.add(inbox.key)
             return None
         hw = self.high_water(header.fragment, header.learner)
-        below = hw is not None and header.order < tuple(hw) and not (opened is not None and opened.reason)
-        # Anything *below* the mark is held out of every quorum (issue 11 item 13) and goes to the
-        # next commit, whose fold records why ("duplicate", or "stale-incarnation" when a newer life
-        # of the learner was merged): it may have been merged before, or overtaken, or persisted by a
-        # syncer fenced before its commit - a copy alone proves nothing, and nothing vanishes unrecorded.
+        below = self._below(header, hw) and not (opened is not None and opened.reason)
+        # What the merged history rules out (below the mark, issue 11 item 13) is held out of every
+        # quorum and goes to the next commit, whose fold records why ("duplicate", "superseded: ...",
+        # "stale-incarnation", "unaccounted: ...", "base-too-old"): a copy alone proves nothing, and
+        # nothing vanishes unrecorded. An answer overtaken by its learner's newer merged one was
+        # never merged: it counts (issue 25).
         held = Held(header, blob, inbox, self.clock(), source, opened, hold=BELOW_HIGH_WATER if below else None)
         pend = self.pending[header.fragment]
         if held.candidate and hw is not None and header.order == tuple(hw):
@@ -247,6 +253,13 @@ class Ingest:
             self.rounds.delta_arrived(header.learner, header.learner_step, held.arrived_at)
             self.rounds.answered(header.learner, header.fragment, header.round, held.arrived_at)
         return self._bound_pending(header.fragment).get(held.pkey, held)
+
+    def _below(self, header: DeltaHeader, hw: Sequence[int] | None) -> bool:
+        """Held out as below the mark: ruled out by the merged history (the fold's verdict), or,
+        without one, below the mark at all. The delta *at* the mark is not: it is tidied instead."""
+        if hw is None or header.order >= tuple(hw):
+            return False
+        return self.merged_before is None or bool(self.merged_before(header))
 
     def _bound_pending(self, p: int) -> dict[PendingKey, Held]:
         """Keep at most ``max_pending`` candidates of fragment ``p`` (issue 11 item 5): while its
