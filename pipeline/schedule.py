@@ -8,6 +8,11 @@ round ids grow with the run and, with the syncer's epoch, order every opening ev
 Learners hear an opening over ZeroMQ, or compute it from the :class:`ClockRecord` the syncer keeps
 in storage (bucket-only learners, other regions): ``round_at`` gives the round of p open at a wall
 time. Both are pure and deterministic here; the caller supplies the time and the step period.
+
+Bounds (issue 25): a period lies in [MIN_PERIOD_S, MAX_PERIOD_S] - the clock ticks at most 1000 times
+a second, whatever a pace measurement says - and a clock record predicts rounds for at most
+EXTRAPOLATE_MAX_S past its own time: a live syncer rewrites it every <= 10 s, so an older one
+belongs to a syncer that is gone, and rounds extrapolated from it would only be guesses.
 """
 from __future__ import annotations
 
@@ -18,9 +23,13 @@ from typing import Any, Sequence
 from .envelope import pack_record, unpack_record
 from .errors import FormatError
 
-__all__ = ["ScheduleConfig", "DRIVERS", "RoundClock", "ClockRecord", "latest_round", "CLOCK_KIND", "CLOCK_VERSION"]
+__all__ = ["ScheduleConfig", "DRIVERS", "RoundClock", "ClockRecord", "latest_round", "CLOCK_KIND", "CLOCK_VERSION",
+           "MIN_PERIOD_S", "MAX_PERIOD_S", "EXTRAPOLATE_MAX_S", "check_period", "clamp_period"]
 
 CLOCK_KIND, CLOCK_VERSION = "round-clock", 1
+MIN_PERIOD_S = 1e-3        # the global clock's fastest tick (issue 25: a bogus 0.25 ms pace ran it away)
+MAX_PERIOD_S = 3600.0      # its slowest (a heartbeat's step_time_s above this is refused at ingest)
+EXTRAPOLATE_MAX_S = 60.0   # how far past its time a clock record predicts rounds (a live syncer rewrites it <= 10 s)
 DRIVERS = ("syncer", "learner")     # who opens rounds; "learner": runs made before syncer-driven rounds
 
 
@@ -43,6 +52,22 @@ class ScheduleConfig:
             raise ValueError(f"schedule offsets {list(self.offsets)} must lie in 0..{H - 1}")
         if self.driver not in DRIVERS:
             raise ValueError(f"schedule driver {self.driver!r} not one of {DRIVERS}")
+
+
+def check_period(period_s: float, what: str = "clock period") -> float:
+    """``period_s`` if it is a finite number in [MIN_PERIOD_S, MAX_PERIOD_S]; ValueError naming
+    ``what`` otherwise (issue 25)."""
+    if not (isinstance(period_s, (int, float)) and not isinstance(period_s, bool) and math.isfinite(period_s)
+            and MIN_PERIOD_S <= period_s <= MAX_PERIOD_S):
+        raise ValueError(f"{what} must be a finite number of seconds in [{MIN_PERIOD_S:g}, {MAX_PERIOD_S:g}], "
+                         f"got {period_s!r}")
+    return float(period_s)
+
+
+def clamp_period(period_s: float) -> float:
+    """A measured period brought into [MIN_PERIOD_S, MAX_PERIOD_S] (a measurement, not an input:
+    it is bounded rather than refused)."""
+    return min(max(float(period_s), MIN_PERIOD_S), MAX_PERIOD_S)
 
 
 def _check_offsets(H: int, offsets: Sequence[int]) -> None:
@@ -82,8 +107,7 @@ class RoundClock:
         self._by_offset = {t: p for p, t in enumerate(self.offsets)}
 
     def advance(self, now: float, period_s: float) -> list[tuple[int, int]]:
-        if not (isinstance(period_s, (int, float)) and math.isfinite(period_s) and period_s > 0):
-            raise ValueError(f"clock period must be a finite number > 0, got {period_s!r}")
+        check_period(period_s)
         if self.next_at is None or now - self.next_at > self.H * period_s:
             self.next_at = now
         opened = []
@@ -104,7 +128,8 @@ class RoundClock:
 class ClockRecord:
     """What the syncer publishes in storage so that learners without the bus find rounds: global
     step ``step`` ticked at syncer wall time ``at``, one tick per ``period_s``; ``epoch`` orders
-    syncers. Envelope kind ``round-clock`` v1 (docs/formats.md)."""
+    syncers. Envelope kind ``round-clock`` v1 (docs/formats.md); ``period_s`` within the clock's
+    bounds (a record outside them is refused as a FormatError when read, issue 25)."""
 
     epoch: int
     step: int
@@ -117,12 +142,16 @@ class ClockRecord:
         _check_offsets(self.H, self.offsets)
         if self.epoch < 0 or self.step < 0:
             raise ValueError(f"clock epoch/step must be >= 0, got {self.epoch}/{self.step}")
-        if not (math.isfinite(self.at) and math.isfinite(self.period_s) and self.period_s > 0):
-            raise ValueError(f"clock at/period must be finite with period > 0, got {self.at}/{self.period_s}")
+        if not math.isfinite(self.at):
+            raise ValueError(f"clock at must be a finite wall time, got {self.at}")
+        check_period(self.period_s, "clock record period_s")
 
     def step_at(self, wall: float) -> int:
-        """The global step at wall time ``wall`` (never before the recorded one)."""
-        return self.step + max(0, int((wall - self.at) // self.period_s))
+        """The global step at wall time ``wall``: never before the recorded one, and extrapolated at
+        most EXTRAPOLATE_MAX_S past it (issue 25: beyond that the record's syncer is gone, and the
+        step stays where the horizon put it until a newer record or announcement comes)."""
+        ahead = min(max(0.0, wall - self.at), EXTRAPOLATE_MAX_S)
+        return self.step + int(ahead // self.period_s)
 
     def round_at(self, fragment: int, wall: float) -> int:
         """The round of ``fragment`` open at ``wall`` (-1: none yet)."""

@@ -58,6 +58,7 @@ from workers.common.versions import VersionTracker
 INCARNATION_EPOCH_NS = 1_704_067_200 * 10**9   # 2024-01-01T00:00:00Z
 DEVICE_QUANTISE = ("auto", "on", "off")
 DEVICE_SCHEMES = tuple(_DEVICE_QMAX)   # int4, int8
+ANSWERS_KEPT = 8   # rounds of each fragment remembered as answered (never answered twice, issue 25)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,9 @@ class LearnerConfig:
     # Quantise deltas where the model lives, copying only packed bytes (workers/learner/device_quant.py):
     # "auto" when the model is not on the CPU, "on" always (tests), "off" never. Same bytes either way.
     device_quantise: str = "auto"
+    # False: the sender and receiver run no threads; whoever drives the learner calls their
+    # ``turn`` (the fault simulation, on simulated time: infra/faultsim, issue 25).
+    threads: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.stats_window, int) or self.stats_window < 20:
@@ -84,6 +88,8 @@ class LearnerConfig:
                 not isinstance(c, int) or isinstance(c, bool) or c < 0 for c in self.agent_cpus)):
             raise ValueError(f"agent_cpus must be a non-empty tuple of core numbers >= 0 and needs sync_process, "
                              f"got {self.agent_cpus!r} (sync_process {self.sync_process})")
+        if not isinstance(self.threads, bool) or (not self.threads and self.sync_process):
+            raise ValueError(f"threads must be a bool, and True with sync_process, got {self.threads!r}")
         if self.device_quantise not in DEVICE_QUANTISE:
             raise ValueError(f"device_quantise must be one of {DEVICE_QUANTISE}, got {self.device_quantise!r}")
 
@@ -92,7 +98,8 @@ class Learner:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, store: str | ObjectStore,
                  learner_id: str, config: LearnerConfig = LearnerConfig(), bus: BusConfig | None = None,
                  events: EventLog | None = None, incarnation: int | None = None,
-                 clock: Callable[[], float] = time.monotonic, region: str | None = None):
+                 clock: Callable[[], float] = time.monotonic, region: str | None = None,
+                 wall: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep):
         self.model, self.optimizer = model, optimizer
         self.region = region     # issue 14: start() moves to this region's store (None: ``store`` is it)
         self.store = open_store(store, create=False) if isinstance(store, str) else store   # never a new empty dir
@@ -105,7 +112,7 @@ class Learner:
         # Later lives of the same learner id order after earlier ones: start() claims the next
         # incarnation from storage (create-if-absent), never from a clock (issue 11 item 13).
         self.incarnation: int | None = incarnation
-        self.clock = clock
+        self.clock, self.wall, self.sleep = clock, wall, sleep   # injected: its sender and receiver use them too
         self.params = dict(model.named_parameters())
         self.descriptor: RunDescriptor | None = None
         self.step_count = 0
@@ -113,6 +120,7 @@ class Learner:
         self.base: dict[int, dict[str, np.ndarray]] = {}
         self.base_version: dict[int, int] = {}
         self.answered: dict[int, tuple[int, int]] = {}   # fragment -> (syncer epoch, round) last answered
+        self._answered_recent: dict[int, deque[tuple[int, int]]] = {}   # fragment -> its last ANSWERS_KEPT answers
         self._rounds_seen: dict | None = None      # the receiver's open rounds as of the last answer_rounds
         self._answered_steps: dict[int, int] = {}   # fragment -> c_steps its last answer held
         self._at_answer: dict[int, tuple] = {}   # keep_progress: fragment -> (θ_p, c_steps, c_tokens) at the answer
@@ -161,6 +169,7 @@ class Learner:
             self.base[p] = {n: values[n].copy() for n in d.layout.fragments[p]}
             self.base_version[p] = versions[p]
             self.answered[p] = (-1, -1)
+            self._answered_recent[p] = deque(maxlen=ANSWERS_KEPT)
         self._rounds_seen = None
         self.c_steps = [0] * d.num_fragments
         self.c_tokens = [0] * d.num_fragments
@@ -170,10 +179,11 @@ class Learner:
             self.sender, self.receiver = agent_for(self, d, tracker.cursor, versions, curve)
         else:   # one of each, or one per syncer shard (workers/learner/shards.py: fragment p to shard p % N)
             self.sender = make_sender(self.store, d, self.bus, lambda store, bus: Sender(
-                store, d.codec, self.cfg.sender, self.events, bus, self.id.encode(), self._heartbeat, curve=curve,
-                seal=seal))
+                store, d.codec, self.cfg.sender, self.events, bus, self.id.encode(), self._heartbeat, self.clock,
+                curve=curve, seal=seal, sleep=self.sleep, threads=self.cfg.threads))
             self.receiver = make_receiver(tracker, versions, self.bus, lambda t, known, bus: Receiver(
-                t, known, self.events, bus, self.cfg.poll_s, curve=curve))
+                t, known, self.events, bus, self.cfg.poll_s, curve=curve, clock=self.clock, wall=self.wall,
+                threads=self.cfg.threads))
         self.sender.start()
         self.receiver.start()
         self.events.emit("learner-start", incarnation=self.incarnation, pid=os.getpid(),
@@ -293,7 +303,7 @@ class Learner:
         for a in self.receiver.take():
             if a.version <= self.base_version[a.fragment]:
                 continue
-            if a.round >= 0 and (a.epoch, a.round) > self.answered[a.fragment]:
+            if a.round >= 0 and self._owes(a.fragment, (a.epoch, a.round)):
                 self._answer(a.fragment, (a.epoch, a.round))   # never overwrite work not yet sent
             kept = self._at_answer.pop(a.fragment, None) if self.descriptor.learner.keep_progress else None
             if kept is None:
@@ -309,7 +319,7 @@ class Learner:
             n += 1
             self.events.emit("version-applied", fragment=a.fragment, version=a.version, seq=a.seq,
                              found_by=a.found_by, step=self.step_count,
-                             latency_s=round(time.time() - a.committed_at, 4) if a.committed_at else None)
+                             latency_s=round(self.wall() - a.committed_at, 4) if a.committed_at else None)
         return n
 
     def step(self, closure: Callable[[], torch.Tensor], tokens: int) -> float:
@@ -375,9 +385,19 @@ class Learner:
         self._rounds_seen = rounds
         n = 0
         for p, opened in sorted(rounds.items()):
-            if opened > self.answered.get(p, (-1, -1)):
+            if self._owes(p, opened):
                 n += self._answer(p, opened)
         return n
+
+    def _owes(self, p: int, opened: tuple[int, int]) -> bool:
+        """Whether round ``opened`` = (syncer epoch, round) of fragment ``p`` still wants this
+        learner's answer (issue 25): not when it answered that round (its last ANSWERS_KEPT rounds
+        of p are remembered: never twice), nor for an older syncer epoch than its last answer's;
+        otherwise yes - also a round below the last one answered in the same epoch, which is the
+        syncer's real round replacing one the receiver had extrapolated from the storage clock
+        (answering only rounds above the last one stopped the learner for good after a bogus guess)."""
+        last = self.answered.get(p, (-1, -1))
+        return opened[0] >= last[0] and opened not in self._answered_recent.get(p, ())
 
     def _unsent(self, p: int) -> bool:
         """Steps on p since the last answer (keep_progress keeps the count since the answer; else the
@@ -386,6 +406,7 @@ class Learner:
 
     def _answer(self, p: int, opened: tuple[int, int]) -> int:
         self.answered[p] = opened
+        self._answered_recent.setdefault(p, deque(maxlen=ANSWERS_KEPT)).append(opened)
         if self.c_steps[p] == 0:
             return 0        # nothing trained on p since its last version: nothing to say
         self._emit_delta(p, opened[1])

@@ -9,7 +9,11 @@ Rounds (SPEC §3-4): the syncer's ``round`` announcements say which round of whi
 open; the training thread reads them with ``opened()`` and answers at its next step boundary.
 When no announcement was heard for a while (no bus, or the bus is down) the openings are computed
 from the round clock the syncer keeps in storage (pipeline/schedule.py), so a learner keeps
-answering rounds whatever happens to the fast path.
+answering rounds whatever happens to the fast path. A round so computed is a guess: it replaces
+the opening held only when it is newer, while an announcement (or a newer clock record) of the
+same syncer epoch replaces a guess even when it names a lower round - the syncer's own clock is
+the truth (issue 25: when the highest (epoch, round) ever heard was kept, one round extrapolated
+from a bogus clock, 30288 where the syncer was at 3600, silenced every real one).
 In a signed run a version whose commit or blob lacks the syncer's valid signature is refused
 (``VersionTracker.load``): logged as ``version-refused`` with the reason, counted, never applied.
 
@@ -60,11 +64,15 @@ COPY_EST_ALPHA = 0.5       # weight of the latest copy time in the smoothed one
 class Receiver:
     def __init__(self, tracker: VersionTracker, known: dict[int, int], events: EventLog,
                  bus: BusConfig | None, poll_s: float = 0.5, curve=None, fetch_threads: int = FETCH_THREADS,
-                 on_news: Callable[[], None] | None = None):
+                 on_news: Callable[[], None] | None = None, clock: Callable[[], float] | None = None,
+                 wall: Callable[[], float] | None = None, threads: bool = True):
         if not isinstance(fetch_threads, int) or isinstance(fetch_threads, bool) or not 1 <= fetch_threads <= 64:
             raise ValueError(f"fetch_threads must be an int in 1..64, got {fetch_threads!r}")
         self.tracker, self.events, self.bus_cfg, self.poll_s, self.curve = tracker, events, bus, poll_s, curve
         self.fetch_threads = fetch_threads
+        # Injected time (None: the time module's, read at each call), and ``threads=False``: no
+        # thread, the caller drives ``turn`` (the fault simulation on simulated time, issue 25).
+        self._clock, self._wall, self.threads = clock, wall, threads
         # called (on this thread) when take() or opened() has something new: the learner's sync
         # agent (workers/learner/agent_main.py) waits on it instead of polling
         self.on_news = on_news or (lambda: None)
@@ -81,6 +89,7 @@ class Receiver:
         self._failing: dict[str, tuple[int, str]] = {}      # what -> (failures in a row, last error)
         self._bytes_at_start = tracker.bytes_loaded          # the start-up load is not steady-state traffic
         self._opened: dict[int, tuple[int, int]] = {}   # fragment -> newest (epoch, round) heard open
+        self._guessed: set[int] = set()                  # fragments whose opening came from the storage clock
         self._bus_round_at = -1e9                        # when a round announcement was last heard
         self._map = map                                  # the fetch pool's map while the thread runs
         self._announced = -1                             # newest commit seq an announcement named
@@ -96,11 +105,26 @@ class Receiver:
         self._copy_wait = RunningMean()   # announce -> found, seconds, of the commits waited for
 
     def start(self) -> None:
-        self._thread.start()
+        if self.threads:
+            self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        if self.threads:
+            self._thread.join(timeout=10)
+
+    def turn(self) -> float:
+        """One poll without a thread (``threads=False``): the log, then the round clock in storage.
+        Returns the seconds until the next poll is due."""
+        self._poll("poll")
+        self._poll_clock()
+        return self._after_poll()
+
+    def _mono(self) -> float:
+        return self._clock() if self._clock is not None else time.monotonic()
+
+    def _now_wall(self) -> float:
+        return self._wall() if self._wall is not None else time.time()
 
     def take(self) -> list[Arrival]:
         with self._lock:
@@ -113,21 +137,26 @@ class Receiver:
         with self._lock:
             return dict(self._opened)
 
-    def _open(self, epoch, fragment, rnd) -> None:
+    def _open(self, epoch, fragment, rnd, guess: bool = False) -> None:
+        """Fragment ``fragment``'s round ``rnd`` of syncer ``epoch`` is open: announced, or (``guess``)
+        computed from the clock record in storage. It replaces the opening held when it is newer,
+        or when the held one is a guess of the same epoch (issue 25, module docstring)."""
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in (epoch, fragment, rnd)):
             return
         if fragment not in self.known or rnd < 0:
             return
         with self._lock:
-            new = (epoch, rnd) > self._opened.get(fragment, (-1, -1))
+            held = self._opened.get(fragment, (-1, -1))
+            new = (epoch, rnd) != held and ((epoch, rnd) > held or (fragment in self._guessed and epoch == held[0]))
             if new:
                 self._opened[fragment] = (epoch, rnd)
+                (self._guessed.add if guess else self._guessed.discard)(fragment)
         if new:
             self.on_news()
 
     def _poll_clock(self) -> None:
         """Rounds from the syncer's clock in storage, when no announcement was heard lately."""
-        if time.monotonic() - self._bus_round_at < BUS_ROUNDS_FRESH_S:
+        if self._mono() - self._bus_round_at < BUS_ROUNDS_FRESH_S:
             return
         try:
             clock = ClockRecord.from_bytes(self.tracker.store.get(CLOCK_KEY), CLOCK_KEY)
@@ -136,10 +165,10 @@ class Receiver:
         except (StoreError, FormatError) as exc:
             self._error(f"round clock: {exc}")
             return
-        now = time.time()
+        now = self._now_wall()
         for p in self.known:
             if p < len(clock.offsets):
-                self._open(clock.epoch, p, clock.round_at(p, now))
+                self._open(clock.epoch, p, clock.round_at(p, now), guess=True)
 
     def _run(self) -> None:
         listener = AnnounceListener(self.bus_cfg, curve=self.curve) if self.bus_cfg is not None else None
@@ -152,7 +181,7 @@ class Receiver:
                 found_by = "poll"
                 # Wake for the next poll on time: a re-read for a region's copy is due sooner than
                 # 0.2 s (it used to wait for the next message, up to 0.2 s late, a step boundary missed).
-                wait = max(0.0, min(self.poll_s, 0.2, next_poll - time.monotonic()))
+                wait = max(0.0, min(self.poll_s, 0.2, next_poll - self._mono()))
                 if listener is not None:
                     msg = listener.recv(wait)
                     if msg is not None and msg.type == "version":
@@ -166,16 +195,16 @@ class Receiver:
                             if isinstance(seq, int) and not isinstance(seq, bool):
                                 self._announced = max(self._announced, seq)
                     elif msg is not None and msg.type == "round":
-                        self._bus_round_at = time.monotonic()
+                        self._bus_round_at = self._mono()
                         self._open(msg.fields.get("epoch"), msg.fields.get("fragment"), msg.fields.get("round"))
                     elif msg is not None and msg.type == "syncer-heartbeat":
                         self.syncer_epoch = msg.fields.get("epoch", -1)
                 else:
                     self._stop.wait(wait)
-                if time.monotonic() >= next_poll:
+                if self._mono() >= next_poll:
                     self._poll(found_by)
                     self._poll_clock()
-                    next_poll = time.monotonic() + self._after_poll()
+                    next_poll = self._mono() + self._after_poll()
         finally:
             pool.shutdown(wait=True)
             self._map = map
@@ -238,7 +267,7 @@ class Receiver:
         """Seconds to the next poll: ``poll_s``, or while an announced commit is not in the store
         yet, first the smoothed copy time (>= COPY_WAIT_MIN_S), then pauses from COPY_WAIT_MIN_S
         doubling, at most ``poll_s``. Counts the commits waited for and the reads that missed."""
-        now = time.monotonic()
+        now = self._mono()
         if self._announced <= self.tracker.cursor:
             if self._awaiting_since >= 0:
                 # The copy landed between the last miss and now: the midpoint, not ``now``. Found

@@ -3,11 +3,18 @@ every fragment, and the pace of the live learners that drives them.
 
 The syncer owns one; everything runs on its loop thread. Pure decisions live in
 pipeline/schedule.py (the clock) and pipeline/policy.py (when a round closes); this part keeps the
-state between calls and measures the learners' pace:
+state between calls and measures the learners' pace (issue 25, docs/protocol.md "Rounds"):
 
-* from heartbeats (``step_time_s`` = a learner's step-to-step period), and
-* from the deltas themselves (their ``learner_step`` against arrival times), so that learners
-  without a bus - bucket-only, other regions - set the pace too.
+* from heartbeats (``step_time_s`` = a learner's own step-to-step period): while a learner's
+  heartbeats come, they alone set its pace;
+* from its deltas (their ``learner_step`` against arrival times), so that learners without a bus -
+  bucket-only, other regions - set the pace too. Deltas arrive in **bursts**: one inbox listing,
+  one loop turn's drain of the bus. A burst says where the learner had got to (its newest step)
+  at one moment, never how fast it got there: a restarted syncer admits its whole inbox backlog in
+  one listing, and the spacing of those arrivals once read as a 0.25 ms period (the clock then
+  ran away, issue 25). So a sample is taken only between the newest steps of two bursts at least
+  DELTA_SPAN_S and DELTA_SPAN_STEPS apart, and moves the learner's period by at most a factor
+  PACE_FACTOR. Every period is kept within the clock's bounds (pipeline/schedule.py).
 
 A learner counts as live while it was heard within ``live_timeout_s``. With nobody live the clock
 keeps its last pace: openings nobody answers cost nothing, and a learner that comes back finds
@@ -15,13 +22,19 @@ rounds open.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from typing import Sequence
 
 from pipeline.policy import Ewma
-from pipeline.schedule import ClockRecord, RoundClock
+from pipeline.schedule import ClockRecord, RoundClock, check_period, clamp_period
 from pipeline.types import RunDescriptor
+
+BURST_GAP_S = 0.25      # arrivals of one learner in one loop turn this close together: one burst
+DELTA_SPAN_S = 1.0      # a pace sample from deltas spans at least this long (two listings or more) ...
+DELTA_SPAN_STEPS = 8    # ... and at least this many of the learner's steps
+PACE_FACTOR = 2.0       # one delta sample changes a learner's period by at most this factor
 
 
 @dataclass(frozen=True)
@@ -31,18 +44,54 @@ class OpenRound:
 
 
 @dataclass
+class _Burst:
+    """Deltas of one learner that arrived together (one listing, one loop turn)."""
+    turn: int           # the book's loop turn it arrived in
+    last: float         # its latest arrival
+    step: int           # the newest learner step in it ...
+    at: float           # ... and when that one arrived
+    base_s: float       # the learner's delta period before this burst
+    sampled: bool = False   # whether it ended a pace sample (then it is the next sample's start)
+
+
+@dataclass
 class _Pace:
     heard: float                 # last time anything was heard from the learner
-    period_s: float = 0.0        # its step-to-step period (0: unknown)
-    ref: tuple[int, float] | None = None   # (learner step, arrival) of an earlier delta, for the period
+    beat_s: float = 0.0          # the period its heartbeats report (0: none yet)
+    beat_at: float = -math.inf   # when the last heartbeat with a period came
+    delta_s: float = 0.0         # its period measured from its deltas (0: not yet)
+    anchor: tuple[int, float] | None = None   # (newest step, arrival) of the burst the next sample starts at
+    burst: _Burst | None = None  # the latest burst of its deltas
     lag_s: float | None = None   # smoothed time from a round opening to this learner's answer arriving
+
+    @property
+    def period_s(self) -> float:
+        """Its best known step-to-step period (0: unknown): heartbeats' over the deltas'."""
+        return self.beat_s or self.delta_s
+
+    def period(self, now: float, fresh_s: float) -> float:
+        """The period to follow at ``now``: its heartbeats' while they come (heard within
+        ``fresh_s``), else its deltas', else the last heartbeats' (0: unknown)."""
+        if self.beat_s > 0 and now - self.beat_at < fresh_s:
+            return self.beat_s
+        return self.delta_s or self.beat_s
+
+
+def bounded_period(base_s: float, sample_s: float) -> float:
+    """A learner's delta period after one more sample (issue 25): the sample, within the clock's
+    bounds and within PACE_FACTOR of the previous value ``base_s`` (0: none), averaged with it."""
+    sample_s = clamp_period(sample_s)
+    if base_s <= 0:
+        return sample_s
+    return 0.5 * (base_s + min(max(sample_s, base_s / PACE_FACTOR), base_s * PACE_FACTOR))
 
 
 class RoundBook:
     def __init__(self, descriptor: RunDescriptor, live_timeout_s: float, initial_step_s: float,
                  start_step: int = 0, owned: Sequence[int] | None = None):
-        if initial_step_s <= 0:
+        if not initial_step_s > 0:
             raise ValueError(f"initial_step_s must be > 0, got {initial_step_s}")
+        check_period(initial_step_s, "initial_step_s")
         self.clock = RoundClock(descriptor.schedule.sync_every, descriptor.schedule.offsets, step=start_step)
         self.open: list[OpenRound | None] = [None] * descriptor.num_fragments
         self.live_timeout_s = live_timeout_s
@@ -56,25 +105,46 @@ class RoundBook:
         # (fragment, round) -> when it opened, the last few per fragment: an answer's lag is
         # measured against its own round's opening even after that round closed (late answers).
         self.opened_at: dict[tuple[int, int], float] = {}
+        self.turn = 0    # loop turns (step_time calls): deltas of one turn are one burst
 
     # -- the learners' pace ----------------------------------------------------------------------
     def heartbeat(self, learner: str, period_s: float, now: float) -> None:
+        """A heartbeat: a sign of life and, with ``period_s`` > 0, the learner's own measured
+        period, which sets its pace while heartbeats come (issue 25)."""
         pace = self.learners.setdefault(learner, _Pace(now))
         pace.heard = now
         if period_s > 0:
-            pace.period_s = period_s
+            pace.beat_s, pace.beat_at = clamp_period(period_s), now
 
     def delta_arrived(self, learner: str, learner_step: int, now: float) -> None:
-        """A delta is a sign of life, and two of them far enough apart give the learner's period
-        (when it has no bus to send heartbeats on)."""
+        """A delta is a sign of life, and a pace sample for a learner without heartbeats: between
+        the newest steps of two bursts of its deltas (module docstring, issue 25) - never from the
+        spacing of arrivals inside one burst, such as a restarted syncer's inbox backlog."""
         pace = self.learners.setdefault(learner, _Pace(now))
         pace.heard = now
-        if pace.ref is None or learner_step < pace.ref[0]:
-            pace.ref = (learner_step, now)
-        elif learner_step - pace.ref[0] >= 8 and now > pace.ref[1]:
-            sample = (now - pace.ref[1]) / (learner_step - pace.ref[0])
-            pace.period_s = sample if pace.period_s <= 0 else 0.5 * (pace.period_s + sample)
-            pace.ref = (learner_step, now)
+        if pace.anchor is not None and learner_step < pace.anchor[0]:
+            pace.anchor = pace.burst = None           # its steps went back: a new life, measured afresh
+        burst = pace.burst
+        if burst is None or burst.turn != self.turn or now - burst.last > BURST_GAP_S:
+            if burst is not None and (burst.sampled or pace.anchor is None):
+                pace.anchor = (burst.step, burst.at)   # the burst that ended starts the next sample
+            burst = pace.burst = _Burst(self.turn, now, learner_step, now, pace.delta_s)
+        else:
+            burst.last = now
+            if learner_step > burst.step:
+                burst.step, burst.at = learner_step, now
+        self._sample(pace, burst)
+
+    @staticmethod
+    def _sample(pace: _Pace, burst: _Burst) -> None:
+        """The pace sample from the anchor to ``burst``'s newest step, once they are far enough
+        apart; recomputed (from the period before the burst) as the burst grows."""
+        if pace.anchor is None:
+            return
+        steps, span = burst.step - pace.anchor[0], burst.at - pace.anchor[1]
+        if steps >= DELTA_SPAN_STEPS and span >= DELTA_SPAN_S:
+            pace.delta_s = bounded_period(burst.base_s, span / steps)
+            burst.sampled = True
 
     def answered(self, learner: str, fragment: int, round_id: int, now: float) -> None:
         """A delta answering round ``round_id`` of ``fragment`` arrived at ``now``: a sample of how
@@ -103,11 +173,25 @@ class RoundBook:
         return sorted(m for m, p in self.learners.items() if now - p.heard < self.live_timeout_s)
 
     def step_time(self, now: float) -> float | None:
-        """Smoothed median period of the live learners (None before any was measured)."""
-        periods = [self.learners[m].period_s for m in self.live(now) if self.learners[m].period_s > 0]
+        """Smoothed median period of the live learners (None before any was measured); the
+        syncer calls it once per loop turn, which also ends the turn's bursts of deltas."""
+        self.turn += 1
+        periods = [p for p in (self.learners[m].period(now, self.live_timeout_s) for m in self.live(now)) if p > 0]
         if periods:
-            self.period = self.period.update(statistics.median(periods))
+            self.period = self.period.update(clamp_period(statistics.median(periods)))
         return self.period.value
+
+    def resume_pace(self, clock: ClockRecord | None) -> bool:
+        """Start from the pace an earlier syncer of this run published (its round clock in storage)
+        instead of ``initial_step_s`` (issue 25): a restarted or second syncer otherwise ticks at the
+        initial 0.1 s until its first heartbeats, 5x slow at 20 ms steps, and a fragment waited
+        1-2 s (30 steps) for its next round after every restart. Only a record of this schedule
+        counts; the first measurement replaces it as any sample does. True when it was taken."""
+        if clock is None or clock.H != self.clock.H or tuple(clock.offsets) != tuple(self.clock.offsets) \
+                or self.period.value is not None:
+            return False
+        self.period = self.period.update(clamp_period(clock.period_s))
+        return True
 
     # -- rounds ----------------------------------------------------------------------------------
     def tick(self, now: float) -> list[tuple[int, int]]:
