@@ -16,6 +16,8 @@ is one directory level deep, where every backend (SeaweedFS included) lists in b
     checkpoints/00000000000000000000            syncer state after that commit (written after it)
     incarnations/<learner>/i0000000000          a learner life's claim (create-if-absent, kept)
     probe/<token>                               conformance probe scratch objects (deleted)
+    region.marker                               which region's copy of a run this store is (create-if-absent)
+    failovers/0000000007                        a region failover's record, by its epoch (create-if-absent)
 
 A sharded run (descriptor ``syncers`` N >= 2, issue 15) gives syncer shard i its own partition
 under ``shards/s<iiii>/``: its ``epochs/``, ``log/``, ``hints/`` (head hint, round clock),
@@ -53,6 +55,8 @@ MEMBER_PREFIX = "members/"          # learners listed after creation (syncer-sig
 QUARANTINE_PREFIX = "quarantine/"   # rejected delta bytes kept as evidence, by content hash
 INCARNATION_PREFIX = "incarnations/"   # learner lives, claimed create-if-absent (storage/log.py)
 HINT_PREFIX = "hints/"
+REGION_MARKER_KEY = "region.marker"   # which region's copy this store is (storage/regions.py, issue 25)
+FAILOVER_PREFIX = "failovers/"        # explicit region failovers (workers/syncer/home.py, issue 25)
 SHARD_PREFIX = "shards/"            # a sharded run's per-shard partitions (shard_key)
 # What each syncer shard owns a copy of (the rest of a run is shared by every shard).
 SHARDED_PREFIXES = (EPOCH_PREFIX, LOG_PREFIX, HINT_PREFIX, CHECKPOINT_PREFIX, SPILL_PREFIX)
@@ -152,6 +156,11 @@ def quarantine_key(checksum: str) -> str:
     return QUARANTINE_PREFIX + checksum
 
 
+def failover_key(epoch: int) -> str:
+    """The record of the region failover whose fence claimed ``epoch`` (issue 25)."""
+    return FAILOVER_PREFIX + _num(epoch, EPOCH_DIGITS, "epoch")
+
+
 def probe_key(token: str) -> str:
     if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", token or ""):
         raise ValueError(f"probe token {token!r} must be 1-64 characters of [A-Za-z0-9_-]")
@@ -206,6 +215,7 @@ def unshard_key(shard: int, key: str) -> str:
 # -- key parsers (FormatError on anything else) ------------------------------------------------
 
 _EPOCH_RE = re.compile(rf"^epochs/(\d{{{EPOCH_DIGITS}}})$")
+_FAILOVER_RE = re.compile(rf"^failovers/(\d{{{EPOCH_DIGITS}}})$")
 _COMMIT_RE = re.compile(rf"^log/(\d{{{SEQ_DIGITS}}})$")
 _CHECKPOINT_RE = re.compile(rf"^checkpoints/(\d{{{SEQ_DIGITS}}})$")
 _VERSION_RE = re.compile(rf"^versions/f(\d{{{FRAGMENT_DIGITS}}})/v(\d{{{VERSION_DIGITS}}})(?:-e\d{{{EPOCH_DIGITS}}})?$")
@@ -217,6 +227,10 @@ _INCARNATION_RE = re.compile(rf"^incarnations/([A-Za-z0-9][A-Za-z0-9_.-]{{0,63}}
 
 def parse_epoch_key(key: str) -> int:
     return int(_parse(key, _EPOCH_RE, "syncer epoch").group(1))
+
+
+def parse_failover_key(key: str) -> int:
+    return int(_parse(key, _FAILOVER_RE, "region failover").group(1))
 
 
 def parse_commit_key(key: str) -> int:

@@ -276,7 +276,8 @@ def current_epoch(store: ObjectStore) -> int:
 def claim_epoch(store: ObjectStore, syncer_id: str, *, retry: RetryPolicy = RetryPolicy(),
                 sleep: Callable[[float], None] = time.sleep, max_races: int = 64,
                 sign: Callable[[CommitRecord], CommitRecord] | None = None,
-                info: dict | None = None, trusted: Callable[[CommitRecord], bool] | None = None) -> SyncerClaim:
+                info: dict | None = None, trusted: Callable[[CommitRecord], bool] | None = None,
+                floor: int = 1) -> SyncerClaim:
     """Claim a new syncer epoch and fence every older syncer (see the module docstring).
 
     ``sign``: returns the fence record signed (a signed run's syncer key, workers/bus/signing.py
@@ -284,6 +285,8 @@ def claim_epoch(store: ObjectStore, syncer_id: str, *, retry: RetryPolicy = Retr
     item 14; recovery and replay verify it), and ``trusted`` tells such records from forged ones (see
     ``CommitLog``). ``info``: more to record in the fence (e.g. what recovery had to salvage);
     ``syncer`` and ``nonce`` are always there. A damaged tail commit is not a newer epoch.
+    ``floor``: the lowest epoch to claim (a region failover claims one above every region's,
+    issue 25, workers/syncer/home.py); the claim is still above every epoch claimed here.
 
     Raises ``Fenced`` if a newer syncer claimed and fenced meanwhile (lost the start race),
     ``Conflict`` if an older syncer won ``max_races`` seqs in a row against our fence.
@@ -291,8 +294,10 @@ def claim_epoch(store: ObjectStore, syncer_id: str, *, retry: RetryPolicy = Retr
     if not isinstance(syncer_id, str) or not 0 < len(syncer_id) <= 128:
         raise ValueError(f"syncer_id must be a non-empty string of at most 128 characters, got {syncer_id!r}")
     nonce = uuid.uuid4().hex  # makes our claim's and fence's bytes unique: recognisable after a timeout
+    if not isinstance(floor, int) or isinstance(floor, bool) or floor < 1:
+        raise ValueError(f"epoch floor must be an int >= 1, got {floor!r}")
     log = CommitLog(store, retry=retry, sleep=sleep, trusted=trusted)
-    epoch = _claim_epoch_object(store, syncer_id, nonce, log)
+    epoch = _claim_epoch_object(store, syncer_id, nonce, log, floor)
     log.epoch = epoch
     for _ in range(max_races):
         tail = log.tail()
@@ -323,8 +328,8 @@ def _newer(log: CommitLog, seq: int, epoch: int) -> bool:
     return rec.epoch > epoch and log.trusts(rec)
 
 
-def _claim_epoch_object(store: ObjectStore, syncer_id: str, nonce: str, log: CommitLog) -> int:
-    epoch = log._do(lambda: current_epoch(store)) + 1
+def _claim_epoch_object(store: ObjectStore, syncer_id: str, nonce: str, log: CommitLog, floor: int = 1) -> int:
+    epoch = max(log._do(lambda: current_epoch(store)) + 1, floor)
     while True:
         key, data = epoch_key(epoch), EpochRecord(epoch, syncer_id, nonce).to_bytes()
 

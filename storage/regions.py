@@ -3,8 +3,10 @@ authoritative log's objects from the home store to another region's, and checkin
 
 A region's copy holds the same keys (storage/layout.py) with the same bytes as the home store:
 the descriptor, the membership records, every commit record and every version object a commit
-published. Commit records and versions carry the syncer's signatures and digests, so a learner
-verifies its region's copy with the run's keys exactly as it would verify the home copy; nothing
+published, and the records of region failovers (``failovers/``). One object is a store's own: its
+*region marker* (``region.marker``, issue 25), which says which region's copy of the run the store
+is, so that a syncer started on a region's copy is refused (workers/syncer/home.py). Commit
+records and versions carry the syncer's signatures and digests, so a learner verifies its region's copy with the run's keys exactly as it would verify the home copy; nothing
 here needs to be trusted. Copies are create-if-absent and version-before-commit (SPEC §7: data
 before the commit that names it), so a copy interrupted anywhere is resumed by copying again.
 """
@@ -13,19 +15,24 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from pipeline.envelope import digest
-from pipeline.regions import RegionSpec
-from pipeline.types import CommitRecord
+from pipeline.envelope import digest, pack_record, unpack_record
+from pipeline.errors import FormatError
+from pipeline.regions import REGION_NAME_RE, RegionSpec
+from pipeline.types import CommitRecord, RunDescriptor
 
 from .errors import AlreadyExists, NotFound
-from .layout import (DESCRIPTOR_KEY, MEMBER_PREFIX, VERSION_PREFIX, commit_key, parse_version_key,
-                     read_descriptor)
+from .layout import (DESCRIPTOR_KEY, FAILOVER_PREFIX, MEMBER_PREFIX, REGION_MARKER_KEY, VERSION_PREFIX, commit_key,
+                     parse_version_key, read_descriptor)
+from .log import CommitLog
 from .store import ObjectStore, open_store
 
 __all__ = ["PUBLISHING", "RegionConflict", "open_region", "learner_region_store", "copy_same", "replicate_static",
-           "replicate_commit", "seed_region", "prune_versions", "RegionCheck", "verify_region"]
+           "replicate_commit", "seed_region", "prune_versions", "RegionCheck", "verify_region", "MARKER_KIND",
+           "MARKER_VERSION", "pack_marker", "mark_region", "read_marker", "StoreRegion", "store_region",
+           "agreed_tail", "replicate_failovers"]
 
 PUBLISHING = ("init", "merge")   # commit kinds that name a version they created
+MARKER_KIND, MARKER_VERSION = "region-marker", 1
 
 
 class RegionConflict(ValueError):
@@ -138,16 +145,123 @@ def prune_versions(home: ObjectStore, dst: ObjectStore) -> int:
     return deleted
 
 
-def seed_region(home: ObjectStore, dst: ObjectStore) -> int:
+def seed_region(home: ObjectStore, dst: ObjectStore, region: str | None = None) -> int:
     """Copy a newly created run (descriptor, members, the init commits and version 0) from ``home``
     to region store ``dst``, so that its learners can start before the syncer does; the syncer's
-    replicator goes on from the region's log tail. Returns bytes written."""
+    replicator goes on from the region's log tail. ``region``: its name, written in ``dst``'s
+    region marker (issue 25). Returns bytes written."""
     n = replicate_static(home, dst)
+    if region is not None:
+        n += mark_region(dst, region, home.get(DESCRIPTOR_KEY))
     seq = 0
     while home.exists(commit_key(seq)):
         n += replicate_commit(home, dst, seq)
         seq += 1
     return n
+
+
+# -- which region's copy a store is (issue 25) ---------------------------------------------------------
+
+def pack_marker(region: str, descriptor_blob: bytes) -> bytes:
+    """The region marker of ``region``'s copy of the run whose descriptor bytes are
+    ``descriptor_blob``: kind ``region-marker`` v1 {region, descriptor: hex sha256 of those bytes}
+    (the digest, not the run id: a marker copied along with another run's bucket names nothing)."""
+    if not isinstance(region, str) or not REGION_NAME_RE.match(region):
+        raise ValueError(f"region name {region!r} must match {REGION_NAME_RE.pattern}")
+    return pack_record(MARKER_KIND, MARKER_VERSION, {"region": region, "descriptor": digest(descriptor_blob)})
+
+
+def mark_region(store: ObjectStore, region: str, descriptor_blob: bytes) -> int:
+    """Create ``store``'s region marker (create-if-absent: never overwritten); bytes written (0:
+    it was there). ``RegionConflict`` when the store already says it is another region's copy
+    (the descriptor lists one store under two names, or someone copied a bucket)."""
+    blob = pack_marker(region, descriptor_blob)
+    try:
+        store.put_if_absent(REGION_MARKER_KEY, blob)
+        return len(blob)
+    except AlreadyExists:
+        pass
+    have, note = read_marker(store, descriptor_blob)
+    if have is not None and have != region:
+        raise RegionConflict(f"{store.uri}/{REGION_MARKER_KEY} says this store is region {have}'s copy, "
+                             f"but the run's descriptor places region {region} here") from None
+    return 0
+
+
+def read_marker(store: ObjectStore, descriptor_blob: bytes) -> tuple[str | None, str | None]:
+    """(the region ``store``'s marker names, a note): (None, None) without a marker; (None, why) for
+    one that is damaged or belongs to another descriptor (ignored: the marker guards against a
+    mistake, it is not a security boundary - docs/regions.md "Failover")."""
+    what = f"{store.uri}/{REGION_MARKER_KEY}"
+    try:
+        blob = store.get(REGION_MARKER_KEY)
+    except NotFound:
+        return None, None
+    try:
+        _, d = unpack_record(blob, MARKER_KIND, MARKER_VERSION, max_bytes=1 << 12, what=what)
+    except FormatError as exc:
+        return None, f"{exc}: ignored"
+    if d.get("descriptor") != digest(descriptor_blob) or not isinstance(d.get("region"), str):
+        return None, f"{what} names another run descriptor or no region: ignored"
+    return d["region"], None
+
+
+@dataclass(frozen=True)
+class StoreRegion:
+    """Which region's copy a store is: ``name`` (None: a run without regions) and ``how`` it was
+    told: ``marker``, ``location`` (the store's URI is that region's in the descriptor) or
+    ``presumed`` (neither: the home region, as before region markers existed); ``note``: a marker
+    that was ignored."""
+
+    name: str | None
+    how: str
+    note: str | None = None
+
+
+def store_region(store: ObjectStore, desc: RunDescriptor) -> StoreRegion:
+    """Which region's copy of run ``desc`` ``store`` is (issue 25): its marker's region, else the
+    region whose descriptor entry names this store's location, else the home region (a run
+    created before markers, or a store reached by another URI)."""
+    if desc.regions is None:
+        return StoreRegion(None, "single")
+    name, note = read_marker(store, store.get(DESCRIPTOR_KEY))
+    if name is not None:
+        return StoreRegion(name, "marker")
+    for spec in desc.regions.regions:
+        if _same_location(spec, store):
+            return StoreRegion(spec.name, "location", note)
+    return StoreRegion(desc.regions.home, "presumed", note)
+
+
+def agreed_tail(home: ObjectStore, dst: ObjectStore, name: str) -> int:
+    """The last seq of region ``name``'s log (-1: empty), once its record there holds home's
+    bytes. Issue 25: a syncer that ran on the region's copy forked its log there; resuming from
+    the region's tail without this check spliced home's later commits onto the fork. Records
+    are create-if-absent and each carries its writer's epoch, so a fork's last record differs from
+    home's at that seq (or home has none): comparing the tail is enough. ``RegionConflict`` else."""
+    tail = CommitLog(dst).tail()
+    if tail < 0:
+        return tail
+    key = commit_key(tail)
+    mine = dst.get(key)
+    try:
+        theirs = home.get(key)
+    except NotFound:
+        raise RegionConflict(f"region {name}'s log reaches commit {tail} ({dst.uri}/{key}) but {home.uri}'s "
+                             "ends before it: the region holds commits home never wrote (a syncer ran on its "
+                             "copy?); replication to it stops here (docs/regions.md \"Failover\")") from None
+    if digest(mine) != digest(theirs):
+        raise RegionConflict(f"region {name}'s {dst.uri}/{key} holds other bytes than {home.uri}/{key}: its log "
+                             "forked from home's; replication to it stops here (docs/regions.md \"Failover\")")
+    return tail
+
+
+def replicate_failovers(home: ObjectStore, dst: ObjectStore) -> int:
+    """Every region failover record of ``home`` in ``dst`` (create-if-absent, home's bytes), so a
+    syncer started on a store that is no longer home learns it there (workers/syncer/home.py).
+    Returns bytes written."""
+    have = set(dst.list(FAILOVER_PREFIX))
+    return sum(copy_same(home, dst, key) for key in home.list(FAILOVER_PREFIX) if key not in have)
 
 
 @dataclass

@@ -145,6 +145,11 @@ def configure_syncer(parser: argparse.ArgumentParser,
     parser.add_argument("--shard", metavar="I/N", type=_shard_spec, default=None,
                         help="be syncer shard I of a run of N shards (ddiloco run --syncers N): own the fragments "
                              "p with p %% N == I, with its own epochs and log (docs/scale.md \"Sharded syncer\")")
+    parser.add_argument("--failover-from-region", metavar="NAME", default=None,
+                        help="take over as the run's home in the region whose copy --store is, from the lost home "
+                             "region NAME: adopts what reachable regions hold beyond this copy and claims an epoch "
+                             "above every region's (docs/regions.md \"Failover\"); without it a syncer refuses any "
+                             "store but the home region's")
 
     def handler(args) -> int:
         from workers.common.memory import keep_freed_memory
@@ -172,6 +177,8 @@ def configure_syncer(parser: argparse.ArgumentParser,
         if metrics is not None:
             metrics.watch_syncer(syncer)
         try:
+            if args.failover_from_region is not None:
+                syncer.recover(failover_from=args.failover_from_region)   # issue 25: the explicit failover
             return syncer.run(flag.is_set)
         finally:
             if metrics is not None:
@@ -208,6 +215,8 @@ def _meter_syncer(syncer: Syncer, store, bus: BusConfig | None, events: EventLog
     the replicator's counted stores, every other region's (ingest and replication)."""
     desc = syncer.descriptor
     home = desc.regions.home if desc.regions is not None else SINGLE_REGION
+    if syncer.replicator is not None and syncer.replicator.home_name is not None:
+        home = syncer.replicator.home_name     # the region it commits in (a failover's new home, issue 25)
     stores = {home: store, **({r.name: r.store for r in syncer.replicator.regions} if syncer.replicator else {})}
     meter = TrafficMeter(events, home, home, stores, bus.counters if bus is not None else None)
     events.subscribe(SyncerTraffic(meter, desc.num_fragments,

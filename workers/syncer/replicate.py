@@ -18,6 +18,13 @@ never has a gap and never names a version it lacks (SPEC §7: data before the co
 it). Each region has its own thread and pool, so a region that hangs (a partition that holds
 connections) or fails never delays a commit or another region. Advisory objects (the round
 clock, the head hint) are latest-wins slots, written by one job at a time, off the records' path.
+
+Why the tail is compared before resuming (issue 25): a syncer started on a region's copy wrote its
+own commits there (a fork). Resuming from that tail spliced home's later commits onto the fork,
+silently. A region's cursor now starts only after its tail record is home's bytes
+(``storage.regions.agreed_tail``); otherwise the region is in ``RegionConflict``: reported at every
+backoff, never overwritten. The first pass over a region also writes its region marker and copies
+home's failover records (docs/regions.md "Failover").
 """
 from __future__ import annotations
 
@@ -33,10 +40,10 @@ from pipeline.errors import FormatError
 from pipeline.types import CommitRecord, RunDescriptor
 from storage.accounting import CountingStore
 from storage.errors import NotFound, StoreError
-from storage.layout import HEAD_HINT_KEY, commit_key, pack_head_hint
+from storage.layout import DESCRIPTOR_KEY, HEAD_HINT_KEY, commit_key, pack_head_hint
 from storage.log import CommitLog
-from storage.regions import (PUBLISHING, RegionConflict, copy_same, open_region, prune_versions,
-                             replicate_static)
+from storage.regions import (PUBLISHING, RegionConflict, agreed_tail, copy_same, mark_region, open_region,
+                             prune_versions, replicate_failovers, replicate_static, store_region)
 from storage.store import ObjectStore
 from workers.common.aggregate import RunningMean
 from workers.common.events import EventLog
@@ -78,6 +85,8 @@ class _Region:
     copied: int = 0               # commits copied
     bytes: int = 0                # bytes written to this region
     home_reads: int = 0           # commit records and versions read back from home (not in the cache)
+    visited: bool = False         # its marker written and home's failover records copied (first pass)
+    conflict: str | None = None   # the RegionConflict that stops this region, while it lasts
     slots: dict[str, bytes] = field(default_factory=dict)   # advisory objects still to write
     flushing: Future | None = None                          # the slot-writing job in flight
     wake: threading.Event = field(default_factory=threading.Event)
@@ -93,8 +102,10 @@ class Replicator:
     store; ``lag()`` says how many commits each region is behind; ``stop()`` ends the threads."""
 
     def __init__(self, home: ObjectStore, regions: Mapping[str, ObjectStore], events: EventLog,
-                 cfg: ReplicatorConfig = ReplicatorConfig(), clock: Callable[[], float] = time.monotonic):
+                 cfg: ReplicatorConfig = ReplicatorConfig(), clock: Callable[[], float] = time.monotonic,
+                 home_name: str | None = None):
         self.home, self.events, self.cfg, self.clock = home, events, cfg, clock
+        self.home_name = home_name   # the region the syncer commits in (None: not named, e.g. in tests)
         self.regions = [_Region(name, store, pruned_at=clock()) for name, store in regions.items()]
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -145,6 +156,10 @@ class Replicator:
         for r in self.regions:
             r.wake.set()
 
+    def stores(self) -> dict[str, ObjectStore]:
+        """Every other region's store by name, as the syncer reaches it (counted in a run)."""
+        return {r.name: r.store for r in self.regions}
+
     def lag(self) -> dict[str, int]:
         """Commits each region lacks (the whole log + 1 before its first pass)."""
         with self._lock:
@@ -156,7 +171,7 @@ class Replicator:
         it: ingest and replication."""
         with self._lock:
             out = {r.name: {"next": r.next, "copied": r.copied, "bytes": r.bytes, "failures": r.failures,
-                            "pruned": r.pruned, "home_reads": r.home_reads,
+                            "pruned": r.pruned, "home_reads": r.home_reads, "conflict": r.conflict,
                             "delay_s_mean": round(r.delay.mean, 4),
                             "delay_s_max": round(r.delay.high, 4) if r.delay else 0.0} for r in self.regions}
         for r in self.regions:
@@ -200,6 +215,7 @@ class Replicator:
             more = self._copy(r)
         except (StoreError, FormatError, RegionConflict) as exc:
             r.failures += 1
+            r.conflict = str(exc)[:300] if isinstance(exc, RegionConflict) else r.conflict
             r.retry_at = self.clock() + min(self.cfg.retry_s * 2 ** (r.failures - 1), self.cfg.max_retry_s)
             if r.failures & (r.failures - 1) == 0:   # the 1st, 2nd, 4th ... failure in a row
                 self.events.emit("replicate-error", region=r.name, next=r.next, failures=r.failures,
@@ -207,16 +223,18 @@ class Replicator:
             return False
         if r.failures:
             self.events.emit("replicate-recovered", region=r.name, after_failures=r.failures, next=r.next)
-            r.failures = 0
+            r.failures, r.conflict = 0, None
         return more
 
     def _copy(self, r: _Region) -> bool:
         now = self.clock()
         if now - r.static_at >= self.cfg.static_every_s:
             r.bytes += replicate_static(self.home, r.store)
+            if not r.visited:
+                r.bytes += self._visit(r)
             r.static_at = now
-        if r.next is None:   # resume where the region's own copy ends (records are written in log order)
-            r.next = CommitLog(r.store).tail() + 1
+        if r.next is None:   # resume where the region's own copy ends, if it ends in home's log (issue 25)
+            r.next = agreed_tail(self.home, r.store, r.name) + 1
         with self._lock:
             latest, epoch = self._latest, self._epoch
         seqs = range(r.next, min(latest, r.next + self.cfg.batch - 1) + 1)
@@ -245,6 +263,13 @@ class Replicator:
             r.pruned += prune_versions(self.home, r.store)
             r.pruned_at = now
         return r.next <= latest and copied > 0
+
+    def _visit(self, r: _Region) -> int:
+        """Once per region and life: its region marker (which region's copy it is) and the failover
+        records home holds (issue 25, workers/syncer/home.py). Returns bytes written."""
+        n = mark_region(r.store, r.name, self.home.get(DESCRIPTOR_KEY)) + replicate_failovers(self.home, r.store)
+        r.visited = True
+        return n
 
     def _advance(self, r: _Region, seq: int, n: int) -> None:
         """Commit ``seq``'s record is in region ``r``: the cursor passes it (only it: no gap)."""
@@ -320,16 +345,20 @@ class Replicator:
 
 def region_stores(home: ObjectStore, desc: RunDescriptor,
                   given: Mapping[str, ObjectStore] | None = None) -> dict[str, ObjectStore]:
-    """Every region's store by name, the home region's being ``home`` (the store the syncer was
-    given): ``given`` overrides any other (tests wrap them), the rest are opened from the descriptor
-    (created if missing: the syncer is who fills a new region). Empty for a single-region run."""
+    """Every region's store by name, the syncer's own region's being ``home`` (the store the syncer
+    was given; which region's copy it is: ``storage.regions.store_region``, the descriptor's home
+    unless its marker or location says otherwise - a failover's new home, issue 25; a store that
+    is not home is refused later, by ``workers/syncer/home.py``): ``given`` overrides any other
+    (tests wrap them), the rest are opened from the descriptor (created if missing: the syncer is
+    who fills a new region). Empty for a single-region run."""
     if desc.regions is None:
         if given:
             raise ValueError(f"run {desc.run_id} has no regions section, but region stores {sorted(given)} were given")
         return {}
+    own = store_region(home, desc).name
     given = dict(given or {})
-    if desc.regions.home in given:
-        raise ValueError(f"region {desc.regions.home!r} is the home region: its store is the syncer's own "
+    if own in given:
+        raise ValueError(f"region {own!r} is the home region: its store is the syncer's own "
                          "(pass it as the syncer's store, not in regions=)")
     unknown = sorted(set(given) - {r.name for r in desc.regions.regions})
     if unknown:
@@ -337,8 +366,8 @@ def region_stores(home: ObjectStore, desc: RunDescriptor,
                          f"{[r.name for r in desc.regions.regions]}")
     out = {}
     for spec in desc.regions.regions:
-        if spec.name == desc.regions.home:
-            out[spec.name] = home      # the authoritative log is where the syncer commits, always
+        if spec.name == own:
+            out[spec.name] = home      # the log is where the syncer commits, always
         else:
             out[spec.name] = given[spec.name] if spec.name in given else open_region(spec, create=True)
     return out
@@ -354,4 +383,5 @@ def replication(home: ObjectStore, desc: RunDescriptor, events: EventLog,
     # "Request and byte accounting"); Replicator.stats() reports them per region.
     others = {n: CountingStore(s) for n, s in stores.items() if s is not home}
     inboxes = [home, *others.values()]
-    return inboxes, (Replicator(home, others, events) if others else None)
+    own = next((n for n, s in stores.items() if s is home), None)
+    return inboxes, (Replicator(home, others, events, home_name=own) if others else None)

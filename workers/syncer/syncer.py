@@ -33,14 +33,16 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from pipeline.commit import CommitMeta
+from pipeline.commit import BELOW_QUORUM, CommitMeta
 from pipeline.errors import FormatError
-from pipeline.fold import SyncerState, fold_fence
-from pipeline.policy import Decision, Ewma, Pending, Timing, Verdict, decide, late_deadline
+from pipeline.fold import DropReason, RoundInput, SyncerState, fold_fence
+from pipeline.policy import (Decision, Ewma, Pending, Timing, Verdict, decide, expire_late, late_answers,
+                             late_deadline)
+from pipeline.schedule import ClockRecord
 from pipeline.types import CommitRecord, RunDescriptor
 from storage.errors import StoreError
 from storage.layout import CLOCK_KEY, read_descriptor
@@ -52,10 +54,11 @@ from workers.bus.bus import HEAD_MAX_BYTES, BusConfig, Message, SyncerBus
 from workers.bus.keys import Gate, KeyRing, Roster, check_syncer_keys
 from workers.bus.signing import sign_commit
 from workers.common.aggregate import RunningMean
-from workers.common.deltas import max_delta_bytes, round_input
+from workers.common.deltas import Opened, max_delta_bytes, round_input
 from workers.common.events import EventLog
 from workers.syncer.committer import Committer, CommitterConfig, KeyConflict
 from workers.syncer.gc import RetentionConfig, SyncerRetention
+from workers.syncer.home import start_home
 from workers.syncer.ingest import Ingest
 from workers.syncer.records import Held, PendingKey
 from workers.syncer.recovery import Recovery, recover_state, republish_damaged
@@ -126,7 +129,7 @@ class Syncer:
                  events: EventLog | None = None, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
                  keys: KeyRing | None = None, before_commit: Callable[[CommitRecord], None] | None = None,
-                 regions: Mapping[str, ObjectStore] | None = None):
+                 regions: Mapping[str, ObjectStore] | None = None, io: Executor | None = None):
         self.store = open_store(store, create=False) if isinstance(store, str) else store   # never a new empty dir
         self.cfg = cfg
         self.events = events or EventLog(None, "syncer", cfg.syncer_id)
@@ -146,9 +149,13 @@ class Syncer:
             HEAD_MAX_BYTES, min(bus.max_message_bytes, max_delta_bytes(self.descriptor))))
         self.bus: SyncerBus | None = None
         self.sync_time = Ewma(0.2)
+        self._next_spill = self._next_beat = 0.0       # the loop's due times (``turn``)
+        self._next_fence_check: float | None = None
+        self._short: tuple[float, int | None] | None = None   # K above every learner heard: since, warned at
         # Object writes of one commit are independent until the commit itself: do them in parallel
         # (each is an fsync or an HTTP round trip), and tidy the inbox in the background.
-        self.io = ThreadPoolExecutor(max_workers=8, thread_name_prefix="syncer-io")
+        # ``io``: injected by the fault simulation (an inline executor: infra/faultsim, issue 25).
+        self.io = io if io is not None else ThreadPoolExecutor(max_workers=8, thread_name_prefix="syncer-io")
         self.retention = SyncerRetention(self.store, cfg.retention, self.events, self.io)
         # A round's arithmetic on a pool of its own (issue 15): bit-identical at any thread count
         # (tests/test_threads.py), so it is a pure speed setting that replay never needs to know.
@@ -168,7 +175,8 @@ class Syncer:
         self.ingest = Ingest(self.store, self.descriptor, self.roster, self.rounds, self.committer.high_water,
                              self.events, clock, sleep, self.io, max_pending=cfg.max_pending,
                              max_per_poll=cfg.max_ingest_per_poll, inboxes=inboxes,
-                             wake_members=self.gate.soon if self.gate is not None else None)
+                             wake_members=self.gate.soon if self.gate is not None else None,
+                             merged_before=self.committer.merged_before)
 
     # -- the parts' state, read where tests, metrics and tools read it ------------------------------
     @property
@@ -199,28 +207,36 @@ class Syncer:
                            i.from_spill, i.evicted, c.grace_waits, c.round_sizes)
 
     # -- start-up --------------------------------------------------------------------------------
-    def recover(self) -> None:
-        """Prove the store enforces create-if-absent (fencing depends on it), rebuild the state from
+    def recover(self, failover_from: str | None = None) -> None:
+        """Refuse a store that is not the run's home region's, unless ``failover_from`` names the
+        home region this one takes over from (issue 25, workers/syncer/home.py); prove the store
+        enforces create-if-absent (fencing depends on it), rebuild the state from
         the log *read-only* (issue 11 item 9: a rebuild that fails leaves the old syncer running),
         then claim a new epoch with a signed fence (item 14), fold whatever an older syncer committed
         in between, and repair what can be recomputed (item 10, workers/syncer/recovery.py)."""
         t0 = self.clock()
+        home = start_home(self.store, self.descriptor, self.replicator.stores() if self.replicator else {},
+                          failover_from, self.events)   # before any write: a region's copy is refused
         probe_conditional_writes(self.store)   # raises, naming the store, on one that does not
         self._refresh_members(force=True)
         before = recover_state(self.store, self.descriptor, CommitLog(self.store).tail(), roster=self.roster,
                                finish=False)
         sign = None if self.signer is None else (lambda r: sign_commit(r, self.signer, self.descriptor.run_id))
-        epoch, fence_seq, log = claim_epoch(self.store, self.cfg.syncer_id, sign=sign, info=before.fence_info(),
-                                            trusted=trusted_commits(self.descriptor))
+        epoch, fence_seq, log = claim_epoch(self.store, self.cfg.syncer_id, sign=sign,
+                                            info={**before.fence_info(), **home.fence_info},
+                                            trusted=trusted_commits(self.descriptor), floor=home.epoch_floor)
+        home.claimed(self.store, self.descriptor, fence_seq, self.events)   # a failover's record, once fenced
         rs = recover_state(self.store, self.descriptor, fence_seq - 1, roster=self.roster, start=before)
         self.committer.begin(epoch, log, fold_fence(rs.state, fence_seq, epoch).state, rs.window)
         self._report_recovery(rs)
         # Round ids are global steps: a new syncer goes on after the newest round in the log, so
         # that (epoch, round) orders every opening learners ever heard.
         self.rounds.clock.step = self._last_round(fence_seq - 1) + 1
+        paced = self.rounds.resume_pace(self._stored_clock())
         self.events.emit("syncer-recovered", epoch=epoch, fence_seq=fence_seq, shard=self.cfg.shard,
                          replayed=before.stats.commits + rs.stats.commits, from_checkpoint=before.stats.from_checkpoint,
-                         salvaged=len(rs.notes), seconds=round(self.clock() - t0, 3))
+                         salvaged=len(rs.notes), seconds=round(self.clock() - t0, 3),
+                         pace_s=round(self.rounds.period.value, 5) if paced else None)
 
     def _report_recovery(self, rs: Recovery) -> None:
         """Say loudly what recovery salvaged; checkpoint a salvaged state at the fence (so a later
@@ -231,6 +247,13 @@ class Syncer:
             self.committer.checkpoint()
         for note in republish_damaged(self.store, self.descriptor, self.state, self.signer):
             self.events.emit("version-republished", detail=note)
+
+    def _stored_clock(self) -> ClockRecord | None:
+        """The round clock an earlier syncer left in storage, or None (none, unreadable: advisory)."""
+        try:
+            return ClockRecord.from_bytes(self.store.get(CLOCK_KEY), CLOCK_KEY)
+        except (StoreError, FormatError):
+            return None
 
     def _last_round(self, tail: int) -> int:
         """The newest round closed by the last few commits (-1: none; old learner-driven runs)."""
@@ -288,28 +311,11 @@ class Syncer:
             self.open_bus()
         if self.replicator is not None:
             self.replicator.start(self.state.last_seq)
-        next_spill = next_beat = 0.0
-        next_fence_check = self.clock() + self.cfg.fence_check_s
         try:
             while not should_stop() and not self.fenced:
-                now = self.clock()
-                if now >= next_fence_check:
-                    self.committer.check_fenced()
-                    next_fence_check = self.clock() + self.cfg.fence_check_s
-                    if self.fenced:
-                        break
-                self._refresh_members()
-                if now >= next_spill:
-                    self.ingest.poll_inboxes()
-                    next_spill = self.clock() + self.cfg.spill_poll_s
-                if self.bus is not None and now >= next_beat:
-                    self.bus.announce(Message("syncer-heartbeat", {"epoch": self.epoch, "tail": self.state.last_seq}))
-                    next_beat = now + self.cfg.heartbeat_s
-                self._tick_rounds()
-                wait = self.close_rounds()
-                timeout = min(wait if wait is not None else 1.0, max(0.0, next_spill - self.clock()), 0.2,
-                              self.rounds.clock.wait_s(self.clock()))
-                self.ingest.poll_bus(timeout)
+                timeout = self.turn()
+                if not self.fenced:
+                    self.ingest.poll_bus(timeout)
         finally:
             if self.bus is not None:
                 self.bus.close()
@@ -321,6 +327,34 @@ class Syncer:
                 self.replicator.stop(self.replicator.cfg.drain_s)
             self.events.emit("syncer-stop", fenced=self.fenced, **self.summary())
         return 3 if self.fenced else 0
+
+    def turn(self) -> float:
+        """One turn of the loop without its wait: the fence check, the inbox, the heartbeat, the
+        rounds. Returns how long the loop may wait for the bus before the next turn. ``run`` loops
+        over it; the fault simulation calls it on simulated time (infra/faultsim, issue 25)."""
+        now = self.clock()
+        if self._next_fence_check is None:        # the first turn: the first check is one period away
+            self._next_fence_check = now + self.cfg.fence_check_s
+        elif now >= self._next_fence_check:
+            self.committer.check_fenced()
+            self._next_fence_check = self.clock() + self.cfg.fence_check_s
+            if self.fenced:
+                return 0.0
+        self._refresh_members()
+        if now >= self._next_spill:
+            self.ingest.poll_inboxes()
+            self._next_spill = self.clock() + self.cfg.spill_poll_s
+        if self.bus is not None and now >= self._next_beat:
+            self.bus.announce(Message("syncer-heartbeat", {"epoch": self.epoch, "tail": self.state.last_seq}))
+            self._next_beat = now + self.cfg.heartbeat_s
+        # Close what may close *before* the clock moves: after a turn that took long (a slow commit,
+        # the process descheduled), the clock catches up several steps at once and would replace
+        # rounds whose quorum and grace were already met, making their answers wait H more steps.
+        self.close_rounds()
+        self._tick_rounds()
+        wait = self.close_rounds()
+        return min(wait if wait is not None else 1.0, max(0.0, self._next_spill - self.clock()), 0.2,
+                   self.rounds.clock.wait_s(self.clock()))
 
     # -- rounds ----------------------------------------------------------------------------------
     def _timing(self) -> Timing:
@@ -352,21 +386,24 @@ class Syncer:
     def _decide_round(self, p: int, candidates: Sequence[Held], timing: Timing, live: int | None,
                       waits: list[float]) -> Decision:
         """What fragment ``p``'s round should do now with its candidates (pipeline/policy.py); in a
-        syncer-driven run, answers that found no open round wait for the next one, until they expire."""
+        syncer-driven run, answers to a round that was closed or replaced wait for the next one,
+        until they expire (``expire_late``). Answers to the open round never expire: below its
+        quorum they are held, and become late when the round is replaced (issue 25: K is a minimum)."""
         syncer_driven = self.descriptor.schedule.driver == "syncer"
         items = [Pending(h.header.id, h.header.learner, h.header.order, h.arrived_at, h.header.c_steps,
                          h.header.c_tokens, h.header.round) for h in candidates]
         opened = self.rounds.open[p]
+        round_id = opened.round if opened is not None else None
         if syncer_driven and opened is None:
             d = Decision((), (), None, None, None, Verdict.NO_ROUND)   # late answers wait for p's next round
         else:
-            d = decide(items, self.clock(), self.policy, timing, live,
-                       round_id=opened.round if syncer_driven else None)
-        if syncer_driven and not d.merge and items:
-            due = late_deadline(min(i.arrived_at for i in items), timing.step_time_s or self.cfg.initial_step_s,
+            d = decide(items, self.clock(), self.policy, timing, live, round_id=round_id if syncer_driven else None)
+        late = late_answers(items, round_id) if syncer_driven and not d.merge else []
+        if late:
+            due = late_deadline(min(i.arrived_at for i in late), timing.step_time_s or self.cfg.initial_step_s,
                                 self.descriptor.schedule.sync_every)
             if self.clock() >= due:
-                d = Decision(tuple(i.delta_id for i in items), (), 0.0, None, None, Verdict.LATE_EXPIRED)
+                d = expire_late(items, self.policy, round_id)
             else:
                 waits.append(due - self.clock())
         return d
@@ -378,44 +415,102 @@ class Syncer:
         waits: list[float] = []
         timing = self._timing()
         live = self._live_count()
+        self._watch_quorum(timing)
         for p, pend in enumerate(self.pending):
             if not pend or self.fenced:
                 continue
             valid = [h for h in pend.values() if h.candidate]
             rejected = [h.pkey for h in pend.values() if not h.candidate]
             d = self._decide_round(p, valid, timing, live, waits)
-            if d.merge:
-                self.merge(p, list(d.merge) + list(d.superseded) + rejected, d)
+            if d.merge or d.dropped:
+                self.merge(p, list(d.merge) + list(d.superseded) + list(d.dropped) + rejected, d)
             elif rejected and (not valid or len(rejected) >= REJECTED_FLUSH):
                 self.merge(p, rejected, Decision((), (), None, None, None, Verdict.REJECTED_ONLY))
             elif d.wait_s is not None:
                 waits.append(d.wait_s)
         return min(waits) if waits else None
 
+    def _watch_quorum(self, timing: Timing) -> None:
+        """A standalone syncer cannot know M (issue 25): once K has exceeded the number of learners
+        it ever heard of for two round periods, say so (``quorum-unreachable``, again whenever that
+        number changes): no round can close until more learners answer."""
+        heard, k = len(self.rounds.learners), self.policy.quorum
+        if heard >= k:
+            self._short = None
+            return
+        now = self.clock()
+        since, warned = self._short or (now, None)
+        self._short = (since, warned)
+        if warned != heard and now >= late_deadline(since, timing.step_time_s or self.cfg.initial_step_s,
+                                                    self.descriptor.schedule.sync_every):
+            self._short = (since, heard)
+            self.events.emit("quorum-unreachable", quorum=k, learners_heard=heard, learners=sorted(self.rounds.learners),
+                             detail=f"the run's quorum K={k} exceeds the {heard} learner(s) this syncer has heard of: "
+                                    f"no round closes until {k - heard} more answer (K is a minimum)")
+
     # -- commits ---------------------------------------------------------------------------------
     def _commit_meta(self, p: int, held: list[Held], decision: Decision, t0: float,
                      opened: OpenRound | None) -> CommitMeta:
         """What this syncer decides about a commit besides its inputs (seq, keys, timings, info);
-        ``opened``: the round it closes (None: none, e.g. a drop of rejected deltas only)."""
+        ``opened``: the round it closes (None: none, e.g. a drop of rejected deltas only). The round
+        size counts the distinct learners of its candidates, less those dropped ``below-quorum``."""
         grace = max(0.0, t0 - decision.quorum_met_at) if decision.quorum_met_at is not None else 0.0
         info = {"syncer": self.cfg.syncer_id, "decided": decision.reason.value, "live": self._live_count() or 0,
                 "committed_at": round(self.wall(), 4)}
         rejected = self.ingest.rejected_since_commit()
         if rejected:
             info["rejected"] = rejected   # ingest refusals since the last commit
+        dropped = set(decision.dropped)
         return CommitMeta(seq=self.state.last_seq + 1, epoch=self.epoch, output_key=self.committer.next_version_key(p),
-                          round_size=len(set(h.header.learner for h in held if h.candidate)),
+                          round_size=len({h.header.learner for h in held if h.candidate and h.header.id not in dropped}),
                           grace_wait_s=round(grace, 4), info=info, round=opened.round if opened is not None else -1)
+
+    def _round_input(self, h: Held, reason: str) -> RoundInput:
+        """``h`` as a fold input; ``reason``: a drop this syncer decided about the round's set
+        (``below-quorum``), which replay takes from the record (pipeline/commit.py RECORDED_REASONS):
+        its bytes are then not decoded."""
+        opened = h.opened
+        if reason:
+            opened = dataclasses.replace(opened, reason=reason) if opened is not None else Opened(h.header, h.blob, reason)
+        return round_input(h.blob, h.stored_key, self.descriptor, self.roster, opened)
+
+    def _below_quorum(self, p: int, decision: Decision) -> str:
+        """The recorded reason of ``decision.dropped`` (issue 25), naming K and the learners that had work."""
+        working = {h.header.learner for h in self.pending[p].values()
+                   if h.candidate and h.header.c_steps > 0 and h.header.c_tokens > 0}
+        return str(DropReason(BELOW_QUORUM, f"K={self.policy.quorum}, {len(working)} learner(s) answered "
+                                            f"in {2 * self.descriptor.schedule.sync_every} steps"))
+
+    def _short_of_quorum(self, commit) -> set[str]:
+        """The learners of a merge commit whose fold left fewer than K of them (empty: none, or K met)."""
+        rec = commit.record
+        learners = {i.learner for i in rec.inputs}
+        return learners if rec.kind == "merge" and len(learners) < self.policy.quorum else set()
 
     def merge(self, p: int, keys: Sequence[PendingKey], decision: Decision) -> None:
         """Commit fragment ``p``'s round of the pending deltas ``keys`` as ``decision`` decided it
-        (the policy is ``close_rounds``'s; tests call this directly)."""
+        (the policy is ``close_rounds``'s; tests call this directly). A merge of fewer than K
+        distinct learners is never committed (issue 25): when the fold drops answers (norm outliers,
+        stale bases ...) and leaves fewer, only its drops are committed, and the survivors' learners'
+        deltas stay pending for this round (still open) or a later one."""
         t0 = self.clock()
         held = [self.pending[p][k] for k in keys if k in self.pending[p]]
-        inputs = list(self.map_fn(lambda h: round_input(h.blob, h.stored_key, self.descriptor, self.roster, h.opened),
+        drop = set(decision.dropped)
+        why = self._below_quorum(p, decision) if drop else ""
+        inputs = list(self.map_fn(lambda h: self._round_input(h, why if h.candidate and h.header.id in drop else ""),
                                   held))
         opened = self.rounds.open[p] if decision.merge else None
         commit = self.committer.decide(p, inputs, self._commit_meta(p, held, decision, t0, opened))
+        short = self._short_of_quorum(commit)
+        if short:
+            rest = [(h, i) for h, i in zip(held, inputs) if not (h.candidate and h.header.learner in short)]
+            self.events.emit("merge-below-quorum", fragment=p, quorum=self.policy.quorum, learners=sorted(short),
+                             kept=len(held) - len(rest), dropped=len(rest))
+            held, inputs = [h for h, _ in rest], [i for _, i in rest]
+            decision, opened = Decision((), (), 0.0, None, None, Verdict.FOLD_BELOW_QUORUM), None
+            commit = self.committer.decide(p, inputs, self._commit_meta(p, held, decision, t0, None)) if held else None
+            if commit is None or self._short_of_quorum(commit):
+                return
         try:
             if not self.committer.persist(commit, [(inp.key, h.blob) for inp, h in zip(inputs, held)]):
                 return
