@@ -1,6 +1,7 @@
 """The learner's sync agent (issue 15, workers/learner/agent.py): sender and receiver in a child
 process give the same stored bytes and the same applied versions as the threads; its wire refuses
-damaged frames; a dead agent stops the learner loudly.
+damaged frames; an agent that keeps dying stops the learner loudly (one that dies once is replaced:
+tests/test_agent_faults.py).
 
 Tiny unsigned runs in a temp directory, no syncer, no bus (deltas spill; versions are appended by
 hand), so both modes see the same inputs and every figure compared is deterministic."""
@@ -191,14 +192,25 @@ def test_slots_share_values_between_two_mappings(tmp_path):
     ours.close()
 
 
-def test_a_dead_agent_stops_the_learner_loudly(tmp_path):
+def test_an_agent_that_keeps_dying_stops_the_learner_loudly(tmp_path):
+    """A killed agent is replaced (issue 25: tests/test_agent_faults.py); one that dies
+    RESPAWN_LIMIT + 1 times in a row without making a delta durable is not: the learner stops loudly."""
+    from workers.learner.agent import RESPAWN_LIMIT
     store = open_store(str(tmp_path / "run"))
     model = tiny_model()
     make_run(store, model)
     learner, _ = start_learner(store, model, sync_process=True)
     try:
         train_until(learner, lambda: learner.step_count >= 2, "two steps")
-        learner.sender.agent.proc.kill()
+        agent = learner.sender.agent
+        for _ in range(RESPAWN_LIMIT + 1):
+            proc = agent.proc
+            proc.kill()
+            deadline = time.monotonic() + 60
+            while agent.proc is proc and agent.failed is None:   # replaced (once ready), or given up
+                assert time.monotonic() < deadline, "the agent was neither replaced nor given up"
+                time.sleep(0.02)
+        assert agent.failed and "not started again" in agent.failed, agent.failed
         with pytest.raises(RuntimeError, match="sync agent"):
             train_until(learner, lambda: False, "the learner to stop", timeout=10)
     finally:
@@ -306,7 +318,7 @@ def test_a_draining_learner_asks_for_the_counters_and_the_agent_reports_at_once(
     from workers.learner.agent import AgentSender
     from workers.learner.agent_main import Agent
     sent = []
-    fake = SimpleNamespace(stats={"submitted": 0, "undelivered": 1, "idle": False}, failed=None, queued={},
+    fake = SimpleNamespace(live_stats={}, undelivered=lambda: 1, failed=None, queued={},
                            flush_queued=lambda: None, send=lambda kind, **f: sent.append(kind))
     assert AgentSender(fake).drain(0.25) is False          # never idle: it keeps asking until the deadline
     assert sent and set(sent) == {"report"} and len(sent) >= 2

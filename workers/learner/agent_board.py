@@ -18,7 +18,12 @@ reads it itself at the start of each step - one shared word when nothing changed
   the deltas it copied out of that slot; the learner counts its hand-overs, and a slot whose two
   counts are equal is the learner's again;
 * ``generation`` (in the header): bumped by the agent after every opened or arrival record, so a
-  step with no news reads one word.
+  step with no news reads one word;
+* **settled deltas** (board version 2, issue 25): a ring of ``SETTLED_RING`` records, written by
+  the agent as soon as its Sender made a delta durable or dropped it with a logged reason (the
+  delta's seq + 1; 0: never written). The learner reads it only from a *dead* agent's board, to
+  tell the deltas that died with it from those it settled but had not reported yet (its ``stats``
+  frames lag by up to a second): a frame per settled delta would wake the learner mid-step.
 
 **Format** (version ``BOARD_VERSION``, all little-endian 8-byte words, in one ``memfd``):
 header ``[magic, version, fragments, delta_slots, generation (a record)]``, then the records.
@@ -42,7 +47,8 @@ import numpy as np
 from pipeline.errors import FormatError
 from workers.learner.agent_wire import unmap
 
-BOARD_VERSION = 1
+BOARD_VERSION = 2   # 2 (issue 25): the settled ring after the done records
+SETTLED_RING = 1024   # settled deltas a dead agent's board still names (more than its reports can lag behind)
 MAGIC = 0x4452_4442_4F41_5244   # "DDLBOARD"-ish, a fixed 8-byte tag
 RETRIES = 10_000
 FOUND_BY = ("announce", "poll")   # Arrival.found_by, by code
@@ -82,7 +88,9 @@ class Board:
         self._arrival_at = self._opened_at + fragments * _words(_OPENED)
         self._consumed_at = self._arrival_at + fragments * _words(_ARRIVAL)
         self._done_at = self._consumed_at + fragments * _words(_COUNTER)
-        size = 8 * (self._done_at + delta_slots * _words(_COUNTER))
+        self._settled_at = self._done_at + delta_slots * _words(_COUNTER)
+        self._settled_n = 0                 # the agent's: settled deltas written (the ring's next record)
+        size = 8 * (self._settled_at + SETTLED_RING * _words(_COUNTER))
         created = fd is None
         if created:
             fd = os.memfd_create("ddiloco-agent-board", 0)   # Linux, as the slots
@@ -202,6 +210,27 @@ class Board:
 
     def set_done(self, slot: int, count: int) -> None:
         self._write(self._done_at + slot * _words(_COUNTER), _COUNTER, count)
+
+    # -- settled deltas (agent writes; the learner reads a dead agent's) --------------------------
+    def add_settled(self, delta_seq: int) -> None:
+        """The agent: its Sender settled the learner's delta ``delta_seq`` (durable, or dropped with
+        a logged reason). The oldest of the ring is overwritten."""
+        at = self._settled_at + (self._settled_n % SETTLED_RING) * _words(_COUNTER)
+        self._write(at, _COUNTER, delta_seq + 1)
+        self._settled_n += 1
+
+    def settled(self) -> set[int]:
+        """The seqs of the last ``SETTLED_RING`` deltas settled; a record torn by the writer's death
+        is skipped (its delta then counts as not settled: the safe side)."""
+        out = set()
+        for i in range(SETTLED_RING):
+            try:
+                (v,) = self._read(self._settled_at + i * _words(_COUNTER), _COUNTER)
+            except FormatError:
+                continue
+            if v > 0:
+                out.add(v - 1)
+        return out
 
     def close(self, close_fd: bool = True) -> None:
         self.words = None

@@ -6,7 +6,9 @@ loading and verifying versions) never holds the training process's GIL.
 learner). The first frame on ``--conn`` is ``config`` (workers/learner/agent.py
 ``SyncAgent._config``); then:
 
-* learner -> agent: ``delta`` (header, slot: the values are in the shared slot; the agent copies
+* learner -> agent: ``config`` (first; since wire version 4 with ``drain_s``, how long this
+  process drains when orphaned, and ``life``, 0 for the learner's first agent and n for its n-th
+  replacement), ``delta`` (header, slot: the values are in the shared slot; the agent copies
   them out, submits them to its Sender and counts the slot as done on the board), ``beat`` (the
   learner's heartbeat fields; ``soon``: send one now), ``report`` (send the counters now: the
   learner is draining), ``stop_sender``, ``stop``;
@@ -14,14 +16,22 @@ learner). The first frame on ``--conn`` is ``config`` (workers/learner/agent.py
   process's store and bus counters for the learner's accounting events; when they changed, at most
   every ``STATS_EVERY_S``, and the latest before ``sender_stopped`` and at the end; ``events``: the
   records this process logged since the last frame, when the learner's log has listeners such as its
-  metrics, ``config.forward_events``), ``failed`` (why this process stops early), ``sender_stopped``,
-  ``bye``;
+  metrics, ``config.forward_events``; ``settled``, since wire version 4: the ids of the deltas its
+  Sender made durable or dropped with a logged reason since the last frame, so the learner knows
+  which ones died with a killed agent, issue 25), ``failed`` (why this process stops early),
+  ``sender_stopped``, ``bye``;
 * on the board (workers/learner/agent_board.py), read by the training thread at each step's start:
   the open rounds, each fragment's newest version (written into its version slot) and the delta
   slots copied out. No frame for them: a frame wakes the learner's reader thread mid-step.
 
 Events go to the learner's own log (appended line by line, with the learner's role and id), each
 delta's ``delta`` event too (written here when the delta is taken from its slot, not by the learner).
+
+Orphaned (issue 25): when the channel ends without ``stop`` (EOF: the learner died or closed it),
+the frames it sent before are all handled first - each delta it handed over is taken from its
+slot - and then what this process holds is made durable (acked, or spilled after the Sender's
+ack timeout; at once without a bus) within ``drain_s`` before it exits: ``sync-agent-orphaned``
+and ``sync-agent-drained`` events. Before, it exited at once and the learner's last deltas died.
 """
 from __future__ import annotations
 
@@ -36,6 +46,7 @@ from functools import partial
 from multiprocessing.connection import Connection, wait
 
 from pipeline.types import DeltaHeader
+from pipeline.types import RunDescriptor
 from storage.layout import read_descriptor
 from storage.store import open_store
 from workers.bus.bus import BusConfig, BusCounters, CurveKeys, drain_wake
@@ -54,6 +65,9 @@ STATS_EVERY_S = 1.0     # counters go out at most this often: each frame wakes t
                         # learner asks for them (``report``). The loop wakes on a frame, news, or after this
 FORWARD_MAX = 10_000    # event records held for the learner's listeners between two stats frames
 PENDING_POLL_S = 0.005  # a version waiting for its slot (the learner has not copied out the one before)
+# the Sender's events that end its hold on a delta (durable, or dropped with a logged reason)
+SETTLED_EVENTS = frozenset({"delta-acked", "delta-spilled", "delta-superseded", "delta-evicted", "delta-rejected",
+                            "delta-dropped"})
 
 
 class Agent:
@@ -61,7 +75,9 @@ class Agent:
         self.conn, self.cfg = conn, cfg
         # counted: the learner's accounting events add these requests (workers/common/traffic.py)
         self.store = store = counted(open_store(cfg["store"], s3_endpoint=cfg.get("s3_endpoint"), create=False))
-        self.d = d = read_descriptor(store)
+        # from the learner (wire v5): starting must not need storage, which may be down right now
+        self.d = d = RunDescriptor.from_bytes(cfg["descriptor"], what="the learner's run descriptor") \
+            if cfg.get("descriptor") else read_descriptor(store)
         self.slots = Slots(d, cfg["delta_slots"] + cfg["version_slots"], fd=shm_fd)
         if cfg["version_slots"] != 2 * d.num_fragments:
             raise ValueError(f"expected 2 version slots per fragment, got {cfg['version_slots']}")
@@ -98,6 +114,14 @@ class Agent:
         self.sent_stats: dict | None = None
         self.stats_at = 0.0
         self.sender_stopped = False
+        self.orphaned = False      # the learner's end of the channel is gone
+        self.drain_s = float(cfg.get("drain_s", 30.0))
+        # Deltas settled (issue 25: so the learner knows which ones a killed agent still held):
+        # appended on the sender's thread, written to the board's ring at once by this loop, and
+        # named in the next stats frame
+        self.settled: deque[str] = deque()
+        self.unreported: list[str] = []
+        self.events.subscribe(self._note_settled)
         # With listeners on the learner's side (its metrics), every record this process logs goes to
         # them too, in the next ``stats`` frame (bounded: the oldest are dropped first).
         self.forwarded: deque[dict] = deque(maxlen=FORWARD_MAX)
@@ -110,24 +134,63 @@ class Agent:
         except (BlockingIOError, OSError):
             pass      # the pipe is full: the loop is awake already
 
-    def send(self, kind: str, **fields) -> None:
-        self.conn.send_bytes(pack(kind, **fields))
+    def _note_settled(self, rec: dict) -> None:
+        if rec.get("event") in SETTLED_EVENTS and isinstance(rec.get("delta"), str):
+            self.settled.append(rec["delta"])
+            self._news()
 
-    def run(self) -> None:
+    def _record_settled(self) -> None:
+        """Onto the board's settled ring (what the learner reads if this process dies), then into
+        the next stats frame."""
+        for _ in range(len(self.settled)):
+            did = self.settled.popleft()
+            seq = did.rsplit("/", 1)[-1]
+            if seq.isdigit():
+                self.board.add_settled(int(seq))
+            self.unreported.append(did)
+
+    def send(self, kind: str, **fields) -> None:
+        if self.orphaned:
+            return
+        try:
+            self.conn.send_bytes(pack(kind, **fields))
+        except OSError:
+            self.orphaned = True       # the learner is gone: run() drains and exits
+
+    def run(self) -> int:
+        """Serve the learner until ``stop`` (0) or until it is gone (``orphan``'s status)."""
         self.sender.start()
         self.receiver.start()
         self.send("ready")
-        while True:
-            ready = wait([self.conn, self._news_r], PENDING_POLL_S if self.pending else STATS_EVERY_S)
-            if self._news_r in ready:
-                drain_wake(self._news_r)
-            while self.conn.poll():
-                if not self.handle(unpack(self.conn.recv_bytes())):
-                    return
-            for a in self.receiver.take():
-                self.pending[a.fragment] = a
-            self.publish()
-            self.report()
+        try:
+            while not self.orphaned:
+                ready = wait([self.conn, self._news_r], PENDING_POLL_S if self.pending else STATS_EVERY_S)
+                if self._news_r in ready:
+                    drain_wake(self._news_r)
+                while self.conn.poll():
+                    if not self.handle(unpack(self.conn.recv_bytes())):
+                        return 0
+                for a in self.receiver.take():
+                    self.pending[a.fragment] = a
+                self.publish()
+                self.report()
+        except (EOFError, OSError):
+            self.orphaned = True
+        return self.orphan()
+
+    def orphan(self) -> int:
+        """The learner is gone (issue 25): every frame it sent was handled, so every delta it
+        handed over is in the Sender; make them durable within ``drain_s``, then stop. 0 if all are."""
+        self.orphaned = True
+        self.events.emit("sync-agent-orphaned", held=self.sender.undelivered(), drain_s=self.drain_s)
+        drained = self.sender.drain(self.drain_s) if not self.sender_stopped else self.sender.undelivered() == 0
+        if not self.sender_stopped:
+            self.sender.stop()
+        self.receiver.stop()
+        s = self.sender.stats
+        self.events.emit("sync-agent-drained", drained=drained, undelivered=self.sender.undelivered(),
+                         acked=s.acked, spilled=s.spilled)
+        return 0 if drained else 1
 
     def publish(self) -> None:
         """Write each pending version into its slot and onto the board, once the learner has copied
@@ -144,6 +207,7 @@ class Agent:
             self.gen[p] = g
 
     def report(self, final: bool = False) -> None:
+        self._record_settled()
         opened = self.receiver.opened()
         if opened != self.sent_opened:
             self.board.write_opened(opened, before=self.sent_opened)   # only the records that changed
@@ -153,9 +217,11 @@ class Agent:
             return
         stats = self.stats()
         records = [self.forwarded.popleft() for _ in range(len(self.forwarded))]
-        if stats != self.sent_stats or records:
+        settled, self.unreported = self.unreported, []
+        if stats != self.sent_stats or records or settled:
             self.sent_stats = stats
-            self.send("stats", **stats, **({"events": records} if records else {}))
+            self.send("stats", **stats, **({"events": records} if records else {}),
+                      **({"settled": settled} if settled else {}))
         self.stats_at = now
 
     def stats(self) -> dict:
@@ -223,9 +289,9 @@ def main(argv: list[str]) -> int:
             except OSError as exc:
                 raise ValueError(f"agent_cpus {msg['cpus']}: cannot run there ({exc})") from None
         agent = Agent(conn, args.shm, args.board, msg)
-        agent.run()
+        code = agent.run()
     except EOFError:
-        return 1          # the learner is gone: nothing to report to
+        return 1          # the learner is gone before the config: nothing to report to, nothing held
     except Exception as exc:   # noqa: BLE001 - reported to the learner, which stops loudly
         try:
             conn.send_bytes(pack("failed", error=f"{exc.__class__.__name__}: {exc}"))
@@ -235,12 +301,13 @@ def main(argv: list[str]) -> int:
     finally:
         if agent is not None:
             agent.events.close()
-    try:
-        conn.send_bytes(pack("bye"))
-    except OSError:
-        pass
+    if not agent.orphaned:
+        try:
+            conn.send_bytes(pack("bye"))
+        except OSError:
+            pass
     time.sleep(0)
-    return 0
+    return code
 
 
 if __name__ == "__main__":

@@ -30,8 +30,12 @@ import numpy as np
 from pipeline.errors import FormatError
 from pipeline.types import RunDescriptor
 
-WIRE_VERSION = 3      # 2: opened rounds, arrivals and freed slots moved to the board (agent_board.py);
-                      # 3: a ``report`` frame (counters now), ``stats`` at most every 1 s instead of 0.25
+WIRE_VERSION = 5      # 2: opened rounds, arrivals and freed slots moved to the board (agent_board.py);
+                      # 3: a ``report`` frame (counters now), ``stats`` at most every 1 s instead of 0.25;
+                      # 4 (issue 25): ``stats`` name the deltas settled since the last (``settled``), so a
+                      # killed agent's learner knows which it still held; ``config`` has ``drain_s``, ``life``;
+                      # 5 (issue 25): ``config`` carries the run descriptor (``descriptor``: its envelope
+                      # bytes), so a child starts without a GET (a replacement during an S3 outage)
 ALIGN = 64
 
 
