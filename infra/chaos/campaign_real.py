@@ -5,7 +5,9 @@ fault kinds the harness has on a plain local run - learner kill (+ restart), lea
 straggler (a learner slowed for the whole run), syncer kill (+ restart after an outage), a second
 syncer, bus blackhole, bad input from a listed key - and, less often because each needs servers of
 its own, an S3 outage (a SeaweedFS server per run). Every schedule runs as a chaos scenario
-(runner.run_scenario: real ``ddiloco syncer`` and learner processes) and is judged by every
+(runner.run_scenario: real ``ddiloco syncer`` and learner processes). A quarter of the runs
+need a quorum K = 2 (their learner faults then hit one learner), and a third run the learners'
+sync agent in a child process (``--sync-process``), whose SIGKILL is one more fault kind and is judged by every
 invariant, bookkeeping and progress (invariants.py, progress.py). The deterministic simulation
 (infra/faultsim/) runs the same idea a thousand times faster; this one keeps it honest.
 
@@ -25,8 +27,8 @@ import numpy as np
 from .scenarios import _ALL_BAD, _BASE, Bounds, Fault, Scenario
 
 KINDS = ("kill-learner", "pause-learner", "slow-learner", "kill-syncer", "second-syncer", "blackhole", "rogue",
-         "s3-down")
-_WEIGHTS = (3, 3, 1, 3, 1, 2, 1, 1)          # s3-down is rarer: it starts a server per run
+         "s3-down", "kill-agent")
+_WEIGHTS = (3, 3, 1, 3, 1, 2, 1, 1, 2)       # s3-down is rarer: it starts a server per run
 _ATTACKS = [a for a in dict.fromkeys(_ALL_BAD.split(",")) if a != "too-old"]   # too-old waits for 16 versions
 
 
@@ -34,15 +36,20 @@ def schedule(seed: int, index: int, learners: int = 3, steps: int = 420) -> Scen
     """Schedule ``index`` of campaign ``seed``: 1-4 faults, drawn from ``KINDS`` (no two of one
     kind on one target), at 1-6 s after training starts, lasting 1-4 s."""
     rng = np.random.default_rng([seed, index, 25])
-    spec = dataclasses.replace(_BASE, learners=learners, steps=steps, seed=seed)
+    # A quarter of the runs need K = 2 of the 3 learners (then learner faults hit one learner, so K
+    # stay live); a third run the sync agent in a child process, whose SIGKILL the learner survives.
+    quorum = 2 if rng.random() < 0.25 else 1
+    agent = bool(rng.random() < 0.35)
+    spec = dataclasses.replace(_BASE, learners=learners, steps=steps, seed=seed, quorum=quorum, sync_process=agent)
+    victim = f"l{int(rng.integers(1, learners))}"
     faults: list[Fault] = []
     slow: dict[str, float] = {}
     used: set[tuple[str, str]] = set()
     for _ in range(int(rng.integers(1, 5))):
         kind = str(rng.choice(KINDS, p=np.array(_WEIGHTS) / sum(_WEIGHTS)))
-        target = f"l{int(rng.integers(1, learners))}" if kind in ("kill-learner", "pause-learner", "slow-learner") \
-            else ""
-        if (kind, target) in used:
+        target = (victim if quorum > 1 else f"l{int(rng.integers(1, learners))}") \
+            if kind in ("kill-learner", "pause-learner", "slow-learner", "kill-agent") else ""
+        if (kind, target) in used or (kind == "kill-agent" and not agent):
             continue
         used.add((kind, target))
         at = round(float(rng.uniform(1.0, 6.0)), 2)
@@ -62,6 +69,8 @@ def schedule(seed: int, index: int, learners: int = 3, steps: int = 420) -> Scen
         elif kind == "rogue":
             picks = rng.choice(len(_ATTACKS), size=int(rng.integers(2, 6)), replace=False)
             faults.append(Fault(at, kind, ",".join(_ATTACKS[k] for k in sorted(picks))))
+        elif kind == "kill-agent":
+            faults.append(Fault(at, kind, target))
         elif kind == "s3-down":
             spec = dataclasses.replace(spec, storage="s3")
             faults.append(Fault(at, kind, "", dur))
@@ -80,9 +89,11 @@ def schedule(seed: int, index: int, learners: int = 3, steps: int = 420) -> Scen
     # seconds; otherwise a few seconds at most while one learner trains.
     slow_commits = any(f.action in ("kill-syncer", "second-syncer", "s3-down") for f in faults)
     bounds = Bounds(max_commit_gap_s=(20.0 if slow_commits else 6.0) + max((f.duration_s for f in faults), default=0))
-    desc = "; ".join(f"{f.action} {f.target} at {f.at_s} s for {f.duration_s} s".replace("  ", " ") for f in faults)
-    if slow:
-        desc += "; slow " + ", ".join(f"{k} x{v}" for k, v in sorted(slow.items()))
+    bounds = dataclasses.replace(bounds, quorum_alive=quorum)
+    parts = (["K=2"] if quorum > 1 else []) + (["sync agent"] if agent else []) + [
+        f"{f.action}{' ' + f.target if f.target else ''} at {f.at_s} s" + (f" for {f.duration_s} s" if f.duration_s else "")
+        for f in faults] + ([("slow " + ", ".join(f"{k} x{v}" for k, v in sorted(slow.items())))] if slow else [])
+    desc = "; ".join(parts)
     return Scenario(f"campaign-{seed}-{index}", "campaign", desc, spec, tuple(faults), bounds)
 
 

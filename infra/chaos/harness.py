@@ -14,6 +14,7 @@ same file; ``learner-start`` / ``syncer-recovered`` separate its lives).
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,7 @@ class RunSpec:
     regions: int = 2                   # storage "wan": a SeaweedFS server per region, learner m in r(m mod N),
     wan: str = "rtt=100ms,bw=100mbit"  # and this link on every cross-region path (infra/wan_topology.py)
     pace_s: float | None = None        # every learner paced to this step time (infra.chaos.worker; slow applies)
+    sync_process: bool = False         # learners run their sync agent in a child process (--sync-process)
     model: str = "tiny"
     seed: int = 0
     ack_timeout_s: float = 1.0
@@ -227,6 +229,8 @@ class ChaosRun:
                  "--slow", str(slow if slow is not None else self.spec.slow_of(lid))]
         if steps is not None:
             extra += ["--steps", str(steps)]
+        if self.spec.sync_process:
+            extra += ["--sync-process"]
         if shard is not None:
             extra += ["--shard", str(shard)]
         if pace_s is None:
@@ -261,6 +265,22 @@ class ChaosRun:
     def kill(self, name: str) -> None:
         """SIGKILL (the process group): no clean-up, no drain."""
         self._started().kill(name)
+
+    def kill_agent(self, lid: str) -> bool:
+        """SIGKILL the sync agent (``workers.learner.agent_main``, a child of learner ``lid`` run with
+        ``--sync-process``) and nothing else: the learner must replace it and train on (issue 25
+        item 6). False when the learner has no live agent."""
+        if not self.alive(lid):
+            return False
+        victims = [pid for pid in _descendants(self.life(lid).popen.pid) if b"workers.learner.agent_main" in _cmdline(pid)]
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if victims:
+            self.mark(lid, "kill-agent", f"pids {victims}")
+        return bool(victims)
 
     def pause(self, name: str) -> None:
         self._started().pause(name)
@@ -389,3 +409,31 @@ class ChaosRun:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read()
+    except OSError:
+        return b""
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                ppid = int(fh.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out

@@ -12,10 +12,11 @@ All five are functions of what a run left behind - the commit log and the learne
   tau steps between an answer and the version's arrival (SPEC §3). Exempt: the steps after the last
   merged delta of a life the harness SIGKILLed (lost with the process, counted by the ledger).
   A learner the harness paused takes no steps while paused, so its pauses cost it nothing here.
-- ``fragment_progress`` (b): no fragment goes more than 2H global steps (round ids are global
-  steps) between merges while learners answer it: a gap is a violation when some learner answered
-  a round of that fragment inside it (a delta event naming a round in the gap) - answers nobody
-  merged.
+- ``fragment_progress`` (b): no fragment goes more than 2H steps between merges while learners
+  answer it, counted in the steps the learners that answered it inside the gap took (not in round
+  ids: see the function) - a frozen fragment, answers nobody merged. Steps while no merge can
+  happen by design (the syncer down and recovering, the S3 server down: ``blind_windows``) do not
+  count; what the learners did meanwhile must then reach the model, which (a) checks.
 - ``utilisation_recovers`` (c): after each fault ends, each learner's utilisation - the share of its
   own steps whose work a merged delta of each fragment carries, averaged over the fragments (tokens
   merged / tokens trained, at a fixed batch) -
@@ -32,6 +33,8 @@ All five are functions of what a run left behind - the commit log and the learne
 from __future__ import annotations
 
 import bisect
+import math
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
@@ -41,7 +44,8 @@ from .invariants import Check, Observation, _lives_of
 
 HARMLESS = ("duplicate", "superseded")
 REPAIRS = ("resume", "restart", "restore", "up", "heal", "start")   # a mark that ends a fault (its ``what``)
-FAULTS = ("pause", "kill", "blackhole", "down", "partition", "rogue", "slow")
+FAULTS = ("pause", "kill", "blackhole", "down", "partition", "slow")
+INSTANT = ("rogue", "kill-agent")     # over when done: bad input sent, a sync agent the learner replaces itself
 
 
 @dataclass(frozen=True)
@@ -107,14 +111,18 @@ def _uncovered_runs(spans: Sequence[tuple[int, int]], last: int, tail: bool) -> 
 
 # -- (a) -------------------------------------------------------------------------------------------
 
-def learner_progress(obs: Observation, H: int) -> Check:
+def learner_progress(obs: Observation, H: int, K: int = 1) -> Check:
+    """(a). With K > 1, a run of steps taken while fewer than K learners trained is exempt: no
+    merge was possible (``short_of_quorum``; e.g. the last learner still training at the end)."""
     bound = 2 * H
+    short = short_of_quorum(obs, K)
     worst: dict[str, dict] = {}
     problems = []
     for life in lives(obs):
         name = f"{life.learner}/{life.incarnation}"
         spans = carried(obs.records, life.learner, life.incarnation)
-        runs = _uncovered_runs(spans, life.last_step, tail=not life.killed)
+        runs = [r for r in _uncovered_runs(spans, life.last_step, tail=not life.killed)
+                if not _during(life, r, short)]
         longest = max(runs, key=lambda r: r[1] - r[0], default=None)
         n = 0 if longest is None else longest[1] - longest[0] + 1
         worst[name] = {"longest_uncarried_steps": n, "at": list(longest) if longest else None,
@@ -130,38 +138,168 @@ def learner_progress(obs: Observation, H: int) -> Check:
                                                             "violations": problems[:10]})
 
 
+def _during(life: Life, run: tuple[int, int], windows: Sequence[tuple[float, float]]) -> bool:
+    """Whether the wall time of the life's steps ``run`` overlaps any of ``windows``."""
+    if not windows or not life.steps:
+        return False
+    times = [t for t, _ in life.steps]
+    steps = [st for _, st in life.steps]
+    lo = times[max(0, bisect.bisect_right(steps, run[0]) - 1)]
+    hi = times[min(len(times) - 1, bisect.bisect_left(steps, run[1]))]
+    return any(a < hi and b > lo for a, b in windows)
+
+
 # -- (b) -------------------------------------------------------------------------------------------
 
-def fragment_progress(obs: Observation, H: int, fragments: int) -> Check:
+def global_period(obs: Observation) -> float:
+    """The global step's length in seconds as the syncer's clock sets it (SPEC §2, rounds.py): the
+    median over learner lives of each one's median step-to-step time (from its step events)."""
+    periods = []
+    for life in lives(obs):
+        rates = [(t1 - t0) / (s1 - s0) for (t0, s0), (t1, s1) in zip(life.steps, life.steps[1:]) if s1 > s0]
+        if rates:
+            periods.append(statistics.median(rates))
+    return statistics.median(periods) if periods else 0.0
+
+
+def fragment_progress(obs: Observation, H: int, fragments: int, K: int = 1) -> Check:
+    """(b): between two merges of a fragment (by commit time), and after its last one, at most 2H
+    global steps may pass while learners answer it. Measured in time, in units of the global step
+    (``global_period``), not in round ids: the clock catches up after a stalled loop turn, so three
+    rounds of a fragment can open within two learner steps (seen on a loaded machine) - a gap in
+    round ids nobody waited through. Not counted: the ``blind_windows`` (no merge is possible by
+    design) and times when fewer than K learners train (``short_of_quorum``)."""
     bound = 2 * H
-    answered: dict[int, list[int]] = defaultdict(list)
+    period = global_period(obs)
+    answers: dict[int, list[float]] = defaultdict(list)
     for events in obs.learner_events.values():
         for e in events:
-            if e.get("event") == "delta" and isinstance(e.get("round"), int) and e["round"] >= 0:
-                answered[int(e["fragment"])].append(int(e["round"]))
+            if e.get("event") == "delta" and isinstance(e.get("fragment"), int):
+                answers[int(e["fragment"])].append(float(e["t"]))
+    end = max((e["t"] for ev in obs.learner_events.values() for e in ev), default=0.0)
+    blind = blind_windows(obs) + short_of_quorum(obs, K)
     problems, per = [], {}
     for p in range(fragments):
-        rounds = sorted(r.round for r in obs.merges() if r.fragment == p and r.round >= 0)
-        asked = sorted(answered.get(p, []))
-        worst = 0
-        # the gaps between merges, and after the last one (answers nobody merged at the end)
-        for a, b in zip(rounds, rounds[1:] + [None]):
-            hi = b if b is not None else (asked[-1] + 1 if asked else a)
-            if hi - a <= bound:
+        times = sorted(float(r.info["committed_at"]) for r in obs.merges()
+                       if r.fragment == p and r.info.get("committed_at") is not None)
+        asked = sorted(answers.get(p, []))
+        worst = 0.0
+        for a, b in zip(times, times[1:] + [max(end, times[-1] if times else end)]):
+            if not any(a < t < b for t in asked) or period <= 0:
                 continue
-            # answers to rounds inside the gap that no merge took (at least 2H after the last merge)
-            inside = asked[bisect.bisect_left(asked, a + bound):bisect.bisect_left(asked, hi)]
-            if inside:
-                worst = max(worst, hi - a)
-                problems.append(f"fragment {p}: no merge between rounds {a} and {b if b is not None else 'the end'} "
-                                f"({hi - a} global steps, bound 2H = {bound}) although learners answered "
-                                f"{len(inside)} rounds in it (e.g. round {inside[0]})")
-        per[str(p)] = {"merges": len(rounds), "answers": len(asked), "worst_gap_steps": worst}
-        if not rounds and asked:
-            problems.append(f"fragment {p}: learners answered {len(asked)} rounds and none was merged")
+            steps = _seen(a, b, blind) / period
+            worst = max(worst, steps)
+            if steps > bound:
+                problems.append(f"fragment {p}: no merge for {steps:.0f} global steps ({b - a:.2f} s from a commit at "
+                                f"{a:.2f}, steps of {period * 1000:.0f} ms) while learners answered it; bound 2H = {bound}")
+        per[str(p)] = {"merges": len(times), "answers": len(asked), "worst_gap_steps": round(worst, 1)}
+        if not times and asked:
+            problems.append(f"fragment {p}: learners answered it {len(asked)} times and it was never merged")
     return Check("progress-fragments", not problems, problems[0] if problems else
-                 f"every fragment merged at least every 2H = {bound} global steps while answered", 
-                 {"bound_steps": bound, "per_fragment": per, "violations": problems[:10]})
+                 f"every fragment merged within 2H = {bound} global steps while answered (worst "
+                 f"{max((v['worst_gap_steps'] for v in per.values()), default=0):.1f}, steps of {period * 1000:.0f} ms)",
+                 {"bound_steps": bound, "global_step_s": round(period, 5), "per_fragment": per,
+                  "violations": problems[:10]})
+
+
+def _seen(a: float, b: float, blind: Sequence[tuple[float, float]]) -> float:
+    """Seconds of (a, b) outside the ``blind`` windows."""
+    pieces = [(a, b)]
+    for cut in blind:
+        pieces = [q for piece in pieces for q in _cut(piece, cut)]
+    return sum(y - x for x, y in pieces)
+
+
+def _restarted(obs: Observation, who: str, t: float) -> bool:
+    """Whether syncer ``who`` was started again after its exit at ``t`` (a crash and its restart,
+    not the run's end or a fenced syncer's exit 3)."""
+    return any(m["who"] == who and m["what"] == "start" and m["t"] > t for m in obs.marks)
+
+
+def short_of_quorum(obs: Observation, K: int) -> list[tuple[float, float]]:
+    """When fewer than K learner lives were training (start to last step, minus their pauses):
+    nothing can merge then by design (SPEC §4: K is a minimum)."""
+    if K <= 1:
+        return []
+    spans = []
+    for life in lives(obs):
+        if life.steps:
+            pieces = [(life.started, life.steps[-1][0])]
+            for cut in obs.pauses(life.learner):
+                pieces = [q for piece in pieces for q in _cut(piece, cut)]
+            spans += pieces
+    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    out, alive, since = [], 0, -math.inf
+    for t, d in edges:
+        before = alive
+        alive += d
+        if before >= K > alive:
+            since = t
+        elif before < K <= alive:
+            out.append((since, t))
+            since = None
+    if since is not None and alive < K:
+        out.append((since, math.inf))
+    return [(a, b) for a, b in out if b > a]
+
+
+def _steps_between(life: Life, a: float, b: float, blind: Sequence[tuple[float, float]] = ()) -> int:
+    """Steps ``life`` took between wall times ``a`` and ``b`` (from its step events), leaving out
+    the ``blind`` windows."""
+    if not life.steps:
+        return 0
+    first, last = life.steps[0][0], life.steps[-1][0]
+    pieces = [(a, b)]
+    for x, y in blind:
+        pieces = [q for piece in pieces for q in _cut(piece, (x, y))]
+    total = 0
+    for lo_t, hi_t in pieces:
+        lo_t, hi_t = max(lo_t, first), min(hi_t, last)
+        if hi_t > lo_t:
+            total += max(0, (_step_at(life, hi_t) or 0) - (_step_at(life, lo_t) or 0))
+    return total
+
+
+def _cut(span: tuple[float, float], cut: tuple[float, float]) -> list[tuple[float, float]]:
+    a, b = span
+    c, d = cut
+    if d <= a or c >= b:
+        return [span]
+    return [q for q in ((a, c), (d, b)) if q[1] > q[0]]
+
+
+BUS_FALLBACK_S = 6.0   # bus gone: rounds from the storage clock after 3 s (receiver.py), an answer spills after its ack timeout
+
+
+def blind_windows(obs: Observation, after_repair_s: float = 10.0) -> list[tuple[float, float]]:
+    """When no merge can happen by design: from a syncer fault (its kill, its crash, a second
+    syncer's start, the S3 server's stop) until the syncer is back - the next ``syncer-recovered``
+    after a syncer fault, or for S3 the first commit after the server is up - at most
+    ``after_repair_s`` after the repair mark; and the first ``BUS_FALLBACK_S`` of a bus blackhole,
+    until the learners hear rounds from storage and spill their answers (the slower path)."""
+    recovered = sorted(e["t"] for ev in obs.syncer_events.values() for e in ev if e.get("event") == "syncer-recovered")
+    commits = sorted(float(r.info["committed_at"]) for r in obs.records if r.info.get("committed_at") is not None)
+    out, down, hole = [], None, None
+    for m in obs.marks:
+        who, what, t = m["who"], m["what"], m["t"]
+        if what == "blackhole":
+            hole = t
+        elif what == "restore" and hole is not None:
+            out.append((hole, min(t, hole + BUS_FALLBACK_S)))
+            hole = None
+        elif who.startswith("syncer") and (what == "kill" or what == "exit" and _restarted(obs, who, t)
+                                           or (what == "start" and recovered and t > recovered[0])):
+            nxt = [r for r in recovered if r > t]
+            start = next((x["t"] for x in obs.marks if x["t"] >= t and x["who"].startswith("syncer")
+                          and x["what"] == "start"), t)
+            out.append((t, min(nxt[0], start + after_repair_s) if nxt else start + after_repair_s))
+        elif who == "s3" and what == "down":
+            down = t
+        elif who == "s3" and what == "up" and down is not None:
+            nxt = [c for c in commits if c > t]
+            out.append((down, min(nxt[0], t + after_repair_s) if nxt else t + after_repair_s))
+            down = None
+    return out
 
 
 # -- (c) -------------------------------------------------------------------------------------------
@@ -172,7 +310,9 @@ def fault_windows(obs: Observation) -> list[tuple[float, float]]:
     out, open_at = [], {}
     for m in obs.marks:
         who, what = m["who"], m["what"]
-        if what.startswith(FAULTS) and what != "start":
+        if what in INSTANT:
+            out.append((m["t"], m["t"]))
+        elif what.startswith(FAULTS) and what != "start":
             open_at.setdefault(who, m["t"])
         elif what.startswith(REPAIRS) and who in open_at:
             out.append((open_at.pop(who), m["t"]))
@@ -192,7 +332,8 @@ def _step_at(life: Life, t: float) -> int | None:
     return int(s0 + (s1 - s0) * (t - t0) / max(t1 - t0, 1e-9))
 
 
-def utilisation_recovers(obs: Observation, H: int, fragments: int, tolerance: float = 0.10) -> Check:
+def utilisation_recovers(obs: Observation, H: int, fragments: int, tolerance: float = 0.10,
+                         short: Sequence[tuple[float, float]] = ()) -> Check:
     """(c): a step's work on fragment p reaches the model only in a merged delta of p, so a life's
     utilisation over some steps is the mean over fragments of the share of those steps carried."""
     faults = fault_windows(obs)
@@ -221,8 +362,8 @@ def utilisation_recovers(obs: Observation, H: int, fragments: int, tolerance: fl
             if sb is None:
                 continue
             lo, hi = sb + 4 * H, sb + 8 * H - 1
-            if hi > end:
-                continue                        # the life ended before the window: nothing to measure
+            if hi > end or _during(life, (lo, hi), short):
+                continue                        # the life ended first, or fewer than K trained: nothing to measure
             got = share(lo, hi)
             measured.append({"life": f"{life.learner}/{life.incarnation}", "fault_end_step": sb,
                              "window": [lo, hi], "utilisation": round(got, 3), "undisturbed": round(level, 3)})
@@ -301,5 +442,6 @@ def quorum_minimum(records: Sequence[CommitRecord], K: int) -> Check:
 
 def progress_checks(obs: Observation, H: int, K: int, fragments: int) -> list[Check]:
     """The five progress invariants of issue 25, in order (a)-(e)."""
-    return [learner_progress(obs, H), fragment_progress(obs, H, fragments), utilisation_recovers(obs, H, fragments),
+    return [learner_progress(obs, H, K), fragment_progress(obs, H, fragments, K),
+            utilisation_recovers(obs, H, fragments, short=short_of_quorum(obs, K)),
             drops_truthful(obs.records, produced_bases(obs)), quorum_minimum(obs.records, K)]

@@ -266,6 +266,8 @@ def _pull(run: ChaosRun, f: Fault, sched: _Schedule, injections: list) -> None:
         later("restore", lambda: _restore_after_spill(run, sched, began, began + 10 * max(f.duration_s, 1.0)))
     elif f.action == "rogue":
         _rogue(run, f, injections)
+    elif f.action == "kill-agent":            # the learner replaces its sync agent (--sync-process runs)
+        run.kill_agent(f.target)
     elif f.action == "partition-region":      # target "r1" (a reset cut) or "r1:hold" (a blackhole)
         region, _, mode = f.target.partition(":")
         run.partition_region(region, mode or "reset")

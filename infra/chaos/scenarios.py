@@ -21,7 +21,7 @@ import numpy as np
 from .harness import RunSpec
 
 ACTIONS = ("kill-learner", "restart-learner", "pause-learner", "kill-syncer", "second-syncer", "s3-down",
-           "blackhole", "rogue", "partition-region")
+           "blackhole", "rogue", "partition-region", "kill-agent")
 
 
 @dataclass(frozen=True)
@@ -74,13 +74,14 @@ class Scenario:
         return d
 
 
-# Learners paced to 20 ms steps (infra.chaos.worker): a round per step, each fragment's every H = 6
-# steps, leaves the syncer ~40 ms per commit. Unpaced, the tiny model steps in ~2 ms, and a syncer
-# needing ~10 ms per signed commit cannot close a round before its fragment's next one replaces it
-# (measured: 1.7 ms steps, 7-14 ms commits) - a regime no real run is in (steps >> merges, SPEC §4),
-# in which the progress invariants (progress.py) rightly fail. Padding, not stretching, also keeps
-# the pace when the machine is busy.
-_BASE = RunSpec(learners=3, steps=420, slow=1.0, pace_s=0.02)
+# Learners paced to 20 ms steps (infra.chaos.worker) and H = 12: each fragment's round every 240 ms,
+# a commit every 80 ms. Unpaced, the tiny model steps in ~2 ms, and a syncer needing ~10 ms per
+# signed commit cannot close a round before its fragment's next one replaces it (measured: 1.7 ms
+# steps, 7-14 ms commits) - a regime no real run is in (steps >> merges, SPEC §4), in which the
+# progress invariants (progress.py) rightly fail. At H = 6 a 120 ms round period was within reach
+# of a loaded machine's hiccups (an announcement heard 100 ms late misses its round: 13 steps
+# without a merge against a 2H = 12 bound). Padding, not stretching, keeps the pace when busy.
+_BASE = RunSpec(learners=3, steps=420, slow=1.0, pace_s=0.02, sync_every=12)
 _ALL_BAD = "duplicate,reorder,truncated,corrupted,corrupt-frame,nan,inf,wrong-shape,unknown-fragment,too-old," \
            "tampered-spill,mislabeled-spill,oversized-spill,oversized,duplicate"
 # the two region scenarios' run: 2 regions x 2 learners over the WAN, 0.2 s paced steps (see region-partition)

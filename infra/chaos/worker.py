@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--wait-for", default=None, help="after importing, wait for this file before joining")
     p.add_argument("--data-seed", type=int, default=None, help="batch order seed (default: the run's)")
     p.add_argument("--region", default=None, help="the run region it is in (as ddiloco learner --region)")
+    p.add_argument("--sync-process", action="store_true", help="sender and receiver in a child process "
+                                                                "(as ddiloco learner --sync-process)")
     return p
 
 
@@ -77,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.region is not None:
         store = learner_region_store(store, args.region)
     events = EventLog(args.log, "learner", args.id)
-    cfg = LearnerConfig(sender=SenderConfig(ack_timeout_s=args.ack_timeout), poll_s=args.poll, keys=_keyring(args))
+    cfg = LearnerConfig(sender=SenderConfig(ack_timeout_s=args.ack_timeout), poll_s=args.poll, keys=_keyring(args),
+                        sync_process=args.sync_process)
     shard = args.shard if args.shard is not None else int("".join(c for c in args.id if c.isdigit()) or 0)
     wait_for = args.wait_for
     stats = learner_process(store, args.id, shard, BusConfig(args.ingest, args.announce), events, steps=args.steps,

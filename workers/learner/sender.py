@@ -6,8 +6,9 @@ ever calls ``submit``, which never blocks and never does I/O; everything else ha
 thread, which also owns the DEALER socket and sends heartbeats.
 
 Bounded memory (issue 11 item 4): however slow or dead storage and the syncer are, what this
-sender holds is bounded. ``submit`` itself supersedes: a newer delta of the same fragment *and
-the same base version* replaces an older one that was never sent (a learner's delta is cumulative
+sender holds is bounded. ``submit`` (and the thread taking new deltas) supersedes: a newer delta of
+the same fragment *and the same base version* replaces an older one that is not durable yet - never
+sent, or sent and not acked (a learner's delta is cumulative
 since its base, SPEC §3, so the newer one carries all of the older one's progress: nothing is
 lost). Beyond that, at most ``max_pending`` deltas and ``max_held_bytes`` bytes are held (raw
 queued deltas plus encoded pending ones); when a new delta would exceed either, the oldest one is
@@ -53,7 +54,8 @@ class SenderConfig:
     max_held_bytes: int = 256 << 20  # bytes held at most (raw queued deltas + encoded pending ones)
     heartbeat_s: float = 1.0
     retry_s: float = 1.0             # pause before retrying a failed spill (doubles while it keeps failing)
-    max_retry_s: float = 15.0        # longest pause between spill retries
+    max_retry_s: float = 2.0         # longest pause between spill retries (15 s kept deltas unspilled up to
+                                     # 12 s after the store was back, issue 25: a PUT every 2 s costs nothing)
     bus_enabled: bool = True
     encode_threads: int = 1          # threads encoding one delta (issue 15): 1 encodes on the sender thread
 
@@ -92,7 +94,7 @@ class SenderStats:
     submitted: int = 0
     acked: int = 0
     spilled: int = 0
-    superseded: int = 0            # never sent: a newer delta of the same fragment and base replaced it (harmless)
+    superseded: int = 0            # not durable: a newer delta of the same fragment and base replaced it (harmless)
     superseded_tokens: int = 0
     evicted: int = 0               # dropped to bound memory: lost work
     evicted_tokens: int = 0
@@ -118,9 +120,13 @@ def delta_made(events: EventLog, header: DeltaHeader) -> None:
 class Sender:
     def __init__(self, store: ObjectStore, codec: CodecConfig, cfg: SenderConfig, events: EventLog,
                  bus: BusConfig | None, identity: bytes, heartbeat: Callable[[], dict],
-                 clock: Callable[[], float] = time.monotonic, curve=None, seal: Callable[[bytes], bytes] | None = None):
+                 clock: Callable[[], float] = time.monotonic, curve=None, seal: Callable[[bytes], bytes] | None = None,
+                 sleep: Callable[[float], None] = time.sleep, threads: bool = True):
         self.store, self.codec, self.cfg, self.events, self.seal = store, codec, cfg, events, seal
         self.bus_cfg, self.identity, self.heartbeat, self.clock, self.curve = bus, identity, heartbeat, clock, curve
+        # ``threads=False``: no thread; the caller drives ``turn`` (the fault simulation, on simulated
+        # time: infra/faultsim, issue 25) and ``drain`` turns and waits with ``clock`` and ``sleep``.
+        self.sleep, self.threads = sleep, threads
         # Everything held lives in ``queue`` (submitted, not yet taken by this thread; keyed by
         # lineage) or ``pending`` (taken: being sent, awaiting an ack or a spill). One lock guards
         # both and the byte count; no I/O or encoding happens under it.
@@ -140,13 +146,18 @@ class Sender:
         # submit() wakes the sender thread through this pipe, so an answer leaves at once instead of
         # after the thread's next poll timeout (latency is what rounds lose work to, SPEC §3).
         self._beat_soon = threading.Event()   # the learner's pace is first known: tell the syncer now
+        self._next_beat = 0.0
+        self._pool: ThreadPoolExecutor | None = None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
 
     # -- training thread -------------------------------------------------------------------------
     def start(self) -> None:
-        self._thread.start()
+        if self.threads:
+            self._thread.start()
+        else:
+            self._open()
 
     def submit(self, header: DeltaHeader, tensors: dict[str, np.ndarray] | Any) -> None:
         """Hand over a delta; never blocks on I/O. Supersedes and evicts here, so that memory stays
@@ -189,6 +200,8 @@ class Sender:
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until every submitted delta is durable (or ``timeout_s``). True if all are."""
+        if not self.threads:
+            return self._drain_turning(timeout_s)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.undelivered() == 0 and self.idle():
@@ -197,6 +210,18 @@ class Sender:
                 break
             time.sleep(0.02)
         return self.undelivered() == 0
+
+    def _drain_turning(self, timeout_s: float) -> bool:
+        """``drain`` without a thread: turn, then wait on the injected clock until the next turn is due."""
+        deadline = self.clock() + timeout_s
+        while True:
+            due = self.turn()
+            if self.undelivered() == 0 and self.idle():
+                return True
+            now = self.clock()
+            if now >= deadline:
+                return self.undelivered() == 0
+            self.sleep(min(max(due if due is not None else 0.02, 0.02), deadline - now))
 
     def undelivered(self) -> int:
         """Deltas not (yet) durable."""
@@ -209,7 +234,10 @@ class Sender:
             os.write(self._wake_w, b"s")
         except (BlockingIOError, OSError):
             pass
-        self._thread.join(timeout=10)
+        if self.threads:
+            self._thread.join(timeout=10)
+        else:
+            self._close()
         if not self._thread.is_alive():   # the wake pipe is ours again: close it (no fd leak per learner life)
             fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1   # a late write: EBADF, ignored
             for fd in fds:
@@ -220,7 +248,7 @@ class Sender:
 
     # -- bookkeeping (under the lock) ------------------------------------------------------------
     def _forget(self, p: _Pending, event: str) -> None:
-        """Drop a held delta that was never sent: ``delta-superseded`` (harmless: a newer delta of
+        """Drop a held delta that is not durable: ``delta-superseded`` (harmless: a newer delta of
         its lineage carries its progress) or ``delta-evicted`` (lost work, to bound memory)."""
         self._held_bytes -= p.size
         if event == "delta-superseded":
@@ -266,43 +294,72 @@ class Sender:
             raise
 
     def _loop(self) -> None:
+        self._open()
+        try:
+            while not self._stop.is_set():
+                self.turn(None)
+        finally:
+            self._close()
+
+    def _open(self) -> None:
+        """The bus link (with its hello) and the encode pool, before the first turn."""
         if self.bus_cfg is not None and self.cfg.bus_enabled:
             self._link = LearnerLink(self.bus_cfg, self.identity, curve=self.curve, wake_fd=self._wake_r)
             self._link.send(Message("hello", {"learner": self.identity.decode(), "incarnation": 0}))
         # The codec's jobs run on this pool (numpy releases the GIL): the same bytes at any count.
-        pool = ThreadPoolExecutor(self.cfg.encode_threads, thread_name_prefix="sender-encode") \
+        self._pool = ThreadPoolExecutor(self.cfg.encode_threads, thread_name_prefix="sender-encode") \
             if self.cfg.encode_threads > 1 else None
-        self._map_fn = pool.map if pool is not None else None
-        next_beat = 0.0
-        try:
-            while not self._stop.is_set():
-                self._take_new()
-                now = self.clock()
-                if self._link is not None and (now >= next_beat or self._beat_soon.is_set()):
-                    self._beat_soon.clear()
-                    self._link.send(Message("heartbeat", self.heartbeat()))
-                    next_beat = now + self.cfg.heartbeat_s
-                self._send_unsent(now)
-                self._read_acks(0.02 if self.pending else 0.05)
-                self._spill_overdue(self.clock())
-                with self._lock:
-                    if not self.queue and not self.pending:
-                        self._idle.set()
-        finally:
-            if pool is not None:
-                self._map_fn = None
-                pool.shutdown(wait=True)
-            if self._link is not None:
-                self._link.close()
+        self._map_fn = self._pool.map if self._pool is not None else None
+
+    def _close(self) -> None:
+        if self._pool is not None:
+            self._map_fn = None
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+
+    def turn(self, wait_s: float | None = 0.0) -> float | None:
+        """One turn of the sender: take new deltas, heartbeat, send, read acks (waiting up to
+        ``wait_s``; None: the thread's own short wait), spill what is overdue. Returns the seconds
+        until a turn has work again without a new ``submit`` (None: nothing held, no bus)."""
+        self._take_new()
+        now = self.clock()
+        if self._link is not None and (now >= self._next_beat or self._beat_soon.is_set()):
+            self._beat_soon.clear()
+            self._link.send(Message("heartbeat", self.heartbeat()))
+            self._next_beat = now + self.cfg.heartbeat_s
+        self._send_unsent(now)
+        self._read_acks(wait_s if wait_s is not None else (0.02 if self.pending else 0.05))
+        now = self.clock()
+        self._spill_overdue(now)
+        with self._lock:
+            if not self.queue and not self.pending:
+                self._idle.set()
+            dues = [p.spill_after for p in self.pending.values() if p.sent_at is not None]
+            if self.queue or any(p.sent_at is None for p in self.pending.values()):
+                dues.append(now)
+        if self._link is not None:
+            dues.append(self._next_beat)
+        return max(0.0, min(dues) - now) if dues else None
 
     def _take_new(self) -> None:
-        """Move queued deltas to pending. A never-sent pending delta of the same lineage is
-        superseded; beyond the bounds the oldest never-sent pending delta is evicted."""
+        """Move queued deltas to pending. A pending delta of the same lineage that is not durable
+        yet - never sent, or sent and not acked - is superseded: the new one carries its progress,
+        and if the old one reaches the syncer after all it is merged like any late answer. Beyond
+        the bounds the oldest never-sent pending delta is evicted (lost work).
+
+        Why sent ones too (issue 25): while the store was down the syncer could not make bus deltas
+        durable, so nothing was acked, spills failed, and the 16 held unacked deltas of a few
+        lineages filled the bound; every new answer was then *evicted* - 46 deltas, all of a learner's
+        work for the rest of its run - although each one held the progress of those it could have
+        replaced."""
         with self._lock:
             items, self.queue = list(self.queue.values()), {}
             for item in items:
                 for did, old in list(self.pending.items()):
-                    if old.lineage == item.lineage and old.sent_at is None:
+                    if old.lineage == item.lineage:
                         self._forget(self.pending.pop(did), "delta-superseded")
                 self.pending[item.header.id] = item
             while self._over():
