@@ -32,7 +32,9 @@ def test_clock_catches_up_short_delays_but_not_long_pauses():
     c = RoundClock(4, (0, 1, 2, 3))
     c.advance(0.0, 1.0)
     assert [r for r, _ in c.advance(3.0, 1.0)] == [1, 2, 3]        # a late call catches up
-    assert c.advance(100.0, 1.0) == [(4, 0)]                       # after a pause > H periods: resume from now
+    # after a pause > H periods: the missed steps are skipped, counted but not opened, so the global
+    # step stays where learners extrapolating the published clock put it (issue 25)
+    assert c.advance(100.0, 1.0) == [(100, 0)]
     assert c.wait_s(100.5) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="period"):
         c.advance(101.0, 0.0)

@@ -210,15 +210,23 @@ class RoundBook:
     def close(self, fragment: int) -> None:
         self.open[fragment] = None
 
-    def clock_record(self, epoch: int, wall: float) -> ClockRecord | None:
+    def clock_record(self, epoch: int, wall: float, now: float | None = None) -> ClockRecord | None:
         """A new clock record to publish, or None when the published one is still good (same
-        epoch, pace within 10%, younger than 10 s): bus-less learners poll it, it costs one PUT."""
+        epoch, pace within 10%, younger than 10 s): bus-less learners poll it, it costs one PUT.
+        ``now``: the syncer's monotonic time with ``wall``, so that the record's ``at`` is when its
+        step really ticked (``clock.next_at - period``), not when it was written: written up to a
+        period later, each record (every 10 s) shifted the learners' rounds against the syncer's by
+        up to a step, and the version lag - the work a learner loses per round - with them (issue 25,
+        the fault simulation's post-outage utilisation)."""
         period = self.period.value or self.initial_step_s
         old = self.published
         if old is not None and old.epoch == epoch and abs(old.period_s - period) <= 0.1 * old.period_s \
                 and wall - old.at < 10.0:
             return None
-        # The step ticked now is clock.step - 1; its wall time is about now.
-        rec = ClockRecord(epoch, max(0, self.clock.step - 1), wall, period, self.clock.H, self.clock.offsets)
+        # The step ticked last is clock.step - 1, at clock.next_at - period on the monotonic clock.
+        at = wall
+        if now is not None and self.clock.next_at is not None:
+            at = wall - max(0.0, now - (self.clock.next_at - period))
+        rec = ClockRecord(epoch, max(0, self.clock.step - 1), at, period, self.clock.H, self.clock.offsets)
         self.published = rec
         return rec

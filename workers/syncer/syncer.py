@@ -371,7 +371,7 @@ class Syncer:
             return
         for r, p in self.rounds.tick(self.clock()):
             self._announce(Message("round", {"epoch": self.epoch, "round": r, "fragment": p}))
-        rec = self.rounds.clock_record(self.epoch, self.wall())
+        rec = self.rounds.clock_record(self.epoch, self.wall(), self.clock())
         if rec is not None:
             self.io.submit(self._put_clock, rec.to_bytes())
 
