@@ -32,7 +32,11 @@ def _events(learner: str, last_step: int, deltas=(), t0: float = 0.0, dt: float 
 
 
 def _obs(records, events, marks=()) -> Observation:
-    return Observation(records=list(records), learner_events=events, syncer_events={}, lives={}, marks=list(marks))
+    """A restarted syncer logs ``syncer-recovered`` half a second after its restart mark."""
+    recovered = [{"t": m["t"] + 0.5, "event": "syncer-recovered"} for m in marks
+                 if m["who"].startswith("syncer") and m["what"] == "restart"]
+    return Observation(records=list(records), learner_events=events, syncer_events={"syncer": recovered}, lives={},
+                       marks=list(marks))
 
 
 def _healthy(learner: str = "l0", steps: int = 60, period: int = H, tau: int = 1):
@@ -80,14 +84,14 @@ def test_fragment_progress_fails_when_answered_rounds_go_unmerged():
     assert progress.fragment_progress(_obs(records, events), H, 1).ok
     frozen = records[:4]           # rounds 5..23 merged, then answers to rounds 29..119 never were
     bad = progress.fragment_progress(_obs(frozen, events), H, 1)
-    assert not bad.ok and "fragment 0: no merge for" in bad.detail
+    assert not bad.ok and "fragment 0: no merge between rounds 23 and the end" in bad.detail
     # a gap nobody answered (every learner dead or paused) is no violation
     quiet = {"l0": _events("l0", 119, [d for d in deltas if d[4] < 24])}
     assert progress.fragment_progress(_obs(frozen, quiet), H, 1).ok
     # three of the fragment's rounds replaced within a few learner steps (the clock caught up after a
     # stalled loop turn): a gap of 3H in round ids, but the learners took only 4 steps in it
     burst = [_merge(0, 0, 5, _inp("l0", 0, 5, 6)), _merge(1, 0, 23, _inp("l0", 1, 9, 4, base=1))]
-    few = {"l0": _events("l0", 12, [(0, 0, 0, 5, 5), (1, 0, 1, 7, 11), (2, 0, 1, 8, 17), (3, 0, 1, 9, 23)])}
+    few = {"l0": _events("l0", 40, [(0, 0, 0, 5, 5), (1, 0, 1, 7, 11), (2, 0, 1, 8, 17), (3, 0, 1, 9, 23)])}
     assert progress.fragment_progress(_obs(burst, few), H, 1).ok
 
 

@@ -165,43 +165,43 @@ def global_period(obs: Observation) -> float:
 
 
 def fragment_progress(obs: Observation, H: int, fragments: int, K: int = 1) -> Check:
-    """(b): between two merges of a fragment (by commit time), and after its last one, at most 2H
-    global steps may pass while learners answer it. Measured in time, in units of the global step
-    (``global_period``), not in round ids: the clock catches up after a stalled loop turn, so three
-    rounds of a fragment can open within two learner steps (seen on a loaded machine) - a gap in
-    round ids nobody waited through. Not counted: the ``blind_windows`` (no merge is possible by
-    design) and times when fewer than K learners train (``short_of_quorum``)."""
+    """(b): between two merges of a fragment, and after its last one, at most 2H global steps while
+    learners answer it. Global steps are round ids (a round's id is the global step it opened at),
+    so the gap is the difference of the merged rounds' ids: H when every round merges, 2H when one
+    was replaced - free of the jitter of commit times, which a bound in seconds alone would judge
+    (0.53 s for 24 steps of 22 ms tripped it). A gap counts only if learners answered a round inside
+    it, and if its commits' time span, without the ``blind_windows`` (no merge is possible by design)
+    extended by the 4H global steps of recovery that (c) grants and the times fewer than K learners
+    train (``short_of_quorum``), still lasts more than 2H global steps (``global_period``)."""
     bound = 2 * H
     period = global_period(obs)
-    answers: dict[int, list[float]] = defaultdict(list)
+    answered: dict[int, list[int]] = defaultdict(list)
     for events in obs.learner_events.values():
         for e in events:
-            if e.get("event") == "delta" and isinstance(e.get("fragment"), int):
-                answers[int(e["fragment"])].append(float(e["t"]))
+            if e.get("event") == "delta" and isinstance(e.get("fragment"), int) and isinstance(e.get("round"), int):
+                answered[int(e["fragment"])].append(int(e["round"]))
     end = max((e["t"] for ev in obs.learner_events.values() for e in ev), default=0.0)
-    # after a fault the system has 4H global steps to recover, as (c) allows: the first rounds
-    # after a syncer restart wait for reconnects, spills and the backlog
     blind = [(a, b + 4 * H * period) for a, b in blind_windows(obs)] + short_of_quorum(obs, K)
     problems, per = [], {}
     for p in range(fragments):
-        times = sorted(float(r.info["committed_at"]) for r in obs.merges()
-                       if r.fragment == p and r.info.get("committed_at") is not None)
-        asked = sorted(answers.get(p, []))
-        worst = 0.0
-        for a, b in zip(times, times[1:] + [max(end, times[-1] if times else end)]):
-            if not any(a < t < b for t in asked) or period <= 0:
+        merges = sorted((r.round, float(r.info.get("committed_at") or 0.0)) for r in obs.merges()
+                        if r.fragment == p and r.round >= 0)
+        asked = sorted(answered.get(p, []))
+        worst = 0
+        tail = (max(asked) + 1, end) if asked and merges and max(asked) >= merges[-1][0] else None
+        for (r1, t1), (r2, t2) in zip(merges, merges[1:] + ([tail] if tail else [])):
+            if r2 - r1 <= bound or not any(r1 < r < r2 for r in asked):
                 continue
-            steps = _seen(a, b, blind) / period
-            worst = max(worst, steps)
-            if steps > bound:
-                problems.append(f"fragment {p}: no merge for {steps:.0f} global steps ({b - a:.2f} s from a commit at "
-                                f"{a:.2f}, steps of {period * 1000:.0f} ms) while learners answered it; bound 2H = {bound}")
-        per[str(p)] = {"merges": len(times), "answers": len(asked), "worst_gap_steps": round(worst, 1)}
-        if not times and asked:
-            problems.append(f"fragment {p}: learners answered it {len(asked)} times and it was never merged")
+            if _seen(t1, t2, blind) <= bound * period:
+                continue      # most of it was a time no merge could happen: a fault, its recovery
+            worst = max(worst, r2 - r1)
+            problems.append(f"fragment {p}: no merge between rounds {r1} and {r2 if tail is None or (r2, t2) != tail else 'the end'} "
+                            f"({r2 - r1} global steps; bound 2H = {bound}) while learners answered rounds in between")
+        per[str(p)] = {"merges": len(merges), "answers": len(asked), "worst_gap_steps": worst}
+        if not merges and asked:
+            problems.append(f"fragment {p}: learners answered {len(asked)} rounds and none was merged")
     return Check("progress-fragments", not problems, problems[0] if problems else
-                 f"every fragment merged within 2H = {bound} global steps while answered (worst "
-                 f"{max((v['worst_gap_steps'] for v in per.values()), default=0):.1f}, steps of {period * 1000:.0f} ms)",
+                 f"every fragment merged at least every 2H = {bound} global steps while answered",
                  {"bound_steps": bound, "global_step_s": round(period, 5), "per_fragment": per,
                   "violations": problems[:10]})
 
@@ -277,11 +277,11 @@ BUS_FALLBACK_S = 4.0   # bus gone: rounds from the storage clock after 1 s (rece
 
 def blind_windows(obs: Observation, after_repair_s: float = 10.0) -> list[tuple[float, float]]:
     """When no merge can happen by design: from a syncer fault (its kill, its crash, a second
-    syncer's start) or a store fault (down, slow, full) until the syncer is back - the next ``syncer-recovered``
-    after a syncer fault, or for S3 the first commit after the server is up - at most
-    ``after_repair_s`` after the repair mark; a syncer's pause until its resume (SIGSTOPped, it
-    merges nothing: infra/faultsim pauses syncers); and the first ``BUS_FALLBACK_S`` of a bus
-    blackhole, until the learners hear rounds from storage and spill their answers (the slower path)."""
+    syncer's start) until the next ``syncer-recovered``; from a store fault (down, slow, full) until
+    the first commit after its repair, at most ``after_repair_s`` after it; a syncer's pause until
+    its resume (SIGSTOPped, it merges nothing: infra/faultsim pauses syncers); and the first
+    ``BUS_FALLBACK_S`` of a bus blackhole, until the learners hear rounds from storage and spill
+    their answers (the slower path)."""
     recovered = sorted(e["t"] for ev in obs.syncer_events.values() for e in ev if e.get("event") == "syncer-recovered")
     commits = sorted(float(r.info["committed_at"]) for r in obs.records if r.info.get("committed_at") is not None)
     out, down, hole, paused = [], None, None, {}
@@ -304,10 +304,10 @@ def blind_windows(obs: Observation, after_repair_s: float = 10.0) -> list[tuple[
             hole = None
         elif who.startswith("syncer") and (what == "kill" or what == "exit" and _restarted(obs, who, t)
                                            or (what == "start" and recovered and t > recovered[0])):
+            # until the syncer is back, however long its recovery took (over a slow store it read
+            # the log at 0.3-0.4 s a request for half a minute: seeds 407 and 932 of the simulation)
             nxt = [r for r in recovered if r > t]
-            start = next((x["t"] for x in obs.marks if x["t"] >= t and x["who"].startswith("syncer")
-                          and x["what"] == "start"), t)
-            out.append((t, min(nxt[0], start + after_repair_s) if nxt else start + after_repair_s))
+            out.append((t, nxt[0] if nxt else math.inf))
     return out
 
 
@@ -369,6 +369,11 @@ def utilisation_recovers(obs: Observation, H: int, fragments: int, tolerance: fl
                 continue
             disturbed.append((sa if sa is not None else 0, (sb if sb is not None else life.last_step) + 8 * H))
         calm = [s for s in range(2 * H, max(end, 0)) if not any(x <= s <= y for x, y in disturbed)]
+        # the level before the first fault when there is enough of it: after faults the steady state
+        # may itself be the degradation to find (a learner whose every other answer is lost)
+        first = min((x for x, _ in disturbed), default=end)
+        if sum(1 for x in calm if x < first) >= 4 * H:
+            calm = [x for x in calm if x < first]
         if len(calm) < 4 * H:
             continue                            # no undisturbed stretch long enough to be a level
         level = sum(share(x, x) for x in calm) / len(calm)
