@@ -3,6 +3,8 @@ healthy run and fails on the defect it is there to catch (a learner that stops a
 fragment, a harmless-counted drop of never-merged work, a merge below quorum, a slow recovery)."""
 from __future__ import annotations
 
+import dataclasses
+
 from infra.chaos import progress
 from infra.chaos.invariants import Observation
 from pipeline.types import CommitRecord, DroppedRecord, InputRecord
@@ -93,6 +95,10 @@ def test_fragment_progress_fails_when_answered_rounds_go_unmerged():
     burst = [_merge(0, 0, 5, _inp("l0", 0, 5, 6)), _merge(1, 0, 23, _inp("l0", 1, 9, 4, base=1))]
     few = {"l0": _events("l0", 40, [(0, 0, 0, 5, 5), (1, 0, 1, 7, 11), (2, 0, 1, 8, 17), (3, 0, 1, 9, 23)])}
     assert progress.fragment_progress(_obs(burst, few), H, 1).ok
+    # a clock that runs away (the restart defect): every answer merged, but the round ids race ahead
+    runaway = [dataclasses.replace(r, round=r.round * 10) for r in records]
+    bad = progress.fragment_progress(_obs(runaway, events), H, 1)
+    assert not bad.ok and "the global clock ran" in bad.detail
 
 
 def test_drops_truthful_tells_overtaken_work_from_true_duplicates():

@@ -200,6 +200,17 @@ def fragment_progress(obs: Observation, H: int, fragments: int, K: int = 1) -> C
         per[str(p)] = {"merges": len(merges), "answers": len(asked), "worst_gap_steps": worst}
         if not merges and asked:
             problems.append(f"fragment {p}: learners answered {len(asked)} rounds and none was merged")
+    # The global step itself must keep the learners' pace (SPEC §2): a clock that runs away (a
+    # restarted syncer that read its inbox backlog's spacing as a period ran 13x fast) turns every
+    # gap into a burst of rounds no learner could answer in time, which the time filter above hides.
+    timed = sorted((float(r.info["committed_at"]), r.round) for r in obs.merges()
+                   if r.round >= 0 and r.info.get("committed_at") is not None)
+    if len(timed) >= 2 and period > 0 and timed[-1][0] - timed[0][0] >= 8 * H * period:   # bursts average out
+        rate = (timed[-1][1] - timed[0][1]) / (timed[-1][0] - timed[0][0])
+        per["clock"] = {"rounds_per_s": round(rate, 2), "learner_steps_per_s": round(1 / period, 2)}
+        if rate > 2.0 / period:
+            problems.append(f"the global clock ran {rate * period:.1f}x the learners' pace ({rate:.1f} global steps/s "
+                            f"against one step per {period * 1000:.0f} ms)")
     return Check("progress-fragments", not problems, problems[0] if problems else
                  f"every fragment merged at least every 2H = {bound} global steps while answered",
                  {"bound_steps": bound, "global_step_s": round(period, 5), "per_fragment": per,
