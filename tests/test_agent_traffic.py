@@ -50,11 +50,11 @@ def test_an_agent_learners_final_report_counts_its_spills_and_version_reads(tmp_
         assert ag[name] == thr[name], (name, ag, thr)
     # the spills' bodies (the old code counted none of them: written by the child)
     assert ag["bytes_written"] >= _spilled_bytes(s_ag) > 0 and _spilled_bytes(s_ag) == _spilled_bytes(s_thr)
-    # reads that succeeded: the same objects (version 1's commit and blob among them), plus the
-    # child's own read of the descriptor
-    descriptor = len(s_ag.get(DESCRIPTOR_KEY))
-    assert ag["bytes_read"] == thr["bytes_read"] + descriptor, (ag, thr)
-    assert ag["get"] - ag["failed"] == thr["get"] - thr["failed"] + 1, (ag, thr)
+    # reads that succeeded: the same objects (version 1's commit and blob among them); the child
+    # reads no descriptor (wire v5: the learner hands it over, so a replacement starts while the
+    # store is down, issue 25)
+    assert ag["bytes_read"] == thr["bytes_read"], (ag, thr)
+    assert ag["get"] - ag["failed"] == thr["get"] - thr["failed"], (ag, thr)
     # the final report is the learner's counters plus the child's last (after its sender and
     # receiver stopped): nothing the child counted is missing
     child = l_ag.receiver.agent.stats["traffic"]["store"]
