@@ -128,7 +128,11 @@ class RoundBook:
         if burst is None or burst.turn != self.turn or now - burst.last > BURST_GAP_S:
             if burst is not None and (burst.sampled or pace.anchor is None):
                 pace.anchor = (burst.step, burst.at)   # the burst that ended starts the next sample
-            burst = pace.burst = _Burst(self.turn, now, learner_step, now, pace.delta_s)
+            # A learner's first sample is bounded too, from the clock's own pace: an anchor burst
+            # listed after an outage holds deltas made long before, so its newest step is stale and
+            # the first sample read 20x fast (the fault simulation, seeds 304 and 728).
+            burst = pace.burst = _Burst(self.turn, now, learner_step, now,
+                                        pace.delta_s or self.period.value or self.initial_step_s)
         else:
             burst.last = now
             if learner_step > burst.step:
