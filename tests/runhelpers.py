@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,6 +118,75 @@ class TinyRun:
 
     def stderr(self, name: str) -> str:
         return self.cluster.stderr(name)
+
+
+
+
+class ManualClock:
+    """An injected clock the test moves by hand (``clock.t += dt``)."""
+
+    def __init__(self, t: float = 100.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def wait_for(cond, timeout: float, what: str) -> None:
+    """Poll ``cond`` until it holds; AssertionError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def last_step(run: "TinyRun", lid: str) -> int:
+    """The newest step learner ``lid`` of ``run`` reported (0 before any)."""
+    return max([e["step"] for e in run.events(lid) if e.get("event") == "step"], default=0)
+
+
+
+class FakeReceiver:
+    """Stands in for a learner's receiver thread: the test says which rounds are open and what arrives."""
+
+    def __init__(self):
+        self.rounds: dict[int, tuple[int, int]] = {}
+        self.arrivals: list = []
+        self.errors = self.refused = self.bytes_received = 0
+        self.failed = None
+
+    def opened(self):
+        return dict(self.rounds)
+
+    def take(self):
+        out, self.arrivals = self.arrivals, []
+        return out
+
+    def stop(self):
+        pass
+
+
+def rounds_learner(tmp_path, keep_progress=False):
+    """A started one-fragment learner (H = 4) whose receiver is a ``FakeReceiver``: (learner,
+    model, step, events), ``step()`` one inner step; its events go to ``tmp_path/l0.jsonl``."""
+    import torch
+    from workers.launch import create_run
+    from workers.learner.learner import Learner
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    store = open_store(str(tmp_path / "store"))
+    init = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    create_run(store, init, RunSettings(fragments=1, sync_every=4, keep_progress=keep_progress), embedding_tensors=())
+    events = EventLog(tmp_path / "l0.jsonl", "learner", "l0")
+    learner = Learner(model, torch.optim.SGD(model.parameters(), lr=0.1), store, "l0", events=events).start()
+    learner.receiver.stop()
+    learner.receiver = FakeReceiver()
+    x, y = torch.ones(3, 4), torch.zeros(3, 2)
+    step = lambda: learner.step(lambda: ((model(x) - y) ** 2).mean(), tokens=3)   # noqa: E731
+    return learner, model, step, events
 
 
 class Recorder(EventLog):

@@ -15,7 +15,7 @@ from workers.tools.replay import rebuild
 from workers.common.versions import decode_version
 
 from conftest import use_s3_env
-from runhelpers import TinyRun
+from runhelpers import TinyRun, last_step, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -92,19 +92,6 @@ def test_training_end_to_end(run_location, tmp_path):
     assert stats.versions == len(merges)
 
 
-def _wait_for(cond, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _steps(run: TinyRun, lid: str) -> int:
-    return max([e["step"] for e in run.events(lid) if e.get("event") == "step"], default=0)
-
-
 def test_learner_killed_others_continue(tmp_path):
     run = TinyRun(str(tmp_path / "store"), tmp_path, dict(os.environ, OMP_NUM_THREADS="1"), steps=200, learners=3)
     run.create()
@@ -112,10 +99,10 @@ def test_learner_killed_others_continue(tmp_path):
         run.syncer()
         for m in range(3):   # slowed so that l0 and l1 still train well after the kill on a loaded machine
             run.learner(f"l{m}", extra=["--slow", "3"])
-        _wait_for(lambda: _steps(run, "l2") >= 30, 90, "l2 to train")
+        wait_for(lambda: last_step(run, "l2") >= 30, 90, "l2 to train")
         os.killpg(run.procs["l2"].pid, signal.SIGKILL)
         killed_at = CommitLog(run.store).tail()
-        steps_at_kill = {m: _steps(run, f"l{m}") for m in (0, 1)}
+        steps_at_kill = {m: last_step(run, f"l{m}") for m in (0, 1)}
         for m in (0, 1):
             assert run.wait(f"l{m}", 180) == 0, run.stderr(f"l{m}")
         assert run.wait_inbox_empty(60)
@@ -127,7 +114,7 @@ def test_learner_killed_others_continue(tmp_path):
     assert len(after) >= 5, "versions kept being committed after the kill"
     assert {i.learner for r in after for i in r.inputs} >= {"l0", "l1"}
     for m in (0, 1):
-        assert _steps(run, f"l{m}") > steps_at_kill[m]
+        assert last_step(run, f"l{m}") > steps_at_kill[m]
 
 
 def test_syncer_killed_and_restarted_loses_nothing(tmp_path):
@@ -141,15 +128,15 @@ def test_syncer_killed_and_restarted_loses_nothing(tmp_path):
         # within the 2 s outage, and the new syncer had nothing to take over.
         for m in range(2):
             run.learner(f"l{m}", extra=["--slow", "12"])
-        _wait_for(lambda: CommitLog(run.store).tail() >= 8 and _steps(run, "l0") >= 40, 90, "a few commits")
+        wait_for(lambda: CommitLog(run.store).tail() >= 8 and last_step(run, "l0") >= 40, 90, "a few commits")
         os.killpg(run.procs["syncer"].pid, signal.SIGKILL)
         run.procs["syncer"].wait()
         before = CommitLog(run.store).tail()
-        steps_before = _steps(run, "l0")
+        steps_before = last_step(run, "l0")
         time.sleep(2.0)   # learners keep training (and spill) while no syncer runs
-        assert _steps(run, "l0") > steps_before or run.procs["l0"].poll() is not None
+        assert last_step(run, "l0") > steps_before or run.procs["l0"].poll() is not None
         run.syncer("syncer2")
-        _wait_for(lambda: any(e.get("event") == "syncer-recovered" for e in run.events("syncer2")), 90,
+        wait_for(lambda: any(e.get("event") == "syncer-recovered" for e in run.events("syncer2")), 90,
                   "the new syncer to recover")
         for m in range(2):
             assert run.wait(f"l{m}", 180) == 0, run.stderr(f"l{m}")

@@ -32,6 +32,7 @@ from workers.launch import RunSettings, create_run
 from workers.syncer.syncer import Syncer, SyncerConfig
 from workers.tools.logview import LogTotals
 from workers.tools.replay import rebuild
+from runhelpers import ManualClock
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -222,21 +223,13 @@ def test_the_marks_rule_is_written_only_by_new_runs():
 
 # -- the syncer ----------------------------------------------------------------------------------------
 
-class _Clock:
-    def __init__(self):
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def _syncer_run(tmp_path, marks: int):
     store = open_store(str(tmp_path / "s"))
     rng = np.random.default_rng(0)
     init = {"a.weight": rng.normal(0, 0.02, size=(8, 4)).astype(np.float32),
             "b.weight": rng.normal(0, 0.02, size=(16,)).astype(np.float32)}
     desc = create_run(store, init, RunSettings(fragments=1, sync_every=2, marks=marks), embedding_tensors=())
-    clock = _Clock()
+    clock = ManualClock()
     syncer = Syncer(store, SyncerConfig(spill_poll_s=0.1), bus=None, clock=clock)
     syncer.recover()
     return store, desc, syncer, clock

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -31,7 +30,7 @@ from workers.syncer.syncer import Syncer, SyncerConfig
 from workers.tools.logview import token_figures
 from workers.tools.replay import rebuild
 
-from runhelpers import TinyRun
+from runhelpers import ManualClock, TinyRun, last_step, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -99,14 +98,6 @@ def test_below_quorum_is_a_recorded_decision():
 
 # -- a real syncer on an injected clock -----------------------------------------------------------
 
-class _Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def _run(tmp_path, quorum: int):
     store = open_store(str(tmp_path / "s"))
     rng = np.random.default_rng(0)
@@ -116,7 +107,7 @@ def _run(tmp_path, quorum: int):
     return store, desc
 
 
-def _syncer(store, clock: _Clock) -> tuple[Syncer, list[tuple[str, dict]]]:
+def _syncer(store, clock: ManualClock) -> tuple[Syncer, list[tuple[str, dict]]]:
     syncer = Syncer(store, SyncerConfig(spill_poll_s=0.1), bus=None, clock=clock, wall=clock, sleep=lambda s: None)
     seen: list[tuple[str, dict]] = []
     emit = syncer.events.emit
@@ -134,7 +125,7 @@ def _answer(syncer: Syncer, desc, learner: str, seq: int, rnd: int, fill: float 
     return h.id
 
 
-def _next_round(syncer: Syncer, clock: _Clock) -> int:
+def _next_round(syncer: Syncer, clock: ManualClock) -> int:
     """Tick the global clock (0.1 s steps, the initial pace) until fragment 0's round is replaced."""
     before = syncer.rounds.open[0].round
     for _ in range(100):
@@ -158,7 +149,7 @@ def test_an_open_round_below_quorum_is_held_then_dropped_never_merged_alone(tmp_
     deadline (2H steps). It used to be merged on its own (``late-expired``); now it waits while
     its round is open, and once the round is replaced it is recorded as dropped ``below-quorum``."""
     store, desc = _run(tmp_path, quorum=2)
-    clock = _Clock()
+    clock = ManualClock()
     syncer, seen = _syncer(store, clock)
     syncer._tick_rounds()                                  # round 0 of fragment 0 opens
     assert syncer.rounds.open[0].round == 0
@@ -183,7 +174,7 @@ def test_an_open_round_below_quorum_is_held_then_dropped_never_merged_alone(tmp_
 
 def test_K_answers_to_a_round_are_merged(tmp_path):
     store, desc = _run(tmp_path, quorum=2)
-    clock = _Clock()
+    clock = ManualClock()
     syncer, _ = _syncer(store, clock)
     syncer._tick_rounds()
     ids = [_answer(syncer, desc, m, 0, rnd=0) for m in ("l0", "l1")]
@@ -195,7 +186,7 @@ def test_K_answers_to_a_round_are_merged(tmp_path):
 
 def test_a_late_answer_and_an_answer_to_the_open_round_make_K_together(tmp_path):
     store, desc = _run(tmp_path, quorum=2)
-    clock = _Clock()
+    clock = ManualClock()
     syncer, _ = _syncer(store, clock)
     syncer._tick_rounds()
     late = _answer(syncer, desc, "l0", 0, rnd=0)
@@ -218,7 +209,7 @@ def test_a_fold_that_leaves_fewer_than_K_learners_commits_only_its_drops(tmp_pat
     """l1's answer is a norm outlier (above the guard's cap): the commit drops it. Merging l0 alone would be a merge of 1 < K;
     the drop is committed, l0's answer stays pending and merges with l1's next answer."""
     store, desc = _run(tmp_path, quorum=2)
-    clock = _Clock()
+    clock = ManualClock()
     syncer, seen = _syncer(store, clock)
     syncer._tick_rounds()
     good = _answer(syncer, desc, "l0", 0, rnd=0)
@@ -238,7 +229,7 @@ def test_a_fold_that_leaves_fewer_than_K_learners_commits_only_its_drops(tmp_pat
 
 def test_the_syncer_warns_when_K_exceeds_every_learner_it_heard_of(tmp_path):
     store, desc = _run(tmp_path, quorum=3)
-    clock = _Clock()
+    clock = ManualClock()
     syncer, seen = _syncer(store, clock)
     syncer._tick_rounds()
     _answer(syncer, desc, "l0", 0, rnd=0)
@@ -275,19 +266,6 @@ def test_ddiloco_run_refuses_a_quorum_above_its_learners(tmp_path):
     assert not out.exists()                                # refused before anything started
 
 
-def _wait_for(cond, timeout: float, what: str) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _steps(run: TinyRun, lid: str) -> int:
-    return max([e["step"] for e in run.events(lid) if e.get("event") == "step"], default=0)
-
-
 def test_a_real_K2_run_with_a_learner_killed_never_merges_fewer_than_K(tmp_path):
     """3 learners, K = 2, l2 killed mid-run: learners start and finish at different times and one
     dies, so rounds answered by one learner occur at both ends - every merge still has 2. Steps
@@ -299,7 +277,7 @@ def test_a_real_K2_run_with_a_learner_killed_never_merges_fewer_than_K(tmp_path)
         run.syncer()
         for m in range(3):
             run.learner(f"l{m}", extra=["--pace", "0.05"])
-        _wait_for(lambda: _steps(run, "l2") >= 20, 150, "l2 to train")
+        wait_for(lambda: last_step(run, "l2") >= 20, 150, "l2 to train")
         os.killpg(run.procs["l2"].pid, signal.SIGKILL)
         for m in (0, 1):
             assert run.wait(f"l{m}", 200) == 0, run.stderr(f"l{m}")

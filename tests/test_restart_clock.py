@@ -26,6 +26,7 @@ from pipeline.types import RunDescriptor, TensorSpec
 from storage.layout import CLOCK_KEY
 from storage.store import open_store
 from workers.syncer.rounds import DELTA_SPAN_S, PACE_FACTOR, RoundBook, bounded_period
+from runhelpers import rounds_learner
 
 H = 16
 
@@ -237,41 +238,9 @@ def test_a_bus_round_is_not_replaced_by_a_lower_guess(tmp_path):
 
 # ------------------------------------------------------------------ the learner
 
-class _FakeReceiver:
-    def __init__(self):
-        self.rounds: dict[int, tuple[int, int]] = {}
-        self.arrivals: list = []
-        self.errors = self.refused = self.bytes_received = 0
-        self.failed = None
-
-    def opened(self):
-        return dict(self.rounds)
-
-    def take(self):
-        out, self.arrivals = self.arrivals, []
-        return out
-
-    def stop(self):
-        pass
-
-
 def _learner(tmp_path):
-    import torch
-    from workers.common.events import EventLog
-    from workers.launch import RunSettings, create_run
-    from workers.learner.learner import Learner
-
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    store = open_store(str(tmp_path / "store"))
-    init = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
-    create_run(store, init, RunSettings(fragments=1, sync_every=4), embedding_tensors=())
-    events = EventLog(tmp_path / "l0.jsonl", "learner", "l0")
-    learner = Learner(model, torch.optim.SGD(model.parameters(), lr=0.1), store, "l0", events=events).start()
-    learner.receiver.stop()
-    learner.receiver = _FakeReceiver()
-    x, y = torch.ones(3, 4), torch.zeros(3, 2)
-    return learner, (lambda: learner.step(lambda: ((model(x) - y) ** 2).mean(), tokens=3))
+    learner, _, step, _ = rounds_learner(tmp_path)
+    return learner, step
 
 
 def _answers(tmp_path) -> list[int]:

@@ -14,6 +14,7 @@ from pipeline.merge import MergeConfig
 from pipeline.schedule import ClockRecord, RoundClock, ScheduleConfig, latest_round
 from pipeline.types import CommitRecord, DeltaHeader, InputRecord, RunDescriptor, TensorSpec
 from workers.syncer.rounds import RoundBook
+from runhelpers import rounds_learner
 
 
 # ------------------------------------------------------------------ the global clock
@@ -179,54 +180,13 @@ def test_round_book_follows_the_live_learners_pace_and_replaces_unclosed_rounds(
 
 # ------------------------------------------------------------------ the learner's side
 
-class _FakeReceiver:
-    """Stands in for the receiver thread: the test says which rounds are open and what arrives."""
-
-    def __init__(self):
-        self.rounds: dict[int, tuple[int, int]] = {}
-        self.arrivals: list = []
-        self.errors = self.refused = self.bytes_received = 0
-        self.failed = None
-
-    def opened(self):
-        return dict(self.rounds)
-
-    def take(self):
-        out, self.arrivals = self.arrivals, []
-        return out
-
-    def stop(self):
-        pass
-
-
-def _learner(tmp_path, keep_progress=False):
-    import torch
-    from storage.store import open_store
-    from workers.common.events import EventLog
-    from workers.launch import RunSettings, create_run
-    from workers.learner.learner import Learner
-
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    store = open_store(str(tmp_path / "store"))
-    init = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
-    create_run(store, init, RunSettings(fragments=1, sync_every=4, keep_progress=keep_progress), embedding_tensors=())
-    events = EventLog(tmp_path / "l0.jsonl", "learner", "l0")
-    learner = Learner(model, torch.optim.SGD(model.parameters(), lr=0.1), store, "l0", events=events).start()
-    learner.receiver.stop()
-    learner.receiver = _FakeReceiver()
-    x, y = torch.ones(3, 4), torch.zeros(3, 2)
-    step = lambda: learner.step(lambda: ((model(x) - y) ** 2).mean(), tokens=3)   # noqa: E731
-    return learner, model, step, events
-
-
 def _deltas(tmp_path):
     from workers.common.events import read_events
     return [e for e in read_events(tmp_path / "l0.jsonl") if e.get("event") == "delta"]
 
 
 def test_learner_answers_each_opened_round_once_at_the_next_step(tmp_path):
-    learner, _, step, events = _learner(tmp_path)
+    learner, _, step, events = rounds_learner(tmp_path)
     try:
         step()
         assert _deltas(tmp_path) == []                       # nobody asked: the learner never sends on its own
@@ -249,7 +209,7 @@ def _arrival(learner, version, rnd, scale=0.0):
 
 
 def test_a_version_for_an_unanswered_round_is_answered_before_it_overwrites(tmp_path):
-    learner, model, step, _ = _learner(tmp_path)
+    learner, model, step, _ = rounds_learner(tmp_path)
     try:
         step()
         step()
@@ -264,7 +224,7 @@ def test_a_version_for_an_unanswered_round_is_answered_before_it_overwrites(tmp_
 
 def test_keep_progress_carries_the_steps_since_the_answer(tmp_path):
     import torch
-    learner, model, step, _ = _learner(tmp_path, keep_progress=True)
+    learner, model, step, _ = rounds_learner(tmp_path, keep_progress=True)
     try:
         step()
         learner.receiver.rounds = {0: (1, 3)}
@@ -284,7 +244,7 @@ def test_keep_progress_carries_the_steps_since_the_answer(tmp_path):
 
 
 def test_a_leaving_learner_flushes_the_steps_since_its_last_answer(tmp_path):
-    learner, _, step, _ = _learner(tmp_path)
+    learner, _, step, _ = rounds_learner(tmp_path)
     step()
     learner.receiver.rounds = {0: (1, 5)}
     step()
@@ -292,7 +252,7 @@ def test_a_leaving_learner_flushes_the_steps_since_its_last_answer(tmp_path):
     learner.close()
     d = _deltas(tmp_path)
     assert [(e["round"], e["steps"]) for e in d] == [(5, 1), (5, 3)]   # the last two steps were not lost
-    learner2, _, step2, _ = _learner(tmp_path / "second")
+    learner2, _, step2, _ = rounds_learner(tmp_path / "second")
     step2()
     learner2.receiver.rounds = {0: (1, 5)}
     step2()                                                       # answers round 5 with 1 step

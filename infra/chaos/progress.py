@@ -42,9 +42,9 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 from pipeline.types import CommitRecord
-from .invariants import Check, Observation, _lives_of
+from workers.tools.logview import HARMLESS     # what ddiloco log counts harmless: (d) holds it to that
+from .invariants import Check, Observation, _lives_of, _minus
 
-HARMLESS = ("duplicate", "superseded")
 REPAIRS = ("resume", "restart", "restore", "up", "heal", "start")   # a mark that ends a fault (its ``what``)
 FAULTS = ("pause", "kill", "blackhole", "down", "partition", "slow")
 INSTANT = ("rogue", "kill-agent")     # over when done: bad input sent, a sync agent the learner replaces itself
@@ -221,7 +221,7 @@ def _seen(a: float, b: float, blind: Sequence[tuple[float, float]]) -> float:
     """Seconds of (a, b) outside the ``blind`` windows."""
     pieces = [(a, b)]
     for cut in blind:
-        pieces = [q for piece in pieces for q in _cut(piece, cut)]
+        pieces = [q for piece in pieces for q in _minus(piece, cut)]
     return sum(y - x for x, y in pieces)
 
 
@@ -241,7 +241,7 @@ def short_of_quorum(obs: Observation, K: int) -> list[tuple[float, float]]:
         if life.steps:
             pieces = [(life.started, life.steps[-1][0])]
             for cut in obs.pauses(life.learner):
-                pieces = [q for piece in pieces for q in _cut(piece, cut)]
+                pieces = [q for piece in pieces for q in _minus(piece, cut)]
             spans += pieces
     edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
     out, alive, since = [], 0, -math.inf
@@ -256,31 +256,6 @@ def short_of_quorum(obs: Observation, K: int) -> list[tuple[float, float]]:
     if since is not None and alive < K:
         out.append((since, math.inf))
     return [(a, b) for a, b in out if b > a]
-
-
-def _steps_between(life: Life, a: float, b: float, blind: Sequence[tuple[float, float]] = ()) -> int:
-    """Steps ``life`` took between wall times ``a`` and ``b`` (from its step events), leaving out
-    the ``blind`` windows."""
-    if not life.steps:
-        return 0
-    first, last = life.steps[0][0], life.steps[-1][0]
-    pieces = [(a, b)]
-    for x, y in blind:
-        pieces = [q for piece in pieces for q in _cut(piece, (x, y))]
-    total = 0
-    for lo_t, hi_t in pieces:
-        lo_t, hi_t = max(lo_t, first), min(hi_t, last)
-        if hi_t > lo_t:
-            total += max(0, (_step_at(life, hi_t) or 0) - (_step_at(life, lo_t) or 0))
-    return total
-
-
-def _cut(span: tuple[float, float], cut: tuple[float, float]) -> list[tuple[float, float]]:
-    a, b = span
-    c, d = cut
-    if d <= a or c >= b:
-        return [span]
-    return [q for q in ((a, c), (d, b)) if q[1] > q[0]]
 
 
 BUS_FALLBACK_S = 4.0   # bus gone: rounds from the storage clock after 1 s (receiver.py), answers spill after the ack timeout
