@@ -350,7 +350,9 @@ class Syncer:
         # Close what may close *before* the clock moves: after a turn that took long (a slow commit,
         # the process descheduled), the clock catches up several steps at once and would replace
         # rounds whose quorum and grace were already met, making their answers wait H more steps.
-        self.close_rounds()
+        # Only on turns where the clock is due: otherwise the close after the tick sees the same.
+        if self.rounds.clock.wait_s(self.clock()) == 0.0:
+            self.close_rounds()
         self._tick_rounds()
         wait = self.close_rounds()
         return min(wait if wait is not None else 1.0, max(0.0, self._next_spill - self.clock()), 0.2,
