@@ -224,9 +224,18 @@ class CommitRecord:
     # runs; None otherwise). Written as ``info["norms"]``, as every earlier record has it: ``info``
     # always mirrors this field, so the bytes written and old records read are unchanged.
     norms: tuple[float, ...] | None = None
+    # The map this record was read from, exactly as decoded from its stored bytes (None for a record
+    # built in memory). Signatures are checked over it, never over a re-encoding (issue 26): a field
+    # added to ``to_dict`` later (``round``, 488cdb7) otherwise changed the bytes an old signature
+    # covered and every old signed run was refused as forged. Not an init argument, so that
+    # ``dataclasses.replace`` - a changed record - never carries the old map along.
+    stored: dict[str, Any] | None = field(default=None, init=False, compare=False, repr=False)
 
     KIND = "commit"
-    VERSION = 1
+    # v1: ``round`` (the record's and each input's) optional, absent before 488cdb7; v2 (issue 26):
+    # ``round`` always present. Readers take both (docs/formats.md "commit").
+    VERSION = 2
+    READS = (1, 2)
 
     def __post_init__(self) -> None:
         if self.kind not in COMMIT_KINDS:
@@ -272,16 +281,26 @@ class CommitRecord:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "CommitRecord":
+    def from_dict(cls, d: dict[str, Any], version: int = 1) -> "CommitRecord":
         """Validate a record (FormatError naming the field); ``info["norms"]``, when present, must be
-        one finite float >= 0 per merged input of a merge commit and becomes ``norms``."""
+        one finite float >= 0 per merged input of a merge commit and becomes ``norms``. ``version``:
+        the format it was stored as (v2 requires ``round``; v1 has it optional). The result keeps
+        ``d`` as ``stored``."""
         what = "commit record"
+        if version not in cls.READS:
+            raise FormatError(f"{what}: version {version!r} not one of {list(cls.READS)}")
+        if version >= 2 and isinstance(d, dict):
+            lacking = ["round"] if "round" not in d else []
+            lacking += [f"inputs[{i}].round" for i, x in enumerate(d.get("inputs") or ())
+                        if isinstance(x, dict) and "round" not in x]
+            if lacking:
+                raise FormatError(f"{what} (v{version}): missing {lacking}")
         hw = _get(d, "high_water", dict, what)
         for k, v in hw.items():
             if not (isinstance(k, str) and isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) for x in v)):
                 raise FormatError(f"{what}: bad high-water entry {k!r}: {v!r}")
         try:
-            return cls(
+            rec = cls(
                 seq=_get(d, "seq", int, what), epoch=_get(d, "epoch", int, what), kind=_get(d, "kind", str, what),
                 fragment=_get(d, "fragment", int, what), version=_get(d, "version", int, what),
                 inputs=tuple(InputRecord.from_dict(x) for x in _get(d, "inputs", list, what)),
@@ -295,14 +314,16 @@ class CommitRecord:
             if isinstance(exc, FormatError):
                 raise
             raise FormatError(f"{what}: {exc}") from None
+        object.__setattr__(rec, "stored", d)
+        return rec
 
     def to_bytes(self) -> bytes:
         return pack_record(self.KIND, self.VERSION, self.to_dict())
 
     @classmethod
     def from_bytes(cls, blob: bytes, what: str | None = None) -> "CommitRecord":
-        _, d = unpack_record(blob, cls.KIND, cls.VERSION, what=what)
-        return cls.from_dict(d)
+        version, d = unpack_record(blob, cls.KIND, cls.READS, what=what)
+        return cls.from_dict(d, version)
 
 
 def _check_norms(norms: Any) -> tuple[float, ...]:

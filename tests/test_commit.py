@@ -246,9 +246,10 @@ def test_old_records_with_info_norms_are_read_and_written_back_byte_for_byte():
     norms = [delta_norm(i.tensors) for i in sorted(ins, key=lambda i: i.header.learner)]
     old = res.record.to_dict()
     old["info"] = {**old["info"], "norms": norms, "sig": "ab" * 32}
-    blob = pack_record("commit", 1, old)
+    blob = pack_record("commit", CommitRecord.VERSION, old)
     rec = CommitRecord.from_bytes(blob)
     assert rec.norms == tuple(norms) and rec.info["norms"] == norms and rec.to_bytes() == blob
+    assert CommitRecord.from_bytes(pack_record("commit", 1, old)) == rec    # as v1 wrote it: the same record
     # The new path writes the very same bytes (norms after the other info, before the signature).
     c = apply_commit(s0, w0, desc, 0, ins, CommitMeta(seq=s0.last_seq + 1, epoch=1, output_key="v/x",
                                                       info={"syncer": "s1", "live": 2}))

@@ -13,7 +13,8 @@ pass the public key (hex) they trust. Formats (docs/formats.md):
 
 - ``signed-delta`` v1: envelope whose body is the msgpack map {learner, delta, sig}; ``delta`` is
   the codec blob of kind ``delta``; ``sig`` signs sha256(delta) (purpose ``delta``).
-- commit records: ``info["sig"]`` (hex) signs the canonical bytes of the record without it.
+- commit records: ``info["sig"]`` (hex) signs the canonical bytes of the record's map without it:
+  the map as stored when checking a record read back (``CommitRecord.stored``), never a re-encoding.
 - version blobs: ``meta["sig"]`` (hex) signs {fragment, version, seq, epoch, digest} where
   ``digest`` is the tensor digest of the values (the commit's ``output_checksum``).
 - ``signed-checkpoint`` v1: envelope {seq, state, sig}; ``sig`` signs seq + sha256(state).
@@ -131,14 +132,22 @@ def delta_signature_ok(public_hex: str, run_id: str, inner: bytes, sig: bytes) -
 # -- commit records (syncer, launcher for init commits) ---------------------------------------------
 
 def _commit_payload(record: CommitRecord) -> bytes:
-    d = record.to_dict()
-    d["info"] = {k: v for k, v in d["info"].items() if k != "sig"}
+    """What a commit's signature covers: the record's map without ``info["sig"]`` - for a record
+    read from storage the map exactly as stored (``record.stored``), never a re-encoding of the
+    parsed record (issue 26: a field added to ``to_dict`` since an old run was written made every
+    one of its signatures fail); for a record made in memory, what ``to_bytes`` writes."""
+    return _map_payload(dict(record.stored) if record.stored is not None else record.to_dict())
+
+
+def _map_payload(d: dict) -> bytes:
+    info = d.get("info")
+    d["info"] = {k: v for k, v in info.items() if k != "sig"} if isinstance(info, dict) else info
     return canonical(d)
 
 
 def sign_commit(record: CommitRecord, signer: Signer, run_id: str) -> CommitRecord:
     """The same record with ``info["sig"]``: the syncer's signature over everything else in it."""
-    sig = signer.sign("commit", run_id, _commit_payload(record)).hex()
+    sig = signer.sign("commit", run_id, _map_payload(record.to_dict())).hex()   # what to_bytes writes
     return dataclasses.replace(record, info={**{k: v for k, v in record.info.items() if k != "sig"}, "sig": sig})
 
 

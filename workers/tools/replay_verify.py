@@ -253,10 +253,15 @@ def _compare_checkpoint(store: ObjectStore, descriptor: RunDescriptor, seq: int,
     except FormatError as exc:
         raise FormatError(f"{what} is damaged: {exc}") from None
     if payload == state.to_bytes():
-        return
+        return                      # the common case: the same bytes
+    # Otherwise compare what the checkpoint holds, not how it is encoded (issue 26): a checkpoint
+    # written by an older version (another envelope version, another field order) that holds the
+    # recomputed state exactly is a match; only a difference in content is a mismatch.
     saved = SyncerState.from_bytes(payload, descriptor, what=what)
-    fragment, tensor, diff, detail = _state_difference(saved, state)
-    raise ReplayMismatch(seq, fragment, tensor, diff, f"{what} differs from the recomputed state: {detail}")
+    difference = _state_difference(saved, state)
+    if difference is not None:
+        fragment, tensor, diff, detail = difference
+        raise ReplayMismatch(seq, fragment, tensor, diff, f"{what} differs from the recomputed state: {detail}")
 
 
 def _checkpoint_state_bytes(store: ObjectStore, descriptor: RunDescriptor, seq: int) -> bytes:
@@ -267,8 +272,9 @@ def _checkpoint_state_bytes(store: ObjectStore, descriptor: RunDescriptor, seq: 
     return open_checkpoint(payload, seq, descriptor.security.syncer.sign, descriptor.run_id, f"checkpoint {seq}")
 
 
-def _state_difference(saved: SyncerState, got: SyncerState) -> tuple[int, str, float | None, str]:
-    """(fragment, tensor, max abs diff, what) of the first difference between two states."""
+def _state_difference(saved: SyncerState, got: SyncerState) -> tuple[int, str, float | None, str] | None:
+    """(fragment, tensor, max abs diff, what) of the first difference between two states; None
+    when they hold the same content."""
     if saved.last_seq != got.last_seq or saved.run_id != got.run_id:
         return -1, "", None, f"it is for seq {saved.last_seq} of run {saved.run_id!r}"
     for p, (a, b) in enumerate(zip(saved.fragments, got.fragments)):
@@ -289,7 +295,10 @@ def _state_difference(saved: SyncerState, got: SyncerState) -> tuple[int, str, f
             return p, "", None, f"high-water marks {saved.high_water[p]}, recomputed {got.high_water[p]}"
         if saved.marks is not None and got.marks is not None and saved.marks[p] != got.marks[p]:   # issue 25
             return p, "", None, f"merged marks {saved.marks[p]}, recomputed {got.marks[p]}"
-    return -1, "", None, "the encodings differ"
+    if (saved.marks is None) != (got.marks is None):
+        return -1, "", None, f"merged marks {'absent' if saved.marks is None else 'present'} in the checkpoint, " \
+            f"{'absent' if got.marks is None else 'present'} in the recomputed state"
+    return None
 
 
 def _hint_warnings(store: ObjectStore, tail: int) -> list[str]:
