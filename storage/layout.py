@@ -10,6 +10,7 @@ is one directory level deep, where every backend (SeaweedFS included) lists in b
     log/00000000000000000000                    commit records (create-if-absent, never deleted)
     hints/log-head                              advisory: last known commit seq (overwritten)
     hints/round-clock                           the syncer's global step, for bus-less learners (overwritten)
+    hints/retention                             advisory: the retention horizon, written before a deletion (overwritten)
     versions/f00000/v000000000000[-e<epoch>]    fragment versions (written before their commit)
     deltas/<learner>/i0000000000/s000000000000  deltas a commit merged (written before it)
     spill/<learner>/i0000000000/s000000000000   deltas learners spilled when the fast path failed
@@ -46,6 +47,7 @@ EPOCH_PREFIX = "epochs/"
 LOG_PREFIX = "log/"
 HEAD_HINT_KEY = "hints/log-head"
 CLOCK_KEY = "hints/round-clock"     # pipeline/schedule.py ClockRecord: where rounds stand (advisory)
+RETENTION_KEY = "hints/retention"   # the newest retention horizon: replay starts after it (issue 26)
 VERSION_PREFIX = "versions/"
 DELTA_PREFIX = "deltas/"
 SPILL_PREFIX = "spill/"
@@ -71,6 +73,7 @@ SHARD_DIGITS = 4
 
 EPOCH_KIND, EPOCH_VERSION = "syncer-epoch", 1
 HINT_KIND, HINT_VERSION = "log-head", 1
+RETENTION_KIND, RETENTION_VERSION = "retention-horizon", 1
 
 
 def _num(value: int, digits: int, what: str) -> str:
@@ -303,6 +306,21 @@ def unpack_head_hint(blob: bytes, what: str | None = None) -> int:
     if not isinstance(seq, int) or isinstance(seq, bool) or seq < -1:
         raise FormatError(f"{what or HINT_KIND}: bad seq {seq!r}")
     return seq
+
+
+def pack_retention_hint(horizon: int, kept_checkpoints: list[int]) -> bytes:
+    """The retention horizon (issue 26): what the commits up to it named may be deleted, so a
+    replay starts at the checkpoint ``horizon``. Written before the deletions it allows."""
+    return pack_record(RETENTION_KIND, RETENTION_VERSION, {"horizon": horizon, "kept_checkpoints": kept_checkpoints})
+
+
+def unpack_retention_hint(blob: bytes, what: str | None = None) -> int:
+    """-> the horizon (a checkpoint's seq); ``FormatError`` if damaged."""
+    _, d = unpack_record(blob, RETENTION_KIND, RETENTION_VERSION, max_bytes=1 << 16, what=what)
+    horizon = d.get("horizon")
+    if not isinstance(horizon, int) or isinstance(horizon, bool) or horizon < 0:
+        raise FormatError(f"{what or RETENTION_KIND}: bad horizon {horizon!r}")
+    return horizon
 
 
 # -- the run descriptor ------------------------------------------------------------------------

@@ -14,6 +14,20 @@ Rules (conservative; commits, epochs, the descriptor and the head hint are never
   whose producing commit is ``<= horizon``, or that no commit names (e.g. a fenced syncer's
   orphan). Version 0, the run's initial model, is kept.
 
+- **a byte budget** (``keep_bytes``, issue 26): the horizon also moves forward - to the oldest
+  candidate checkpoint whose *footprint* fits the budget, or the newest candidate when none does,
+  but never past ``floor_horizon`` (the syncer's newest ``min_commits`` always keep what they
+  name). A checkpoint's footprint is what a replay from it and a restart read: that checkpoint,
+  the newest ``keep_checkpoints`` and those after the floor (later horizons), the deltas and
+  spilled deltas the commits after it name and the versions they produced (the newest
+  ``keep_versions`` of each fragment and version 0 stay whatever the budget). Under a budget the
+  other checkpoints *after* the horizon go too: a replay from the horizon recomputes their states
+  and a restart reads the newest, and each holds ~18 model sizes (params, momentum, retained
+  versions). Sizes
+  come from ``size_of`` (a HEAD per object; the syncer caches them). The commit rule and the
+  budget are both limits: the horizon is the newer of the two. ``default_keep_bytes`` is the
+  syncer's default.
+
 Planning reads the log (one GET per commit) from ``scan_from`` (default: the start). The syncer
 plans incrementally after each checkpoint with ``scan_from`` = the previous horizon + 1: keys
 named only by earlier commits were dealt with then (or are kept: never deleted by mistake), and
@@ -28,15 +42,19 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 from pipeline.errors import FormatError
 
 from .errors import NotFound
 from .checkpoints import list_checkpoints
-from .layout import (DELTA_PREFIX, SPILL_PREFIX, VERSION_PREFIX, checkpoint_key, parse_version_key,
-                     read_descriptor)
+from .layout import (DELTA_PREFIX, RETENTION_KEY, SPILL_PREFIX, VERSION_PREFIX, checkpoint_key,
+                     pack_retention_hint, parse_version_key, read_descriptor)
 from .log import CommitLog
 from .store import ObjectStore
+
+BUDGET_MODEL_SIZES = 8      # the default budget: this many fp32 model sizes of deltas and versions ...
+BUDGET_CHECKPOINTS = 2      # ... plus this many of the newest checkpoint (what a restart must keep)
 
 
 @dataclass(frozen=True)
@@ -65,17 +83,82 @@ class RetentionPlan:
         return dict(counts)
 
 
+def default_keep_bytes(store: ObjectStore, model_bytes: int, size_of: Callable[[str], int] | None = None) -> int:
+    """The default byte budget: BUDGET_MODEL_SIZES fp32 model sizes (``model_bytes``) plus
+    BUDGET_CHECKPOINTS times the newest checkpoint's size (a restart keeps two; issue 26)."""
+    newest = list_checkpoints(store)[-1:]
+    size = (size_of or (lambda k: object_size(store, k)))(checkpoint_key(newest[0])) if newest else 0
+    return BUDGET_MODEL_SIZES * model_bytes + BUDGET_CHECKPOINTS * size
+
+
+def object_size(store: ObjectStore, key: str) -> int:
+    """An object's stored size (0 once it is gone)."""
+    try:
+        return store.head(key).size
+    except NotFound:
+        return 0
+
+
+def parse_size(text: str) -> int:
+    """``"512MB"``, ``"2GiB"``, ``"1e9"``, ``"0"`` -> bytes (decimal and binary units); ValueError
+    naming the text otherwise."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    t = str(text).strip().upper().replace(" ", "")
+    number = t.rstrip("KMGTIB")
+    try:
+        value = float(number) * units[t[len(number):]]
+    except (KeyError, ValueError):
+        raise ValueError(f"not a size: {text!r} (e.g. 500MB, 2GiB, 0)") from None
+    if not value >= 0 or value != value or value == float("inf"):
+        raise ValueError(f"not a size: {text!r} (must be >= 0)")
+    return int(value)
+
+
+def _budget_horizon(records: Sequence, candidates: Sequence[int], newest: Sequence[int], keep_bytes: int,
+                    size_of: Callable[[str], int]) -> int:
+    """The oldest of ``candidates`` (ascending checkpoint seqs) whose footprint fits ``keep_bytes``
+    (module docstring; ``newest``: the checkpoints kept whatever the horizon), or the newest
+    candidate when none fits."""
+    newest_first = sorted(records, key=lambda r: r.seq, reverse=True)
+    seen: set[str] = set()
+    named, i, best = 0, 0, candidates[-1]
+    always = sum(size_of(checkpoint_key(x)) for x in newest)
+    for c in reversed(candidates):
+        while i < len(newest_first) and newest_first[i].seq > c:
+            r = newest_first[i]
+            for key in _named(r) + ([r.output_key] if r.output_key else []):
+                if key not in seen:
+                    seen.add(key)
+                    named += size_of(key)
+            i += 1
+        if named + always + (0 if c in newest else size_of(checkpoint_key(c))) > keep_bytes:
+            break
+        best = c
+    return best
+
+
+def _named(record) -> list[str]:
+    return [i.key for i in record.inputs] + [d.key for d in record.dropped if d.key]
+
+
 def plan_retention(store: ObjectStore, keep_checkpoints: int = 2, keep_versions: int | None = None, *,
-                   scan_from: int = 0, newest_horizon: int | None = None) -> RetentionPlan:
+                   scan_from: int = 0, newest_horizon: int | None = None, keep_bytes: int | None = None,
+                   floor_horizon: int | None = None, size_of: Callable[[str], int] | None = None) -> RetentionPlan:
     """List what could be deleted (see the module docstring). ``keep_versions`` defaults to the
     run descriptor's ``retain_versions`` (16 if the descriptor cannot be read). ``scan_from``: the
     first commit read (an earlier plan's horizon + 1). ``newest_horizon``: the horizon is at most
     this commit (the syncer keeps the newest ``keep_commits`` commits whole: the horizon is then
-    the newest checkpoint that old enough, and every checkpoint after it is kept)."""
+    the newest checkpoint that old enough, and every checkpoint after it is kept). ``keep_bytes``:
+    the byte budget (None: none), which moves the horizon at most to ``floor_horizon`` (None: no
+    limit); ``size_of``: an object's size (default: a HEAD)."""
     if not isinstance(keep_checkpoints, int) or keep_checkpoints < 1:
         raise ValueError(f"keep_checkpoints must be an int >= 1, got {keep_checkpoints!r}")
     if not isinstance(scan_from, int) or scan_from < 0:
         raise ValueError(f"scan_from must be an int >= 0, got {scan_from!r}")
+    if keep_bytes is not None and (not isinstance(keep_bytes, int) or isinstance(keep_bytes, bool) or keep_bytes < 0):
+        raise ValueError(f"keep_bytes must be an int >= 0 or None, got {keep_bytes!r}")
+    size_of = size_of or (lambda key: object_size(store, key))
     if keep_versions is None:
         try:
             keep_versions = read_descriptor(store).versions.retain
@@ -87,24 +170,34 @@ def plan_retention(store: ObjectStore, keep_checkpoints: int = 2, keep_versions:
     items: list[RetentionItem] = []
     checkpoints = list_checkpoints(store)
     # candidates: checkpoints with at least keep_checkpoints - 1 newer ones (a fallback if one is damaged)
-    eligible = checkpoints[:len(checkpoints) - keep_checkpoints + 1] if len(checkpoints) >= keep_checkpoints else []
-    if newest_horizon is not None:
-        eligible = [c for c in eligible if c <= newest_horizon]
+    candidates = checkpoints[:len(checkpoints) - keep_checkpoints + 1] if len(checkpoints) >= keep_checkpoints else []
+    eligible = [c for c in candidates if newest_horizon is None or c <= newest_horizon]
     horizon = eligible[-1] if eligible else -1
-    kept = tuple(c for c in checkpoints if c >= horizon)
+    # Kept whatever the budget: the newest keep_checkpoints (a restart), and those after the floor
+    # (the horizons of later passes: thinning them would leave later passes no horizon to move to).
+    newest = [c for c in checkpoints[len(checkpoints) - keep_checkpoints:]] + \
+        [c for c in checkpoints if floor_horizon is not None and c > floor_horizon]
+    later = [c for c in candidates if c >= horizon and (floor_horizon is None or c <= floor_horizon)]
+    budgeted = keep_bytes is not None and bool(later)
+    log = CommitLog(store)
+    records = list(log.read_range(scan_from)) if (horizon >= 0 or budgeted) and scan_from <= log.tail() else []
+    if budgeted:              # the budget only ever moves the horizon on
+        horizon = max(horizon, _budget_horizon(records, later, newest, keep_bytes, size_of))
+    kept = tuple(c for c in checkpoints if c == horizon or c in newest or (c > horizon and not budgeted))
     for seq in checkpoints:
         if seq < horizon:
             items.append(RetentionItem(checkpoint_key(seq), f"superseded checkpoint: keeping "
+                                                             f"{', '.join(map(str, kept))}"))
+        elif seq not in kept:
+            items.append(RetentionItem(checkpoint_key(seq), f"between the horizon {horizon} and the newest "
+                                                             f"commits (byte budget): keeping "
                                                              f"{', '.join(map(str, kept))}"))
 
     settled: dict[str, int] = {}       # delta key -> last commit <= horizon naming it
     named_later: set[str] = set()      # delta keys named by a commit after the horizon
     produced_at: dict[str, int] = {}   # version key -> commit seq that produced it
-    log = CommitLog(store)
-    records = log.read_range(scan_from) if horizon >= 0 and scan_from <= log.tail() else ()
-    for record in records:
-        names = [i.key for i in record.inputs] + [d.key for d in record.dropped if d.key]
-        for key in names:
+    for record in records if horizon >= 0 else ():
+        for key in _named(record):
             if record.seq <= horizon:
                 settled[key] = record.seq
             else:
@@ -146,9 +239,13 @@ def plan_retention(store: ObjectStore, keep_checkpoints: int = 2, keep_versions:
 
 
 def apply_retention(store: ObjectStore, plan: RetentionPlan) -> int:
-    """Delete every key of ``plan`` (made for this store); returns how many were deleted."""
+    """Delete every key of ``plan`` (made for this store); returns how many were deleted. The
+    horizon is written first (``hints/retention``), so that a replay knows where the run can be
+    verified from even when a deletion stops part way."""
     if plan.uri != store.uri:
         raise ValueError(f"retention plan was made for {plan.uri}, not {store.uri}")
+    if plan.items and plan.horizon >= 0:
+        store.put(RETENTION_KEY, pack_retention_hint(plan.horizon, list(plan.kept_checkpoints)))
     for item in plan.items:
         store.delete(item.key)
     return len(plan.items)

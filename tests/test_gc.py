@@ -126,7 +126,8 @@ def test_gc_lists_by_default_deletes_with_a_flag_and_replay_still_verifies(tmp_p
     else:
         assert replay_run(store, desc, start=tail).from_checkpoint == kept[-2]
     with pytest.raises(NotFound):          # a full replay needs the deleted deltas (docs/storage.md)
-        replay_run(store, desc)
+        replay_run(store, desc, start=0)
+    assert replay_run(store, desc).start == kept[0] + 1     # by default: after the horizon gc wrote (issue 26)
     Syncer(store, SyncerConfig()).recover()
     VersionTracker(store, desc).load_all()
 
@@ -155,9 +156,10 @@ class Now:
         fn(*args)
 
 
-def test_by_default_the_newest_commits_keep_everything(tmp_path):
-    """The syncer's default keeps whatever the newest 1000 commits name: a run shorter than that
-    replays from its first commit; a longer one keeps the newest checkpoint old enough, and after it."""
+def test_without_a_byte_budget_the_newest_commits_keep_everything(tmp_path):
+    """The commit rule alone (keep_bytes None) keeps whatever the newest 1000 commits name: a run
+    shorter than that replays from its first commit; a longer one keeps the newest checkpoint old
+    enough, and after it."""
     from workers.syncer.gc import SyncerRetention
     uri, _ = make_run(tmp_path, RetentionConfig(enabled=False))
     store = open_store(uri)
@@ -167,14 +169,76 @@ def test_by_default_the_newest_commits_keep_everything(tmp_path):
     events = []
     log = EventLog(None, "syncer", "s")
     log.emit = lambda event, **f: events.append((event, f))
-    SyncerRetention(store, RetentionConfig(), log, Now()).after_checkpoint(tail)
+    SyncerRetention(store, RetentionConfig(keep_bytes=None), log, Now()).after_checkpoint(tail)
     assert sorted(store.list("")) == before and not events
     assert replay_run(store, desc).commits > 0              # the full history still replays
     checkpoints = list_checkpoints(store)
-    SyncerRetention(store, RetentionConfig(keep_commits=tail - checkpoints[2]), log, Now()).after_checkpoint(tail)
+    SyncerRetention(store, RetentionConfig(keep_commits=tail - checkpoints[2], keep_bytes=None), log,
+                    Now()).after_checkpoint(tail)
     assert list_checkpoints(store) == checkpoints[2:]       # the newest one at least keep_commits old, and later
     (event, fields), = events
     assert event == "retention" and fields["horizon"] == checkpoints[2]
     replay_run(store, desc, start=checkpoints[2] + 1)
     with pytest.raises(ValueError, match="keep_commits"):
         RetentionConfig(keep_commits=-1)
+    with pytest.raises(ValueError, match="keep_bytes must be 'auto', None or an int >= 0, got -5"):
+        RetentionConfig(keep_bytes=-5)
+
+
+def _footprint(store, horizon: int) -> int:
+    """What a replay from checkpoint ``horizon`` and a restart read: that checkpoint and the newest
+    two, and the deltas and versions the commits after it name (measured here from the objects,
+    not from retention's code)."""
+    keys = {f"checkpoints/{c:020d}" for c in [horizon, *list_checkpoints(store)[-2:]]}
+    for r in CommitLog(store).read_range(horizon + 1):
+        keys |= {i.key for i in r.inputs} | {d.key for d in r.dropped if d.key} | ({r.output_key} - {""})
+    return sum(store.head(k).size for k in keys if store.exists(k))
+
+
+def test_a_byte_budget_moves_the_horizon_and_replay_then_starts_after_it(tmp_path, capsys):
+    """Issue 26: the byte budget limits the store even while the commit rule would keep everything:
+    the horizon moves to the oldest checkpoint whose footprint fits; ``ddiloco replay`` then starts
+    after the horizon retention wrote, says so, and verifies; from the start is asked for with --from 0
+    (and then stops for want of the deleted deltas: exit 2, no damage of the run, and it says why)."""
+    from workers.syncer.gc import SyncerRetention
+    uri, _ = make_run(tmp_path, RetentionConfig(enabled=False))
+    store = open_store(uri)
+    tail = CommitLog(store).tail()
+    checkpoints = list_checkpoints(store)
+    assert len(checkpoints) >= 5
+    target = checkpoints[-3]                           # a budget that fits from here on but not from before
+    budget = (_footprint(store, target) + _footprint(store, checkpoints[-4])) // 2
+    assert _footprint(store, checkpoints[-4]) > budget >= _footprint(store, target)
+    events = []
+    log = EventLog(None, "syncer", "s")
+    log.emit = lambda event, **f: events.append((event, f))
+    SyncerRetention(store, RetentionConfig(keep_bytes=budget, min_commits=0), log, Now()).after_checkpoint(tail)
+    (event, fields), = events
+    assert event == "retention" and fields["horizon"] == target, fields
+    assert list_checkpoints(store) == [c for c in checkpoints if c >= target]
+    rc, out, err = run_cli(["replay", uri], capsys)
+    assert rc == 0, err
+    assert f"from checkpoint {target}" in out and f"commits {target + 1}..{tail}" in out, out
+    rc, out, err = run_cli(["replay", uri, "--from", "0"], capsys)
+    assert rc == 2 and "retention removed" in err and "FAILED" not in err, err
+
+
+def test_the_default_budget_keeps_a_long_run_no_bigger_than_a_few_model_sizes(tmp_path):
+    """The syncer's default ("auto": 8 fp32 model sizes + 2 newest checkpoints, never into the newest
+    50 commits): a short run keeps everything; past the floor, what a replay from the horizon reads
+    fits the budget (or only the two checkpoints a restart needs are left) and the run replays."""
+    from storage.retention import default_keep_bytes
+    from workers.syncer.gc import SyncerRetention, model_bytes
+    uri, _ = make_run(tmp_path, RetentionConfig(enabled=False))
+    store = open_store(uri)
+    tail = CommitLog(store).tail()
+    budget = default_keep_bytes(store, model_bytes(store))
+    assert budget == 8 * model_bytes(store) + 2 * store.head(f"checkpoints/{list_checkpoints(store)[-1]:020d}").size
+    before, objects = list_checkpoints(store), sorted(store.list(""))
+    SyncerRetention(store, RetentionConfig(), EventLog(None, "syncer", "s"), Now()).after_checkpoint(tail)
+    assert sorted(store.list("")) == objects       # 45 commits < min_commits (50): a short run keeps it all
+    SyncerRetention(store, RetentionConfig(min_commits=0), EventLog(None, "syncer", "s"), Now()).after_checkpoint(tail)
+    kept = list_checkpoints(store)
+    assert kept != before and kept[-2:] == before[-2:] and len(kept) <= 3   # the horizon, and the newest two
+    assert _footprint(store, kept[0]) <= budget or len(kept) == 2   # it fits, or only the two a restart needs are left
+    replay_run(store, read_descriptor(store), start=kept[0] + 1)

@@ -129,6 +129,10 @@ def configure_syncer(parser: argparse.ArgumentParser,
     parser.add_argument("--keep-commits", type=int, default=1000, metavar="N",
                         help="retention never deletes what the newest N commits name (a shorter run keeps its "
                              "whole history)")
+    parser.add_argument("--retain-bytes", default="auto", metavar="SIZE",
+                        help="... unless what replay from the oldest kept checkpoint reads outgrows SIZE (e.g. "
+                             "500MB, 2GiB; 'none': no byte limit; default 'auto': 8 fp32 model sizes plus the 2 "
+                             "newest checkpoints, docs/storage.md \"Retention\")")
     parser.add_argument("--keep-all", action="store_true",
                         help="no retention: keep every delta, version and checkpoint (full replay from the start)")
     parser.add_argument("--threads", type=int, default=1, metavar="N",
@@ -153,13 +157,17 @@ def configure_syncer(parser: argparse.ArgumentParser,
 
     def handler(args) -> int:
         from workers.common.memory import keep_freed_memory
-        from workers.syncer.gc import RetentionConfig
+        from workers.syncer.gc import RetentionConfig, parse_keep_bytes
         if args.threads < 1:
             raise SystemExit(f"--threads must be >= 1, got {args.threads}")
+        try:
+            keep_bytes = parse_keep_bytes(args.retain_bytes, "--retain-bytes")
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
         if args.keep_freed_memory:
             keep_freed_memory()   # a round's arrays reuse mapped pages (docs/scale.md: kernel zeroing, neighbours)
         retention = RetentionConfig(enabled=not args.keep_all, keep_checkpoints=args.keep_checkpoints,
-                                    keep_commits=args.keep_commits)
+                                    keep_commits=args.keep_commits, keep_bytes=keep_bytes)
         store = open_store(args.store, s3_endpoint=args.s3_endpoint, create=False)
         keys = _keyring(args, store, "syncer", args.id)
         shard = _check_shard(args.shard, read_descriptor(store))

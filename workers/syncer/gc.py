@@ -6,15 +6,19 @@ Two users of ``storage.retention`` (which decides what may go, and why):
   the background (its I/O pool), incrementally - each plan reads the log only from the previous
   horizon. On by default (``RetentionConfig``): the newest ``keep_commits`` (1000) commits keep
   everything they name, and behind them only the newest 2 checkpoints and the run's
-  ``retain_versions`` newest versions per fragment stay. So a run shorter than 1000 commits keeps
-  its whole history (it replays from the first commit), and a longer one stops growing. A failure
-  is reported and retried after the next checkpoint; it never stops the syncer.
+  ``retain_versions`` newest versions per fragment stay. A **byte budget** limits it too (issue 26;
+  ``keep_bytes``, default ``storage.retention.default_keep_bytes``: 8 fp32 model sizes plus two of
+  the newest checkpoint): when what a replay from the oldest kept checkpoint reads outgrows it, the
+  horizon moves to a newer checkpoint (never into the newest ``min_commits`` = 50) and the
+  checkpoints between it and the newest two go - so the store stops growing long before 1000
+  commits (at the paper's 5B parameters the 1000-commit rule alone kept about a terabyte).
+  A failure is reported and retried after the next checkpoint; it never stops the syncer.
 - an operator: ``ddiloco gc RUN_URI`` lists what would be deleted, one line per object with its
   reason, and deletes only with ``--delete``. Safe while the run is going on (same rules).
 
-What stays is enough to restart the syncer and to replay from any kept checkpoint:
-``ddiloco replay RUN_URI --from <kept checkpoint + 1>`` (the command prints it). A full replay
-from the first commit needs the deleted deltas; turn retention off (``ddiloco syncer
+What stays is enough to restart the syncer and to replay from any kept checkpoint: ``ddiloco
+replay RUN_URI`` starts after the horizon retention wrote (``hints/retention``) and says so. A
+full replay from the first commit needs the deleted deltas; turn retention off (``ddiloco syncer
 --keep-all``) for runs that must keep that.
 """
 from __future__ import annotations
@@ -23,13 +27,15 @@ import argparse
 import json
 import threading
 from concurrent.futures import Executor
+import math
 from dataclasses import dataclass
-from typing import TextIO
+from typing import Literal, TextIO
 
 from pipeline.errors import FormatError
 from storage.errors import StoreError
 from storage.log import CommitLog
-from storage.retention import RetentionPlan, apply_retention, plan_retention
+from storage.layout import read_descriptor
+from storage.retention import RetentionPlan, apply_retention, default_keep_bytes, object_size, parse_size, plan_retention
 from storage.shards import shard_stores
 from storage.store import ObjectStore
 from workers.common.events import EventLog
@@ -44,9 +50,16 @@ class RetentionConfig:
     enabled: bool = True
     keep_checkpoints: int = 2
     keep_versions: int | None = None
-    keep_commits: int = 1000          # the newest commits whose inputs and versions are never deleted
+    keep_commits: int = 1000          # the newest commits whose inputs and versions are never deleted ...
+    keep_bytes: int | Literal["auto"] | None = "auto"   # ... unless they outgrow this (None: no byte limit) ...
+    min_commits: int = 50             # ... and never fewer than these, whatever the budget (2 checkpoints' worth)
 
     def __post_init__(self) -> None:
+        if self.keep_bytes not in ("auto", None) and (not isinstance(self.keep_bytes, int)
+                                                      or isinstance(self.keep_bytes, bool) or self.keep_bytes < 0):
+            raise ValueError(f"keep_bytes must be 'auto', None or an int >= 0, got {self.keep_bytes!r}")
+        if not isinstance(self.min_commits, int) or self.min_commits < 0:
+            raise ValueError(f"min_commits must be an int >= 0, got {self.min_commits!r}")
         if not isinstance(self.keep_commits, int) or self.keep_commits < 0:
             raise ValueError(f"keep_commits must be an int >= 0, got {self.keep_commits!r}")
         if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 1:
@@ -65,6 +78,7 @@ class SyncerRetention:
         self._busy = threading.Lock()
         self.passes = 0
         self.deleted = 0
+        self._sizes: dict[str, int] = {}       # object sizes seen (objects never change; deleted ones leave)
 
     def after_checkpoint(self, seq: int) -> None:
         if not self.cfg.enabled or not self._busy.acquire(blocking=False):
@@ -77,8 +91,12 @@ class SyncerRetention:
     def _pass(self, seq: int) -> None:
         try:
             plan = plan_retention(self.store, self.cfg.keep_checkpoints, self.cfg.keep_versions,
-                                  scan_from=self._scan_from, newest_horizon=seq - self.cfg.keep_commits)
+                                  scan_from=self._scan_from, newest_horizon=seq - self.cfg.keep_commits,
+                                  keep_bytes=self._budget(), floor_horizon=seq - self.cfg.min_commits,
+                                  size_of=self._size)
             n = apply_retention(self.store, plan)
+            for key in plan.keys():
+                self._sizes.pop(key, None)
             if plan.horizon >= 0:
                 self._scan_from = plan.horizon + 1
             self.passes += 1
@@ -90,6 +108,26 @@ class SyncerRetention:
             self.events.emit("store-error", op="retention", error=str(exc))
         finally:
             self._busy.release()
+
+    def _size(self, key: str) -> int:
+        if key not in self._sizes:
+            self._sizes[key] = object_size(self.store, key)
+        return self._sizes[key]
+
+    def _budget(self) -> int | None:
+        return budget_bytes(self.store, self.cfg.keep_bytes, self._size)
+
+
+def model_bytes(store: ObjectStore) -> int:
+    """The run's model as fp32 bytes (the unit of the default budget)."""
+    return 4 * sum(math.prod(t.shape) for t in read_descriptor(store).layout.tensors)
+
+
+def budget_bytes(store: ObjectStore, keep_bytes: int | str | None, size_of=None) -> int | None:
+    """``keep_bytes`` resolved: "auto" is ``default_keep_bytes`` for this run's model."""
+    if keep_bytes != "auto":
+        return keep_bytes
+    return default_keep_bytes(store, model_bytes(store), size_of)
 
 
 # -- ddiloco gc --------------------------------------------------------------------------------------
@@ -105,6 +143,9 @@ def configure(parser: argparse.ArgumentParser):
                         help="newest versions kept per fragment (default: the run's retain_versions)")
     parser.add_argument("--keep-commits", type=int, default=0, metavar="N",
                         help="keep everything the newest N commits name (default 0; the syncer's default is 1000)")
+    parser.add_argument("--keep-bytes", default="none", metavar="SIZE",
+                        help="also keep what replay from the oldest kept checkpoint reads within SIZE (e.g. 500MB; "
+                             "'auto': the syncer's default, 8 fp32 model sizes + 2 newest checkpoints; default none)")
     parser.add_argument("--json", action="store_true", help="JSON Lines: one object per key, then a summary")
     parser.add_argument("--quiet", action="store_true", help="only the summary, not every key")
 
@@ -122,27 +163,40 @@ def gc_command(args, out: TextIO, err: TextIO) -> int:
         root, desc = open_run(args.run_uri, s3_endpoint=args.s3_endpoint)
         if args.keep_commits < 0:
             raise ValueError(f"--keep-commits must be >= 0, got {args.keep_commits}")
+        keep = parse_keep_bytes(args.keep_bytes, "--keep-bytes")
         plans = []
         for store in shard_stores(root, desc):
             tail = CommitLog(store).tail()
+            budget = budget_bytes(store, keep)
             plans.append((store, plan_retention(store, args.keep_checkpoints, args.keep_versions,
-                                                newest_horizon=tail - args.keep_commits if args.keep_commits else None)))
+                                                newest_horizon=tail - args.keep_commits if args.keep_commits else None,
+                                                keep_bytes=budget), budget))
     except ValueError as exc:
         print(f"error: {exc}", file=err)
         return EXIT_USAGE
     except (StoreError, FormatError) as exc:
         print(f"error: {exc} — check the location (and for S3 the endpoint and credentials)", file=err)
         return EXIT_USAGE
-    for i, (store, plan) in enumerate(plans):
+    for i, (store, plan, budget) in enumerate(plans):
         if len(plans) > 1 and not args.json:
             print(f"syncer shard {i}/{len(plans)}:", file=out)
-        code = _apply(store, plan, args, out, err)
+        code = _apply(store, plan, budget, args, out, err)
         if code != EXIT_OK:
             return code
     return EXIT_OK
 
 
-def _apply(store: ObjectStore, plan: RetentionPlan, args, out: TextIO, err: TextIO) -> int:
+def parse_keep_bytes(text: str, flag: str) -> int | str | None:
+    """A --keep-bytes / --retain-bytes value: 'auto', 'none' or a size (ValueError naming the flag)."""
+    if str(text).lower() in ("auto", "none"):
+        return str(text).lower() if str(text).lower() == "auto" else None
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise ValueError(f"{flag}: {exc}, or 'auto' or 'none'") from None
+
+
+def _apply(store: ObjectStore, plan: RetentionPlan, budget: int | None, args, out: TextIO, err: TextIO) -> int:
     for item in plan.items if not args.quiet else ():
         print(json.dumps({"type": "key", "key": item.key, "reason": item.reason}) if args.json
               else f"{'delete' if args.delete else 'would delete'} {item.key}  ({item.reason})", file=out)
@@ -154,17 +208,35 @@ def _apply(store: ObjectStore, plan: RetentionPlan, args, out: TextIO, err: Text
             print(f"error: deleting failed part way: {exc} — run `ddiloco gc {args.run_uri} --delete` again "
                   "(it only ever deletes what the rules allow)", file=err)
             return EXIT_STORE
-    _summary(plan, args, deleted, out)
+    _summary(store, plan, budget, args, deleted, out)
     return EXIT_OK
 
 
-def _summary(plan: RetentionPlan, args, deleted: int, out: TextIO) -> None:
+def _stored_bytes(store: ObjectStore, plan: RetentionPlan) -> tuple[int, int]:
+    """(bytes the store holds now, bytes the plan would free), by a listing and one HEAD per object."""
+    going = set(plan.keys())
+    total = freed = 0
+    for key in store.list(""):
+        size = object_size(store, key)
+        total += size
+        freed += size if key in going else 0
+    return total, freed
+
+
+def _summary(store: ObjectStore, plan: RetentionPlan, budget: int | None, args, deleted: int, out: TextIO) -> None:
     counts = plan.summary()
+    total, freed = _stored_bytes(store, plan) if not args.delete else (None, None)
     if args.json:
         print(json.dumps({"type": "summary", "dry_run": not args.delete, "deletable": len(plan.items),
                           "deleted": deleted, "by_prefix": counts, "horizon": plan.horizon,
-                          "kept_checkpoints": list(plan.kept_checkpoints)}), file=out)
+                          "kept_checkpoints": list(plan.kept_checkpoints), "budget_bytes": budget,
+                          "stored_bytes": total, "freed_bytes": freed}), file=out)
         return
+    auto = budget_bytes(store, "auto")
+    print(f"budget: {'none' if budget is None else f'{budget / 1e6:.1f} MB'} for what replay from the oldest kept "
+          f"checkpoint reads (the syncer's default: {auto / 1e6:.1f} MB)", file=out)
+    if total is not None:
+        print(f"store: {total / 1e6:.1f} MB now, {(total - freed) / 1e6:.1f} MB after deleting", file=out)
     what = ", ".join(f"{k} {n}" for k, n in sorted(counts.items())) or "nothing"
     if plan.horizon < 0:
         print(f"nothing below a horizon yet: fewer than {args.keep_checkpoints} checkpoints exist "
@@ -173,4 +245,4 @@ def _summary(plan: RetentionPlan, args, deleted: int, out: TextIO) -> None:
     print(f"{verb} objects: {what}", file=out)
     if plan.horizon >= 0:   # replay starts at the oldest kept checkpoint and checks the newer ones on the way
         print(f"kept checkpoints {', '.join(map(str, plan.kept_checkpoints))}; verify what is left with "
-              f"`ddiloco replay {args.run_uri} --from {plan.horizon + 1}`", file=out)
+              f"`ddiloco replay {args.run_uri}` (once deleted, it starts after checkpoint {plan.horizon})", file=out)

@@ -4,7 +4,9 @@ Recomputes every committed fragment version from the inputs the log names, with 
 and code path the syncer's recovery uses (``workers.tools.replay_verify.replay_run`` over
 ``workers.tools.replay.rebuild``), and checks each commit, each stored version and each checkpoint. Exit status: 0 verified, 1 a divergence (a recomputed value or decision differs from
 the recorded one), 3 damage (a missing, truncated or altered object, a gap in the log), 2 bad
-arguments or no run at RUN_URI. Progress: a bar on a terminal, plain lines otherwise.
+arguments, no run at RUN_URI, or a ``--from`` before what retention kept (not damage: issue 26).
+Without ``--from``, replay starts after the horizon retention wrote (``hints/retention``) and says
+so. Progress: a bar on a terminal, plain lines otherwise.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from storage.layout import DELTA_PREFIX, SPILL_PREFIX, VERSION_PREFIX
 from storage.regions import open_region, verify_region
 from storage.shards import shard_stores
 from workers.tools.replay import ReplayStats
-from workers.tools.replay_verify import log_bounds, open_run, replay_run
+from workers.tools.replay_verify import log_bounds, open_run, replay_run, retention_horizon
 
 EXIT_OK, EXIT_DIVERGED, EXIT_USAGE, EXIT_DAMAGED = 0, 1, 2, 3
 
@@ -119,6 +121,13 @@ def describe_mismatch(exc: ReplayMismatch) -> list[str]:
     return lines
 
 
+def _removed_by_retention(store, exc: NotFound, horizon: int | None) -> bool:
+    """Whether a missing object was named only by commits at or before the retention horizon."""
+    named = re.search(r"named by commit (\d+)", str(exc))
+    return horizon is not None and named is not None and int(named.group(1)) <= horizon \
+        and (exc.key or "").startswith((DELTA_PREFIX, SPILL_PREFIX, VERSION_PREFIX))
+
+
 def _retention_hint(store, exc: NotFound) -> str:
     """A missing delta below a kept checkpoint was most likely removed by retention on purpose."""
     named = re.search(r"named by commit (\d+)", str(exc))
@@ -136,8 +145,9 @@ def configure(parser: argparse.ArgumentParser):
     """Verify a run bit for bit by recomputing every committed version from the log's recorded inputs."""
     add_location_args(parser)
     parser.add_argument("--from", dest="start", type=int, default=None, metavar="SEQ",
-                        help="first commit to verify (default: the first after the init commits); replay starts "
-                             "from the nearest checkpoint before it and checks everything on the way")
+                        help="first commit to verify (default: the first after the init commits, or after the "
+                             "oldest kept checkpoint once retention removed older deltas; 0: from the start); "
+                             "replay starts from the nearest checkpoint before it and checks everything on the way")
     parser.add_argument("--to", dest="end", type=int, default=None, metavar="SEQ",
                         help="last commit to verify (default: the end of the log)")
     parser.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
@@ -205,7 +215,10 @@ def replay_command(args, out: TextIO, err: TextIO) -> int:
 
 
 def _replay_log(store, descriptor, args, out: TextIO, err: TextIO) -> int:
-    """Verify one commit log (the run's, or one shard's)."""
+    """Verify one commit log (the run's, or one shard's). By default from the retention horizon on
+    when retention removed what older commits named (issue 26): a plain replay of a healthy run
+    after retention verifies, and says where it started."""
+    horizon = retention_horizon(store)
     try:
         lo, hi, tail = log_bounds(store, descriptor, args.start, args.end)
     except (ValueError, StoreError, FormatError) as exc:
@@ -213,6 +226,9 @@ def _replay_log(store, descriptor, args, out: TextIO, err: TextIO) -> int:
         return EXIT_USAGE
     print(f"run {descriptor.run_id} at {store.uri}: {tail + 1} commits, {descriptor.num_fragments} fragments; "
           f"verifying commits {lo}..{hi}", file=out, flush=True)
+    if args.start is None and horizon is not None and lo == horizon + 1:
+        print(f"  from checkpoint {horizon}: retention removed the deltas older commits named (--from 0 "
+              "replays from the start, which needs them)", file=out, flush=True)
     progress = PlainProgress(out) if args.plain or not out.isatty() else BarProgress(out)
     progress.set_total("verify", hi - lo + 1)
     try:
@@ -223,6 +239,10 @@ def _replay_log(store, descriptor, args, out: TextIO, err: TextIO) -> int:
         print("\n".join(describe_mismatch(exc)), file=err)
         return EXIT_DIVERGED
     except NotFound as exc:
+        if _removed_by_retention(store, exc, horizon):    # asked for, not damage: say so, exit 2
+            print(f"error: cannot verify from commit {lo}: retention removed what it needs ({exc}); the run "
+                  f"verifies from checkpoint {horizon} on: `ddiloco replay {args.run_uri}`", file=err)
+            return EXIT_USAGE
         print(f"replay FAILED: {exc}{_retention_hint(store, exc)}", file=err)
         return EXIT_DAMAGED
     except (FormatError, StoreError) as exc:

@@ -26,7 +26,7 @@ from pipeline.fold import ReplayMismatch, SyncerState
 from pipeline.types import CommitRecord, RunDescriptor
 from storage.checkpoints import list_checkpoints, read_checkpoint
 from storage.errors import NotFound, StoreError
-from storage.layout import HEAD_HINT_KEY, read_descriptor, unpack_head_hint
+from storage.layout import HEAD_HINT_KEY, RETENTION_KEY, read_descriptor, unpack_head_hint, unpack_retention_hint
 from storage.log import CommitLog
 from storage.store import ObjectStore, open_store
 from workers.tools.replay import ReplayStats, rebuild
@@ -60,14 +60,28 @@ class ReplayReport:
     warnings: list[str] = field(default_factory=list)
 
 
+def retention_horizon(store: ObjectStore) -> int | None:
+    """The horizon retention wrote (``hints/retention``; None when it never deleted anything or the
+    hint is unreadable - then a replay starts from the beginning and says what is missing)."""
+    try:
+        return unpack_retention_hint(store.get(RETENTION_KEY), what=f"{store.uri}/{RETENTION_KEY}")
+    except (NotFound, FormatError):
+        return None
+
+
 def log_bounds(store: ObjectStore, descriptor: RunDescriptor, start: int | None, end: int | None
                ) -> tuple[int, int, int]:
     """``(start, end, tail)`` of a replay. Defaults: the first commit after the init commits (those
-    are checked as version 0 loads), and the tail. ValueError names a bound outside the log."""
+    are checked as version 0 loads) - or, once retention removed what older commits named, the
+    first after its horizon (``hints/retention``, issue 26) - and the tail. ``start`` 0 asks for
+    the beginning whatever retention did. ValueError names a bound outside the log."""
     if (start is not None and start < 0) or (end is not None and end < 0):
         raise ValueError(f"--from/--to must be >= 0, got {start}/{end}")
     tail = CommitLog(store).tail()
     P = descriptor.num_fragments
+    horizon = retention_horizon(store) if start is None else None
+    if horizon is not None and P <= horizon < tail:
+        start = horizon + 1
     if tail < P - 1:
         raise FormatError(f"{store.uri}: the log ends at commit {tail}, before the {P} init commits")
     lo = P if start is None else max(start, P)
