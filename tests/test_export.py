@@ -91,14 +91,16 @@ def test_safetensors_of_the_tail_has_the_runs_final_loss(run, tmp_path, capsys):
     final = json.loads((run / "summary.json").read_text())["final_eval_loss"]
     assert eval_loss(run, load_file(path)) == pytest.approx(final, rel=1e-5)
     store, _ = open_run(str(run / "store"))
-    assert export.read_export_metadata(path).commit_seq == CommitLog(store).tail()
+    info = export.read_export_metadata(path)
+    assert info.commit_seq == CommitLog(store).tail() and info.shard_seqs == (info.commit_seq,)
     # The metadata keys docs/formats.md documents, all strings (what the format allows).
     from safetensors import safe_open
     with safe_open(str(path), framework="pt") as fh:
         meta = fh.metadata()
     assert meta["format"] == "pt" and meta["ddiloco.metadata_version"] == str(export.EXPORT_METADATA_VERSION)
     assert set(meta) == {"format", "ddiloco.metadata_version", "ddiloco.run_id", "ddiloco.commit_seq",
-                         "ddiloco.fragment_versions", "ddiloco.fragment_commits", "ddiloco.dtype"}
+                         "ddiloco.fragment_versions", "ddiloco.fragment_commits", "ddiloco.dtype",
+                         "ddiloco.shard_seqs"}
 
 
 def test_torch_stays_the_default_and_a_torch_file_has_no_metadata(run, tmp_path, capsys):
@@ -121,6 +123,23 @@ def test_metadata_errors_are_named(tmp_path):
               metadata={"ddiloco.metadata_version": "1", "ddiloco.run_id": "r", "ddiloco.commit_seq": "x"})
     with pytest.raises(FormatError, match="malformed ddiloco metadata"):
         export.read_export_metadata(tmp_path / "bad.safetensors")
+
+
+def test_metadata_v1_files_still_read_and_v2_needs_shard_seqs(tmp_path):
+    """Issue 26: v1 files (before shard_seqs was always written) read as before - an unsharded
+    one's point is its commit_seq, a sharded one's shard_seqs (which the v1 reader dropped) -
+    and a v2 file without shard_seqs is malformed, not silently unsharded."""
+    base = {"ddiloco.run_id": "r", "ddiloco.fragment_versions": '{"0": 3}', "ddiloco.fragment_commits": '{"0": 7}'}
+    cases = {"v1.safetensors": ({"ddiloco.metadata_version": "1", "ddiloco.commit_seq": "7"}, (7,)),
+             "v1sharded.safetensors": ({"ddiloco.metadata_version": "1", "ddiloco.commit_seq": "-1",
+                                        "ddiloco.shard_seqs": "[7, 4]"}, (7, 4))}
+    for name, (meta, seqs) in cases.items():
+        save_file({"w": np.zeros(2, np.float32)}, str(tmp_path / name), metadata={**base, **meta})
+        assert export.read_export_metadata(tmp_path / name).shard_seqs == seqs
+    save_file({"w": np.zeros(2, np.float32)}, str(tmp_path / "v2.safetensors"),
+              metadata={**base, "ddiloco.metadata_version": "2", "ddiloco.commit_seq": "7"})
+    with pytest.raises(FormatError, match="malformed ddiloco metadata.*shard_seqs"):
+        export.read_export_metadata(tmp_path / "v2.safetensors")
 
 
 def test_unknown_format_is_refused(tmp_path):

@@ -33,8 +33,14 @@ from pipeline.envelope import pack_record, unpack_record
 from pipeline.errors import FormatError
 
 BUS_KIND = "bus"
-BUS_VERSION = 1
-MESSAGE_TYPES = ("hello", "heartbeat", "delta", "ack", "version", "syncer-heartbeat", "round")
+# Each version names its message types, and a reader refuses a type the message's version lacks
+# (issue 26: syncer-driven rounds, 488cdb7, added "round" while the version stayed 1). v1: every
+# type v1 writers sent, "round" included, so peers of those versions are still read; v2: the same
+# set, the first version whose types are fixed by its number - a new type is a new version.
+BUS_VERSION = 2
+_TYPES = ("hello", "heartbeat", "delta", "ack", "version", "syncer-heartbeat", "round")
+TYPES_BY_VERSION = {1: _TYPES, 2: _TYPES}
+MESSAGE_TYPES = TYPES_BY_VERSION[BUS_VERSION]
 HEAD_MAX_BYTES = 64 << 10   # frame 0 is a small record; anything bigger is hostile or broken
 
 
@@ -61,10 +67,11 @@ def decode_message(frames: list[bytes], max_blob_bytes: int, peer: str | None = 
         raise FormatError(f"bus message: {len(frames)} frames (expected 1 or 2)")
     if len(frames[0]) > HEAD_MAX_BYTES:
         raise FormatError(f"bus message: head of {len(frames[0])} bytes exceeds {HEAD_MAX_BYTES}")
-    _, d = unpack_record(frames[0], BUS_KIND, BUS_VERSION, max_bytes=HEAD_MAX_BYTES, what="bus message")
+    version, d = unpack_record(frames[0], BUS_KIND, tuple(TYPES_BY_VERSION), max_bytes=HEAD_MAX_BYTES,
+                               what="bus message")
     mtype = d.pop("type", None)
-    if mtype not in MESSAGE_TYPES:
-        raise FormatError(f"bus message: unknown type {mtype!r}")
+    if mtype not in TYPES_BY_VERSION[version]:
+        raise FormatError(f"bus message: unknown type {mtype!r} for bus version {version}")
     blob = None
     if len(frames) == 2:
         blob = bytes(frames[1])

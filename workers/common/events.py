@@ -1,6 +1,11 @@
-"""JSONL event logs: every process appends one JSON object per line (``t``, ``role``, ``id``,
+"""JSONL event logs: every process appends one JSON object per line (``t``, ``v``, ``role``, ``id``,
 ``event`` and fields). The launcher tails them for live progress and the summary; users grep them.
 Thread-safe; each line is flushed so a killed process leaves a readable log. Never log secrets.
+
+``v`` is the line format's version (issue 26; docs/formats.md "Event logs"): 1. Lines written
+before it existed have none and read as version 1; readers skip a line of a version they do not
+know rather than guess at its fields (an event's own fields may carry their own version, as the
+``accounting`` event's ``format`` does).
 """
 from __future__ import annotations
 
@@ -10,6 +15,9 @@ import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, TextIO
+
+EVENT_LOG_VERSION = 1
+EVENT_LOG_READS = (1,)
 
 
 class EventLog:
@@ -30,7 +38,8 @@ class EventLog:
         self._listeners.append(listener)
 
     def emit(self, event: str, **fields: Any) -> None:
-        rec = {"t": round(self.clock(), 4), "role": self.role, "id": self.ident, "event": event, **fields}
+        rec = {"t": round(self.clock(), 4), "v": EVENT_LOG_VERSION, "role": self.role, "id": self.ident,
+               "event": event, **fields}
         line = json.dumps(rec, default=str, separators=(",", ":"))
         with self._lock:
             if self._fh is not None:
@@ -57,16 +66,24 @@ class EventLog:
                 self._fh = None
 
 
+def readable(rec: Any) -> bool:
+    """Whether a decoded line is an event of a line format this build reads (no ``v``: version 1)."""
+    return isinstance(rec, dict) and rec.get("v", 1) in EVENT_LOG_READS
+
+
 def read_events(path: str | Path) -> list[dict]:
-    """All complete lines of a log (a torn last line from a killed process is skipped)."""
+    """All complete lines of a log (a torn last line from a killed process is skipped, and so is a
+    line of a newer format version)."""
     out = []
     try:
         with open(path) as fh:
             for line in fh:
                 try:
-                    out.append(json.loads(line))
+                    rec = json.loads(line)
                 except json.JSONDecodeError:
                     continue
+                if readable(rec):
+                    out.append(rec)
     except FileNotFoundError:
         pass
     return out
@@ -94,7 +111,14 @@ class Tail:
         out = []
         for line in lines:
             try:
-                out.append(json.loads(line))
+                rec = json.loads(line)
             except json.JSONDecodeError:
                 print(f"skipping unreadable log line in {self.path}", file=sys.stderr)
+                continue
+            if readable(rec):
+                out.append(rec)
+            else:
+                what = f"v={rec.get('v')!r}" if isinstance(rec, dict) else f"a {type(rec).__name__}, not a map"
+                print(f"skipping a log line of another format in {self.path} ({what}; this build reads "
+                      f"v {list(EVENT_LOG_READS)})", file=sys.stderr)
         return out

@@ -34,7 +34,10 @@ from workers.common.versions import decode_version
 FORMATS = ("torch", "safetensors")
 # safetensors metadata (str -> str): "format" is the key other tools read ("pt": torch tensors);
 # every other key is ours, under "ddiloco.", versioned by EXPORT_METADATA_VERSION (docs/formats.md).
-EXPORT_METADATA_VERSION = 1
+# v1: commit_seq, and for a sharded run commit_seq -1 plus shard_seqs (added under v1: readers
+# dropped it); v2 (issue 26): shard_seqs always (one seq per syncer shard; [commit_seq] unsharded).
+EXPORT_METADATA_VERSION = 2
+EXPORT_METADATA_READS = (1, 2)
 META_PREFIX = "ddiloco."
 
 
@@ -130,13 +133,13 @@ def export_metadata(descriptor: RunDescriptor, seq: int | Sequence[int],
     """The safetensors metadata of the model after commit ``seq`` (``commits``: each fragment's
     version-carrying commit, as ``model_at`` returns them). A sharded run's point is one seq per
     shard: ``commit_seq`` is then -1 and ``shard_seqs`` lists them (fragment_commits are per shard)."""
-    if not isinstance(seq, int):
-        return {**export_metadata(descriptor, -1, commits), f"{META_PREFIX}shard_seqs": json.dumps(list(seq))}
+    shard_seqs = [seq] if isinstance(seq, int) else list(seq)
     return {
         "format": "pt",
         f"{META_PREFIX}metadata_version": str(EXPORT_METADATA_VERSION),
         f"{META_PREFIX}run_id": descriptor.run_id,
-        f"{META_PREFIX}commit_seq": str(seq),
+        f"{META_PREFIX}commit_seq": str(seq if isinstance(seq, int) else -1),
+        f"{META_PREFIX}shard_seqs": json.dumps(shard_seqs),
         f"{META_PREFIX}fragment_versions": json.dumps({str(p): r.version for p, r in commits.items()}),
         f"{META_PREFIX}fragment_commits": json.dumps({str(p): r.seq for p, r in commits.items()}),
         f"{META_PREFIX}dtype": "float32",
@@ -148,9 +151,10 @@ class ExportInfo:
     """What a safetensors export's metadata says about where its weights come from."""
 
     run_id: str
-    commit_seq: int
+    commit_seq: int                       # -1 for a point of a sharded run (see shard_seqs)
     fragment_versions: dict[int, int]
     fragment_commits: dict[int, int]
+    shard_seqs: tuple[int, ...] = ()      # one seq per syncer shard, shard order ((commit_seq,) unsharded)
 
 
 def read_export_metadata(path: str | Path) -> ExportInfo:
@@ -169,10 +173,19 @@ def read_export_metadata(path: str | Path) -> ExportInfo:
         if int(version) > EXPORT_METADATA_VERSION:
             raise FormatError(f"{path}: ddiloco metadata version {version} is newer than this reader "
                               f"({EXPORT_METADATA_VERSION}): upgrade decoupled-diloco")
+        if int(version) not in EXPORT_METADATA_READS:
+            raise FormatError(f"{path}: ddiloco metadata version {version} is not one of {list(EXPORT_METADATA_READS)}")
+        commit_seq = int(meta[f"{META_PREFIX}commit_seq"])
+        key = f"{META_PREFIX}shard_seqs"
+        if int(version) >= 2 or key in meta:         # v2 always; v1 only in sharded runs
+            shard_seqs = tuple(int(x) for x in json.loads(meta[key]))
+        else:
+            shard_seqs = (commit_seq,)
         return ExportInfo(
-            run_id=meta[f"{META_PREFIX}run_id"], commit_seq=int(meta[f"{META_PREFIX}commit_seq"]),
+            run_id=meta[f"{META_PREFIX}run_id"], commit_seq=commit_seq,
             fragment_versions={int(p): int(v) for p, v in json.loads(meta[f"{META_PREFIX}fragment_versions"]).items()},
-            fragment_commits={int(p): int(v) for p, v in json.loads(meta[f"{META_PREFIX}fragment_commits"]).items()})
+            fragment_commits={int(p): int(v) for p, v in json.loads(meta[f"{META_PREFIX}fragment_commits"]).items()},
+            shard_seqs=shard_seqs)
     except (KeyError, ValueError, TypeError, AttributeError) as exc:
         raise FormatError(f"{path}: malformed ddiloco metadata ({exc.__class__.__name__}: {exc})") from None
 
