@@ -18,7 +18,7 @@ from storage.log import CommitLog
 from storage.regions import open_region, verify_region
 from storage.store import ObjectStore, open_store
 from workers.cluster import ClusterConfig
-from .wan_topology import RegionCluster, WanConfig, WanTopology
+from .wan_topology import HOME, RegionCluster, WanConfig, WanTopology
 
 
 def configure_run(parser):
@@ -59,14 +59,30 @@ class WanRun:
 
     def summary(self) -> dict:
         """The links' figures and, per other region, whether its copy matches the home log
-        (``storage.regions.verify_region``, as ``ddiloco replay --regions``: the servers stop with
-        the run, so it is checked here)."""
+        (``storage.regions.verify_region``, as ``ddiloco replay --regions``). The servers stop
+        with the run, so every region's store is also copied to ``OUT/stores/<region>`` (issue 26):
+        ``ddiloco replay OUT`` (``--regions`` too), ``log OUT`` and ``export OUT`` read the copies."""
         out = self.topology.summary()
-        out["wan"]["regions_verified"] = verify_copies(open_store(self.store_uri, create=False))
+        home = open_store(self.store_uri, create=False)
+        out["wan"]["regions_verified"] = verify_copies(home)
+        stores = {}
+        for name in self.topology.names:
+            src = home if name == HOME else self.topology.open_direct(name)
+            stores[name] = str(mirror(src, self.topology.out / "stores" / name))
+        out["replay_uri"], out["region_stores"] = stores[HOME], stores
         return out
 
     def close(self) -> None:
         self.topology.close()
+
+
+def mirror(src: ObjectStore, dest: Path) -> Path:
+    """Copy every object of ``src`` into a local directory store at ``dest`` (byte for byte: the
+    copy verifies as the original does)."""
+    dst = open_store(str(dest))
+    for key in src.list(""):
+        dst.put(key, src.get(key))
+    return dest
 
 
 def verify_copies(home: ObjectStore) -> dict:

@@ -120,8 +120,14 @@ class S3Store:
                 raise BadLocation(f"bad S3 endpoint {self.endpoint!r}: expected http(s)://host[:port]", uri=self.uri)
         if path_style is None:
             path_style = self.endpoint is not None  # MinIO/SeaweedFS rarely have wildcard DNS
-        session = _new_session(profile)
-        region = session.region_name or "us-east-1"
+        try:
+            session = _new_session(profile)
+            region = session.region_name or "us-east-1"
+        except bce.ProfileNotFound:
+            # A region's profile this machine's AWS config lacks (a --wan run's servers and config
+            # went with the run, issue 26): a clear error, not botocore's traceback.
+            raise BadLocation(f"AWS profile {profile!r} (the credentials of {self.uri}) is not in this machine's "
+                              "AWS config (AWS_CONFIG_FILE / ~/.aws/config)", uri=self.uri) from None
         config = Config(
             connect_timeout=connect_timeout, read_timeout=read_timeout,
             retries={"total_max_attempts": attempts, "mode": "standard"},

@@ -152,3 +152,18 @@ def test_a_changed_field_encoding_is_refused_by_its_version_not_misread_or_calle
     assert CommitRecord.from_bytes(pack_record("commit", 1, body)).round == -1
     with pytest.raises(FormatError, match=r"missing \['round'\]"):
         CommitRecord.from_bytes(pack_record("commit", 2, body))
+
+
+def test_replay_log_and_export_take_a_run_output_directory(tmp_path, capsys):
+    """Issue 26: `ddiloco replay OUT` - the directory `ddiloco run --out OUT` wrote - reads the run
+    its summary names (``replay_uri``, an absolute path, so from any working directory)."""
+    store_dir, _ = _copy("6ae44ea", tmp_path)
+    out = tmp_path / "OUT"
+    out.mkdir()
+    (out / "summary.json").write_text(json.dumps({"run_uri": "runs/x/store", "replay_uri": str(store_dir)}))
+    assert cli(["replay", str(out)]) == 0 and "verified" in capsys.readouterr().out
+    assert cli(["log", str(out)]) == 0 and "merged" in capsys.readouterr().out
+    assert cli(["export", str(out), "--latest", "-o", str(tmp_path / "m.pt")]) == 0
+    capsys.readouterr()
+    (out / "summary.json").write_text(json.dumps({"replay_uri": str(tmp_path / "gone")}))
+    assert cli(["replay", str(out)]) == 2 and "no run at" in capsys.readouterr().err

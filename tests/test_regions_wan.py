@@ -85,6 +85,29 @@ def test_bucket_only_run_over_the_wan(tmp_path):
     assert summary["deltas_merged"] > 0
 
 
+def test_a_wan_run_replays_from_its_output_directory_after_its_servers_stopped(tmp_path):
+    """Issue 26: the run's S3 servers stop with it, so it keeps a copy of every region's store in
+    OUT/stores; `ddiloco replay OUT` (and --regions, and `ddiloco log OUT`) read those - before,
+    replay said "no S3 credentials found" and --regions ended in a ProfileNotFound traceback."""
+    out = tmp_path / "X"
+    cmd = [sys.executable, "-m", "workers.cli", "run", "--regions", "2", "--wan", "rtt=50ms,bw=200mbit",
+           "--learners", "2", "--steps", "60", "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for k in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        env.pop(k, None)                 # the replay sees no server and no AWS config of the run
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"ddiloco replay {out} --regions" in done.stdout           # the summary says how
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["run_uri"].startswith("s3://") and set(summary["region_stores"]) == {"r0", "r1"}
+    for argv in (["replay", str(out)], ["replay", str(out), "--regions"], ["log", str(out)]):
+        again = subprocess.run([sys.executable, "-m", "workers.cli", *argv], env=env, capture_output=True,
+                               text=True, timeout=300)
+        assert again.returncode == 0, (argv, again.stdout[-2000:], again.stderr[-2000:])
+        assert "Traceback" not in again.stderr and "FAILED" not in again.stderr
+    assert "verified" in again.stdout or "merged" in again.stdout
+
+
 def test_each_side_reaches_its_own_region_directly_and_the_other_through_the_link(tmp_path):
     """The per-side AWS config files: a region's own bucket direct, the other across the proxy;
     the descriptor holds profiles only (no endpoint, no secret)."""

@@ -350,6 +350,9 @@ def _summary(store_uri, desc, events, init_loss, final, wall, drained, args) -> 
     return {
         "ok": bool(final is not None and drained and len(done) == args.learners),
         "mode": "decoupled", "run_uri": store_uri, "run_id": desc.run_id, "learners": args.learners,
+        # where `ddiloco replay OUT` reads the run (issue 26): a local store by its absolute path (the
+        # summary may be read from another directory); a --wan run's topology replaces it with its copy
+        "replay_uri": store_uri if "://" in store_uri else str(Path(store_uri).resolve()),
         "commits": len(commits), "merge_commits": sum(c.get("kind") == "merge" for c in commits),
         "versions_per_fragment": versions, "tokens_trained": sum((d.get("tokens") or 0) for d in done.values()),
         "initial_eval_loss": init_loss, "final_eval_loss": final_loss,
@@ -462,6 +465,8 @@ def _write_outputs(out: Path, summary: dict, events: list[dict], args) -> None:
         print("\n".join(report_lines(summary["accounting"])))
     print(f"  {'report':<20} {summary_plot}")
     print(f"  {'summary':<20} {out / 'summary.json'}")
+    if summary.get("run_uri"):       # a decoupled run: verify it later from its output directory
+        print(f"  {'replay':<20} ddiloco replay {out}" + (" --regions" if summary.get("region_stores") else ""))
 
 
 def _run_baseline(args, out: Path, gcfg: GPTConfig, job: JobSettings) -> int:

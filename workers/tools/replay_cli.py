@@ -26,8 +26,9 @@ from storage.errors import NotFound, StoreError
 from storage.layout import DELTA_PREFIX, SPILL_PREFIX, VERSION_PREFIX
 from storage.regions import open_region, verify_region
 from storage.shards import shard_stores
+from storage.store import open_store
 from workers.tools.replay import ReplayStats
-from workers.tools.replay_verify import log_bounds, open_run, replay_run, retention_horizon
+from workers.tools.replay_verify import log_bounds, open_run, replay_run, retention_horizon, run_output
 
 EXIT_OK, EXIT_DIVERGED, EXIT_USAGE, EXIT_DAMAGED = 0, 1, 2, 3
 
@@ -47,7 +48,8 @@ def pipe_safe(command: Callable[..., int]) -> Callable[[argparse.Namespace], int
 def add_location_args(parser: argparse.ArgumentParser) -> None:
     """RUN_URI and --s3-endpoint, shared by the inspection commands."""
     parser.add_argument("run_uri", metavar="RUN_URI",
-                        help="the run: a directory (also a local mirror of an S3 run), file:///path or s3://bucket/prefix")
+                        help="the run: a directory (also a local mirror of an S3 run, or a `ddiloco run` output "
+                             "directory), file:///path or s3://bucket/prefix")
     parser.add_argument("--s3-endpoint", default=None, help="S3 endpoint URL (default: AWS_ENDPOINT_URL or AWS)")
 
 
@@ -160,26 +162,30 @@ def configure(parser: argparse.ArgumentParser):
     return pipe_safe(replay_command)
 
 
-def verify_regions(store, descriptor, tail: int, out: TextIO, err: TextIO) -> bool:
+def verify_regions(store, descriptor, tail: int, out: TextIO, err: TextIO,
+                   copies: dict[str, str] | None = None) -> bool:
     """Each non-home region's copy against the authoritative log (commits 0..``tail``), by sha256
-    of every object (issue 14); one line per region. True if every copy matches."""
+    of every object (issue 14); one line per region. True if every copy matches. ``copies``: region
+    name -> a local copy of its store to read instead (a ``--wan`` run's ``OUT/stores``, issue 26)."""
     if descriptor.regions is None:
         print("regions: this run has one region (no regions section): nothing to compare", file=out)
         return True
     ok = True
     for spec in descriptor.regions.others:
         try:
-            check = verify_region(store, open_region(spec), spec.name, tail)
+            where = f"{spec.uri}, the run's copy at {copies[spec.name]}" if spec.name in (copies or {}) else spec.uri
+            region = open_store(copies[spec.name], create=False) if spec.name in (copies or {}) else open_region(spec)
+            check = verify_region(store, region, spec.name, tail)
         except (StoreError, FormatError) as exc:
-            print(f"region {spec.name} ({spec.uri}): FAILED: {exc}", file=err)
+            print(f"region {spec.name} ({where}): FAILED: {exc}", file=err)
             ok = False
             continue
         if check.ok:
-            print(f"region {spec.name} ({spec.uri}): {check.checked} commits match the home log", file=out)
+            print(f"region {spec.name} ({where}): {check.checked} commits match the home log", file=out)
             continue
         ok = False
         lag = f"; its log ends at commit {check.tail} of {tail} (replication behind?)" if check.tail < tail else ""
-        print(f"region {spec.name} ({spec.uri}): {len(check.missing)} objects missing, {len(check.mismatched)} "
+        print(f"region {spec.name} ({where}): {len(check.missing)} objects missing, {len(check.mismatched)} "
               f"differ{lag}; first: {(check.mismatched + check.missing)[:3]}", file=err)
     return ok
 
@@ -252,6 +258,8 @@ def _replay_log(store, descriptor, args, out: TextIO, err: TextIO) -> int:
         print(f"warning: {w}", file=err)
     print(f"verified {report.commits} commits, {report.versions} versions (commits {report.start}..{report.end}, "
           f"checkpoints matched: {report.checkpoints}, {report.seconds:.2f} s)", file=out, flush=True)
-    if getattr(args, "regions", False) and not verify_regions(store, descriptor, hi, out, err):
+    copies = (run_output(args.run_uri) or {}).get("region_stores")
+    if getattr(args, "regions", False) and not verify_regions(store, descriptor, hi, out, err,
+                                                              copies if isinstance(copies, dict) else None):
         return EXIT_DAMAGED
     return EXIT_OK
