@@ -18,6 +18,10 @@ Format v3 (issue 14) is v2 plus the ``regions`` section (the run topology). It i
 runs that have one: a single-region run still writes v2, byte for byte as before, and a reader of
 v2 only refuses a v3 document (unknown version) instead of silently training in the wrong region.
 
+Format v5 (issue 26, what runs write now): the same sections, plus ``features`` = {reader, writer}:
+the optional parts v3 and v4 made document versions of, by name (``RunDescriptor.features``), so a
+reader refuses a run by the name of what it lacks. v2-v4 documents keep their meaning and bytes.
+
 Format v4 (issue 15, docs/scale.md "Sharded syncer") adds ``syncers``: the number N >= 2 of syncer
 shards; shard i owns the fragments p with p % N == i, each with its own epochs and log (storage/
 layout.py ``shard_store``). Written only by sharded runs (N = 1 writes v2/v3 as before), so every
@@ -127,11 +131,22 @@ class RunDescriptor:
     regions: RegionsConfig | None = None   # None: one region, the store the descriptor is in
     syncers: int = 1       # syncer shards: shard i owns fragments p % syncers == i (v4 when > 1)
 
+    # What this build writes and how it reads the writer's version. Runs created since issue 26
+    # write v5, whose optional parts are *named features* (``features``, module docstring), not
+    # document versions; v2, v3 (regions) and v4 (sharded) documents are read as they were and
+    # stay on storage byte for byte.
     KIND = "run-descriptor"
-    VERSION = 2            # written without regions (unchanged bytes); REGIONS_VERSION with them
-    REGIONS_VERSION = 3
-    SHARDS_VERSION = 4     # syncers > 1 (with or without regions)
-    READS = (1, 2, 3, 4)
+    VERSION = 5
+    READS = (1, 2, 3, 4, 5)
+    # the features a v5 document may name, by kind, that this build understands
+    READER_FEATURES = ("regions", "shards")
+    WRITER_FEATURES = ("regions", "shards", "syncer-rounds")
+    # features a v5 document named that this build lacks, by kind (set by from_bytes; a run with
+    # unknown writer features is read - replay, log, export - but never written: check_writable)
+    unknown_writer_features: tuple[str, ...] = field(default=(), init=False, compare=False, repr=False)
+    # the document version it was read from (from_bytes): re-writing a v2-v4 run's descriptor gives
+    # its very bytes (region copies, relaunch checks); a new or changed descriptor writes VERSION
+    read_version: int = field(default=VERSION, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.run_id, str) or not self.run_id:
@@ -229,10 +244,29 @@ class RunDescriptor:
         except ValueError as exc:
             raise FormatError(f"descriptor: {exc}") from None
 
+    def features(self) -> dict[str, list[str]]:
+        """The named features this run uses (v5's ``features``): ``reader`` - what a reader must
+        understand to read the run correctly (``regions``: the run spans regions; ``shards``: it
+        has N syncer logs); ``writer`` - what a syncer or learner must support to append to it
+        (those, and ``syncer-rounds``: the syncer drives the rounds, SPEC §3)."""
+        reader = (["regions"] if self.regions is not None else []) + (["shards"] if self.syncers > 1 else [])
+        writer = sorted(reader + (["syncer-rounds"] if self.schedule.driver == "syncer" else []))
+        return {"reader": sorted(reader), "writer": writer}
+
+    def check_writable(self, role: str) -> None:
+        """FormatError naming the writer features this build lacks (``role`` writes to the run)."""
+        if self.unknown_writer_features:
+            raise FormatError(f"run {self.run_id}: a {role} of this version lacks the writer features "
+                              f"{list(self.unknown_writer_features)} the run needs: upgrade decoupled-diloco "
+                              "(it can still be replayed, logged and exported)")
+
     def to_bytes(self) -> bytes:
-        version = self.SHARDS_VERSION if self.syncers > 1 else \
-            self.VERSION if self.regions is None else self.REGIONS_VERSION
-        return pack_record(self.KIND, version, self.to_dict())
+        """The v5 document: the sections, then ``features`` last - or, for a descriptor read from
+        a v2, v3 or v4 document, that document's bytes again (v2; v3 with regions; v4 sharded)."""
+        if self.read_version in (2, 3, 4):
+            version = 4 if self.syncers > 1 else 2 if self.regions is None else 3
+            return pack_record(self.KIND, version, self.to_dict())
+        return pack_record(self.KIND, self.VERSION, {**self.to_dict(), "features": self.features()})
 
     @classmethod
     def from_bytes(cls, blob: bytes, what: str | None = None) -> "RunDescriptor":
@@ -241,6 +275,8 @@ class RunDescriptor:
         is refused."""
         version, d = unpack_record(blob, cls.KIND, cls.READS, what=what)
         try:
+            if version == 5:
+                return cls._from_v5(d)
             if version in (2, 3) and isinstance(d, dict) and ("regions" in d) != (version == 3):
                 raise FormatError(f"descriptor: a version {version} document must "
                                   f"{'not ' if version == 2 else ''}have a regions section")
@@ -248,9 +284,37 @@ class RunDescriptor:
                 raise FormatError(f"descriptor: a version {version} document must not have a syncers section")
             if version == 4 and isinstance(d, dict) and "syncers" not in d:
                 raise FormatError("descriptor: a version 4 document must have a syncers section")
-            return cls.from_dict(migrate_v1(d) if version == 1 else d)
+            desc = cls.from_dict(migrate_v1(d) if version == 1 else d)
+            if version > 1:
+                object.__setattr__(desc, "read_version", version)
+            return desc
         except FormatError as exc:
             raise FormatError(f"{what}: {exc}" if what else str(exc)) from None
+
+    @classmethod
+    def _from_v5(cls, d: Any) -> "RunDescriptor":
+        """A v5 document: its ``features`` first - a reader feature this build lacks refuses the
+        run by that name (rather than misreading it); then the sections, which must use exactly
+        the features named."""
+        if not isinstance(d, dict) or "features" not in d:
+            raise FormatError("descriptor (v5): missing features")
+        feats = d["features"]
+        if not isinstance(feats, dict) or set(feats) != {"reader", "writer"} or not all(
+                isinstance(v, list) and all(isinstance(x, str) for x in v) for v in feats.values()):
+            raise FormatError(f"descriptor features: expected {{reader: [str], writer: [str]}}, got {feats!r}")
+        lacking = sorted(set(feats["reader"]) - set(cls.READER_FEATURES))
+        if lacking:
+            raise FormatError(f"descriptor: this build lacks the reader features {lacking} the run needs "
+                              f"(it reads {list(cls.READER_FEATURES)}): upgrade decoupled-diloco")
+        desc = cls.from_dict({k: v for k, v in d.items() if k != "features"})
+        unknown = tuple(sorted(set(feats["writer"]) - set(cls.WRITER_FEATURES)))
+        named = {"reader": sorted(feats["reader"]),
+                 "writer": sorted(set(feats["writer"]) & set(cls.WRITER_FEATURES))}
+        if named != desc.features():
+            raise FormatError(f"descriptor features: {feats!r} do not match the sections, which use "
+                              f"{desc.features()}")
+        object.__setattr__(desc, "unknown_writer_features", unknown)
+        return desc
 
 
 # -- v1 -> v2 --------------------------------------------------------------------------------------

@@ -54,8 +54,8 @@ def test_new_runs_record_format_3_in_the_codec_section_without_a_new_document_ve
     assert d.codec == CodecConfig("int4", 64, 3, 3)
     body = d.to_dict()
     assert body["codec"] == {"scheme": "int4", "block_size": 64, "zstd_level": 3, "format": 3}
-    # the section's field, not a new document version: v2 stays v2 (readers refuse unknown fields)
-    assert unpack_record(d.to_bytes(), RunDescriptor.KIND, 2)[1] == body
+    # the section's field, not a new document version or feature (readers refuse unknown fields)
+    assert unpack_record(d.to_bytes(), RunDescriptor.KIND, RunDescriptor.VERSION)[1] == {**body, "features": d.features()}
     assert RunDescriptor.from_bytes(d.to_bytes()) == d
     for fmt in (1, 2, 3):
         again = RunSettings(fragments=2, sync_every=4, codec_format=fmt).descriptor("r", specs_from_arrays(INIT), ())
@@ -84,10 +84,10 @@ def test_descriptors_written_before_the_field_keep_their_bytes_and_mean_format_1
         assert d.codec.format == 1 and "format" not in d.to_dict()["codec"]
     # and a run that chooses format 1 - and the other rules of that time: the issue-11 exactly-once
     # marks and the version-2 norm guard (issue 25 made newer ones the default) - writes exactly what
-    # runs wrote before the field
+    # runs wrote before the field (the same map; since issue 26 in a v5 document naming its features)
     plain = RunSettings(**_PRE_FORMAT_SETTINGS, codec_format=1, marks=1, norm_guard=NormGuardConfig()).descriptor(
         "pre-format-v2", specs_from_arrays(INIT), ("wte.weight",))
-    assert plain.to_bytes() == base64.b64decode(docs["v2"]["envelope_base64"])
+    assert plain.to_dict() == unpack_record(base64.b64decode(docs["v2"]["envelope_base64"]), RunDescriptor.KIND, 2)[1]
 
 
 _PRE_FORMAT_SETTINGS = dict(fragments=2, sync_every=4, quorum=2, compression="int8", block_size=32, zstd_level=5,

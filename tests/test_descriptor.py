@@ -110,7 +110,7 @@ def test_migration_is_one_function_of_the_v1_map():
 
 # -- v2 round trips --------------------------------------------------------------------------------
 
-def test_create_run_writes_v2_and_it_round_trips(tmp_path):
+def test_create_run_writes_v5_and_it_round_trips(tmp_path):
     ids = ensure_identities(tmp_path / "keys", ["syncer", "l0"])
     store = open_store(str(tmp_path / "store"))
     job = JobSettings(steps=3, batch_size=2)
@@ -119,10 +119,10 @@ def test_create_run_writes_v2_and_it_round_trips(tmp_path):
                                             model={"n_layer": 1}), embedding_tensors=(),
                    syncer=ids["syncer"], learners=[ids["l0"].public])
     blob = store.get(DESCRIPTOR_KEY)
-    version, body = unpack_record(blob, "run-descriptor", (1, 2))
-    assert version == 2 and body == d.to_dict()
+    version, body = unpack_record(blob, "run-descriptor", (1, 2, 5))
+    assert version == 5 and body == {**d.to_dict(), "features": {"reader": [], "writer": ["syncer-rounds"]}}
     assert list(body) == ["run_id", "seed", "layout", "schedule", "policy", "codec", "versions", "merge", "outer",
-                          "learner", "guard", "security", "job", "model", "extra"]
+                          "learner", "guard", "security", "job", "model", "extra", "features"]
     assert RunDescriptor.from_bytes(blob) == d and d.to_bytes() == blob
     assert d.policy.quorum == 2 and d.codec.scheme == "bf16" and d.security.learners["l0"] == ids["l0"].public
     assert job_from(d)[1] == job
@@ -195,6 +195,29 @@ def test_stored_errors_name_the_object_and_a_v3_without_regions_or_a_v4_is_refus
         RunDescriptor.from_bytes(pack_record("run-descriptor", 3, v2_map()))
     with pytest.raises(FormatError, match="version"):
         RunDescriptor.from_bytes(pack_record("run-descriptor", 4, v2_map()))
+
+
+def test_v5_names_its_features_and_a_reader_refuses_what_it_lacks_by_name():
+    """Issue 26: the optional parts v3 and v4 made document versions of are named features in v5;
+    a reader refuses a run whose reader features it lacks, naming them; a run with a writer feature
+    it lacks is read (replay, log, export) but no syncer or learner of this build writes to it."""
+    d = RunDescriptor.from_dict(v2_map())
+    body = {**d.to_dict(), "features": d.features()}
+    assert RunDescriptor.from_bytes(pack_record("run-descriptor", 5, body)) == d
+    future = {**body, "features": {"reader": ["sparse-fragments"], "writer": ["syncer-rounds"]}}
+    with pytest.raises(FormatError, match=r"lacks the reader features \['sparse-fragments'\]"):
+        RunDescriptor.from_bytes(pack_record("run-descriptor", 5, future))
+    newer = {**body, "features": {"reader": [], "writer": ["syncer-rounds", "tiered-rounds"]}}
+    read = RunDescriptor.from_bytes(pack_record("run-descriptor", 5, newer))
+    assert read == d and read.unknown_writer_features == ("tiered-rounds",)
+    with pytest.raises(FormatError, match=r"a syncer of this version lacks the writer features \['tiered-rounds'\]"):
+        read.check_writable("syncer")
+    d.check_writable("learner")                          # nothing unknown: fine
+    lying = {**body, "features": {"reader": ["regions"], "writer": ["regions", "syncer-rounds"]}}
+    with pytest.raises(FormatError, match="do not match the sections"):
+        RunDescriptor.from_bytes(pack_record("run-descriptor", 5, lying))
+    with pytest.raises(FormatError, match="missing features"):
+        RunDescriptor.from_bytes(pack_record("run-descriptor", 5, d.to_dict()))
 
 
 def test_optional_sections_are_null_and_absent_guard_means_no_guard():

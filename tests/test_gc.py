@@ -225,7 +225,7 @@ def test_a_byte_budget_moves_the_horizon_and_replay_then_starts_after_it(tmp_pat
 
 def test_the_default_budget_keeps_a_long_run_no_bigger_than_a_few_model_sizes(tmp_path):
     """The syncer's default ("auto": 8 fp32 model sizes + 2 newest checkpoints, never into the newest
-    50 commits): a short run keeps everything; past the floor, what a replay from the horizon reads
+    100 commits): a short run keeps everything; past the floor, what a replay from the horizon reads
     fits the budget (or only the two checkpoints a restart needs are left) and the run replays."""
     from storage.retention import default_keep_bytes
     from workers.syncer.gc import SyncerRetention, model_bytes
@@ -236,7 +236,7 @@ def test_the_default_budget_keeps_a_long_run_no_bigger_than_a_few_model_sizes(tm
     assert budget == 8 * model_bytes(store) + 2 * store.head(f"checkpoints/{list_checkpoints(store)[-1]:020d}").size
     before, objects = list_checkpoints(store), sorted(store.list(""))
     SyncerRetention(store, RetentionConfig(), EventLog(None, "syncer", "s"), Now()).after_checkpoint(tail)
-    assert sorted(store.list("")) == objects       # 45 commits < min_commits (50): a short run keeps it all
+    assert sorted(store.list("")) == objects       # 45 commits < min_commits (100): a short run keeps it all
     SyncerRetention(store, RetentionConfig(min_commits=0), EventLog(None, "syncer", "s"), Now()).after_checkpoint(tail)
     kept = list_checkpoints(store)
     assert kept != before and kept[-2:] == before[-2:] and len(kept) <= 3   # the horizon, and the newest two

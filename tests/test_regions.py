@@ -83,14 +83,19 @@ def _desc(tmp_path, regions):
     return create_run(open_store(str(tmp_path / "run")), init, RunSettings(fragments=2, sync_every=4, regions=regions))
 
 
-def test_a_run_without_regions_still_writes_version_2_and_one_with_regions_version_3(tmp_path):
+def test_regions_are_a_named_feature_of_v5_and_v2_v3_documents_keep_their_meaning(tmp_path):
+    """Since issue 26 a run writes v5 and names ``regions`` as a reader feature (before: document
+    v3); v2 and v3 documents are read as before and re-written byte for byte."""
     plain = _desc(tmp_path / "p", None)
-    assert plain.to_bytes() == pack_record(RunDescriptor.KIND, 2, plain.to_dict())   # unchanged v2 bytes
-    assert "regions" not in plain.to_dict()
+    assert "regions" not in plain.to_dict() and plain.features()["reader"] == []
     regional = _desc(tmp_path / "r", regions_for(tmp_path / "a", tmp_path / "b"))
     again = RunDescriptor.from_bytes(regional.to_bytes())
     assert again == regional and again.regions.home == "a" and [r.name for r in again.regions.others] == ["b"]
-    assert regional.to_bytes() == pack_record(RunDescriptor.KIND, 3, regional.to_dict())
+    assert regional.to_bytes() == pack_record(RunDescriptor.KIND, 5, {**regional.to_dict(), "features": {
+        "reader": ["regions"], "writer": sorted(["regions", "syncer-rounds"])}})
+    for version, d in ((2, plain), (3, regional)):
+        old = pack_record(RunDescriptor.KIND, version, d.to_dict())
+        assert RunDescriptor.from_bytes(old) == d and RunDescriptor.from_bytes(old).to_bytes() == old
     # regions is exactly the v2/v3 difference: neither may pass for the other
     with pytest.raises(FormatError, match="version 2 document must not have a regions section"):
         RunDescriptor.from_bytes(pack_record(RunDescriptor.KIND, 2, regional.to_dict()))

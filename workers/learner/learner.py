@@ -151,6 +151,7 @@ class Learner:
         here, home = region_names(d, self.store, self.region)
         self.traffic = TrafficMeter(self.events, here, home, {here: self.store},
                                     self.bus.counters if self.bus is not None else None, clock=self.clock)
+        d.check_writable("learner")            # a newer writer's feature this build lacks: refused by name
         if d.schedule.driver != "syncer":
             raise ValueError(f"run {d.run_id} was created before syncer-driven rounds (driver {d.schedule.driver!r}): "
                              "its log still replays, but learners of this version cannot train it; create a new run")

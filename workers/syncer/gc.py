@@ -9,7 +9,7 @@ Two users of ``storage.retention`` (which decides what may go, and why):
   ``retain_versions`` newest versions per fragment stay. A **byte budget** limits it too (issue 26;
   ``keep_bytes``, default ``storage.retention.default_keep_bytes``: 8 fp32 model sizes plus two of
   the newest checkpoint): when what a replay from the oldest kept checkpoint reads outgrows it, the
-  horizon moves to a newer checkpoint (never into the newest ``min_commits`` = 50) and the
+  horizon moves to a newer checkpoint (never into the newest ``min_commits`` = 100) and the
   checkpoints between it and the newest two go - so the store stops growing long before 1000
   commits (at the paper's 5B parameters the 1000-commit rule alone kept about a terabyte).
   A failure is reported and retried after the next checkpoint; it never stops the syncer.
@@ -52,7 +52,7 @@ class RetentionConfig:
     keep_versions: int | None = None
     keep_commits: int = 1000          # the newest commits whose inputs and versions are never deleted ...
     keep_bytes: int | Literal["auto"] | None = "auto"   # ... unless they outgrow this (None: no byte limit) ...
-    min_commits: int = 50             # ... and never fewer than these, whatever the budget (2 checkpoints' worth)
+    min_commits: int = 100            # ... and never fewer than these, whatever the budget (4 checkpoints' worth)
 
     def __post_init__(self) -> None:
         if self.keep_bytes not in ("auto", None) and (not isinstance(self.keep_bytes, int)

@@ -135,6 +135,7 @@ class Syncer:
         self.events = events or EventLog(None, "syncer", cfg.syncer_id)
         self.clock, self.wall, self.sleep = clock, wall, sleep   # injected: tests drive time (style guide)
         self.descriptor: RunDescriptor = read_descriptor(self.store)
+        self.descriptor.check_writable("syncer")   # issue 26: refused by the feature's name, before any claim
         # Issue 15: shard i of a sharded run sees its own partition as the run (storage/shards.py).
         self.store = syncer_store(self.store, self.descriptor, cfg.shard)
         self.policy = self.descriptor.policy
