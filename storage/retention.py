@@ -27,6 +27,9 @@ Rules (conservative; commits, epochs, the descriptor and the head hint are never
   come from ``size_of`` (a HEAD per object; the syncer caches them). The commit rule and the
   budget are both limits: the horizon is the newer of the two. ``default_keep_bytes`` is the
   syncer's default.
+- **an age** (``older_than``, a wall time; issue 26): the horizon also moves to the newest
+  candidate checkpoint (not past ``floor_horizon``) whose commit was made at or before it (merge
+  commits record ``info["committed_at"]``), so what only older commits name goes. Off by default.
 
 Planning reads the log (one GET per commit) from ``scan_from`` (default: the start). The syncer
 plans incrementally after each checkpoint with ``scan_from`` = the previous horizon + 1: keys
@@ -138,20 +141,51 @@ def _budget_horizon(records: Sequence, candidates: Sequence[int], newest: Sequen
     return best
 
 
+def _age_horizon(records: Sequence, candidates: Sequence[int], older_than: float) -> int:
+    """The newest of ``candidates`` whose commit (or the newest timed commit before it) was made at
+    or before wall time ``older_than``; -1 when none is known to be that old."""
+    at: dict[int, float] = {}
+    last = None
+    for r in sorted(records, key=lambda r: r.seq):
+        t = r.info.get("committed_at")
+        if isinstance(t, (int, float)) and not isinstance(t, bool):
+            last = float(t)
+        if last is not None:
+            at[r.seq] = last
+    old = [c for c in candidates if c in at and at[c] <= older_than]
+    return old[-1] if old else -1
+
+
+def parse_duration(text: str) -> float:
+    """``"7d"``, ``"12h"``, ``"30m"``, ``"90s"``, ``"3600"`` -> seconds; ValueError naming the text."""
+    units = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+    t = str(text).strip().lower()
+    number = t.rstrip("smhdw")
+    try:
+        value = float(number) * units[t[len(number):]]
+    except (KeyError, ValueError):
+        raise ValueError(f"not a duration: {text!r} (e.g. 7d, 12h, 30m, 3600s)") from None
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"not a duration: {text!r} (must be > 0)")
+    return value
+
+
 def _named(record) -> list[str]:
     return [i.key for i in record.inputs] + [d.key for d in record.dropped if d.key]
 
 
 def plan_retention(store: ObjectStore, keep_checkpoints: int = 2, keep_versions: int | None = None, *,
                    scan_from: int = 0, newest_horizon: int | None = None, keep_bytes: int | None = None,
-                   floor_horizon: int | None = None, size_of: Callable[[str], int] | None = None) -> RetentionPlan:
+                   floor_horizon: int | None = None, older_than: float | None = None,
+                   size_of: Callable[[str], int] | None = None) -> RetentionPlan:
     """List what could be deleted (see the module docstring). ``keep_versions`` defaults to the
     run descriptor's ``retain_versions`` (16 if the descriptor cannot be read). ``scan_from``: the
     first commit read (an earlier plan's horizon + 1). ``newest_horizon``: the horizon is at most
     this commit (the syncer keeps the newest ``keep_commits`` commits whole: the horizon is then
     the newest checkpoint that old enough, and every checkpoint after it is kept). ``keep_bytes``:
     the byte budget (None: none), which moves the horizon at most to ``floor_horizon`` (None: no
-    limit); ``size_of``: an object's size (default: a HEAD)."""
+    limit); ``older_than``: a wall time - what only commits made before it name may go too (None:
+    no age limit); ``size_of``: an object's size (default: a HEAD)."""
     if not isinstance(keep_checkpoints, int) or keep_checkpoints < 1:
         raise ValueError(f"keep_checkpoints must be an int >= 1, got {keep_checkpoints!r}")
     if not isinstance(scan_from, int) or scan_from < 0:
@@ -179,10 +213,13 @@ def plan_retention(store: ObjectStore, keep_checkpoints: int = 2, keep_versions:
         [c for c in checkpoints if floor_horizon is not None and c > floor_horizon]
     later = [c for c in candidates if c >= horizon and (floor_horizon is None or c <= floor_horizon)]
     budgeted = keep_bytes is not None and bool(later)
+    aged = older_than is not None and bool(later)
     log = CommitLog(store)
-    records = list(log.read_range(scan_from)) if (horizon >= 0 or budgeted) and scan_from <= log.tail() else []
+    records = list(log.read_range(scan_from)) if (horizon >= 0 or budgeted or aged) and scan_from <= log.tail() else []
     if budgeted:              # the budget only ever moves the horizon on
         horizon = max(horizon, _budget_horizon(records, later, newest, keep_bytes, size_of))
+    if aged:                  # and so does the age
+        horizon = max(horizon, _age_horizon(records, later, older_than))
     kept = tuple(c for c in checkpoints if c == horizon or c in newest or (c > horizon and not budgeted))
     for seq in checkpoints:
         if seq < horizon:

@@ -242,3 +242,35 @@ def test_the_default_budget_keeps_a_long_run_no_bigger_than_a_few_model_sizes(tm
     assert kept != before and kept[-2:] == before[-2:] and len(kept) <= 3   # the horizon, and the newest two
     assert _footprint(store, kept[0]) <= budget or len(kept) == 2   # it fits, or only the two a restart needs are left
     replay_run(store, read_descriptor(store), start=kept[0] + 1)
+
+
+def test_an_age_limit_lets_go_what_only_older_commits_name(tmp_path):
+    """Issue 26: ``keep_age_s`` (``ddiloco syncer --retain-age 7d``): the horizon moves to the newest
+    checkpoint whose commit is at least that old (merge commits record ``committed_at``); with the
+    commit rule and no budget, nothing would go in a run this short."""
+    from storage.retention import parse_duration
+    from workers.syncer.gc import SyncerRetention
+    uri, _ = make_run(tmp_path, RetentionConfig(enabled=False))
+    store = open_store(uri)
+    tail = CommitLog(store).tail()
+    checkpoints = list_checkpoints(store)
+    target = checkpoints[-3]
+    made = {r.seq: r.info.get("committed_at") for r in CommitLog(store).read_range(0)}
+    at = max(t for s, t in made.items() if s <= target and t is not None)
+    events = []
+    log = EventLog(None, "syncer", "s")
+    log.emit = lambda event, **f: events.append((event, f))
+    now = at + 3600.0                       # one hour after the target's commit ...
+    SyncerRetention(store, RetentionConfig(keep_bytes=None, min_commits=0, keep_age_s=3600.0), log, Now(),
+                    wall=lambda: now).after_checkpoint(tail)
+    (event, fields), = events
+    assert event == "retention" and fields["horizon"] >= target, fields      # ... lets go what is older
+    h = fields["horizon"]
+    assert max(t for s, t in made.items() if s <= h and t is not None) <= at    # the horizon's commit is that old
+    assert list_checkpoints(store) == [c for c in checkpoints if c >= h]
+    replay_run(store, read_descriptor(store))
+    assert parse_duration("7d") == 7 * 86400 and parse_duration("90s") == 90
+    with pytest.raises(ValueError, match="not a duration: '7 days'"):
+        parse_duration("7 days")
+    with pytest.raises(ValueError, match="keep_age_s must be > 0"):
+        RetentionConfig(keep_age_s=0)

@@ -133,6 +133,9 @@ def configure_syncer(parser: argparse.ArgumentParser,
                         help="... unless what replay from the oldest kept checkpoint reads outgrows SIZE (e.g. "
                              "500MB, 2GiB; 'none': no byte limit; default 'auto': 8 fp32 model sizes plus the 2 "
                              "newest checkpoints, docs/storage.md \"Retention\")")
+    parser.add_argument("--retain-age", default=None, metavar="DURATION",
+                        help="... and let go what only commits older than DURATION name (e.g. 7d, 12h; default: no "
+                             "age limit)")
     parser.add_argument("--keep-all", action="store_true",
                         help="no retention: keep every delta, version and checkpoint (full replay from the start)")
     parser.add_argument("--threads", type=int, default=1, metavar="N",
@@ -160,14 +163,16 @@ def configure_syncer(parser: argparse.ArgumentParser,
         from workers.syncer.gc import RetentionConfig, parse_keep_bytes
         if args.threads < 1:
             raise SystemExit(f"--threads must be >= 1, got {args.threads}")
+        from storage.retention import parse_duration
         try:
             keep_bytes = parse_keep_bytes(args.retain_bytes, "--retain-bytes")
+            keep_age = None if args.retain_age is None else parse_duration(args.retain_age)
         except ValueError as exc:
-            raise SystemExit(str(exc)) from None
+            raise SystemExit(f"{exc}" if "--retain-bytes" in str(exc) else f"--retain-age: {exc}") from None
         if args.keep_freed_memory:
             keep_freed_memory()   # a round's arrays reuse mapped pages (docs/scale.md: kernel zeroing, neighbours)
         retention = RetentionConfig(enabled=not args.keep_all, keep_checkpoints=args.keep_checkpoints,
-                                    keep_commits=args.keep_commits, keep_bytes=keep_bytes)
+                                    keep_commits=args.keep_commits, keep_bytes=keep_bytes, keep_age_s=keep_age)
         store = open_store(args.store, s3_endpoint=args.s3_endpoint, create=False)
         keys = _keyring(args, store, "syncer", args.id)
         shard = _check_shard(args.shard, read_descriptor(store))

@@ -28,14 +28,16 @@ import json
 import threading
 from concurrent.futures import Executor
 import math
+import time
 from dataclasses import dataclass
-from typing import Literal, TextIO
+from typing import Callable, Literal, TextIO
 
 from pipeline.errors import FormatError
 from storage.errors import StoreError
 from storage.log import CommitLog
 from storage.layout import read_descriptor
-from storage.retention import RetentionPlan, apply_retention, default_keep_bytes, object_size, parse_size, plan_retention
+from storage.retention import (RetentionPlan, apply_retention, default_keep_bytes, object_size, parse_duration,
+                               parse_size, plan_retention)
 from storage.shards import shard_stores
 from storage.store import ObjectStore
 from workers.common.events import EventLog
@@ -53,6 +55,7 @@ class RetentionConfig:
     keep_commits: int = 1000          # the newest commits whose inputs and versions are never deleted ...
     keep_bytes: int | Literal["auto"] | None = "auto"   # ... unless they outgrow this (None: no byte limit) ...
     min_commits: int = 100            # ... and never fewer than these, whatever the budget (4 checkpoints' worth)
+    keep_age_s: float | None = None   # what only commits older than this name goes too (None: no age limit)
 
     def __post_init__(self) -> None:
         if self.keep_bytes not in ("auto", None) and (not isinstance(self.keep_bytes, int)
@@ -60,6 +63,8 @@ class RetentionConfig:
             raise ValueError(f"keep_bytes must be 'auto', None or an int >= 0, got {self.keep_bytes!r}")
         if not isinstance(self.min_commits, int) or self.min_commits < 0:
             raise ValueError(f"min_commits must be an int >= 0, got {self.min_commits!r}")
+        if self.keep_age_s is not None and not (isinstance(self.keep_age_s, (int, float)) and self.keep_age_s > 0):
+            raise ValueError(f"keep_age_s must be > 0 seconds or None, got {self.keep_age_s!r}")
         if not isinstance(self.keep_commits, int) or self.keep_commits < 0:
             raise ValueError(f"keep_commits must be an int >= 0, got {self.keep_commits!r}")
         if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 1:
@@ -72,8 +77,9 @@ class RetentionConfig:
 class SyncerRetention:
     """Runs retention after a checkpoint on ``executor``; at most one pass at a time."""
 
-    def __init__(self, store: ObjectStore, cfg: RetentionConfig, events: EventLog, executor: Executor):
-        self.store, self.cfg, self.events, self.executor = store, cfg, events, executor
+    def __init__(self, store: ObjectStore, cfg: RetentionConfig, events: EventLog, executor: Executor,
+                 wall: Callable[[], float] = time.time):
+        self.store, self.cfg, self.events, self.executor, self.wall = store, cfg, events, executor, wall
         self._scan_from = 0
         self._busy = threading.Lock()
         self.passes = 0
@@ -93,6 +99,7 @@ class SyncerRetention:
             plan = plan_retention(self.store, self.cfg.keep_checkpoints, self.cfg.keep_versions,
                                   scan_from=self._scan_from, newest_horizon=seq - self.cfg.keep_commits,
                                   keep_bytes=self._budget(), floor_horizon=seq - self.cfg.min_commits,
+                                  older_than=None if self.cfg.keep_age_s is None else self.wall() - self.cfg.keep_age_s,
                                   size_of=self._size)
             n = apply_retention(self.store, plan)
             for key in plan.keys():
@@ -146,6 +153,9 @@ def configure(parser: argparse.ArgumentParser):
     parser.add_argument("--keep-bytes", default="none", metavar="SIZE",
                         help="also keep what replay from the oldest kept checkpoint reads within SIZE (e.g. 500MB; "
                              "'auto': the syncer's default, 8 fp32 model sizes + 2 newest checkpoints; default none)")
+    parser.add_argument("--keep-age", default=None, metavar="DURATION",
+                        help="also let go what only commits older than DURATION name (e.g. 7d, 12h; default: no age "
+                             "limit)")
     parser.add_argument("--json", action="store_true", help="JSON Lines: one object per key, then a summary")
     parser.add_argument("--quiet", action="store_true", help="only the summary, not every key")
 
@@ -164,13 +174,14 @@ def gc_command(args, out: TextIO, err: TextIO) -> int:
         if args.keep_commits < 0:
             raise ValueError(f"--keep-commits must be >= 0, got {args.keep_commits}")
         keep = parse_keep_bytes(args.keep_bytes, "--keep-bytes")
+        older_than = None if args.keep_age is None else time.time() - parse_duration(args.keep_age)
         plans = []
         for store in shard_stores(root, desc):
             tail = CommitLog(store).tail()
             budget = budget_bytes(store, keep)
             plans.append((store, plan_retention(store, args.keep_checkpoints, args.keep_versions,
                                                 newest_horizon=tail - args.keep_commits if args.keep_commits else None,
-                                                keep_bytes=budget), budget))
+                                                keep_bytes=budget, older_than=older_than), budget))
     except ValueError as exc:
         print(f"error: {exc}", file=err)
         return EXIT_USAGE

@@ -157,7 +157,7 @@ class Syncer:
         # (each is an fsync or an HTTP round trip), and tidy the inbox in the background.
         # ``io``: injected by the fault simulation (an inline executor: infra/faultsim, issue 25).
         self.io = io if io is not None else ThreadPoolExecutor(max_workers=8, thread_name_prefix="syncer-io")
-        self.retention = SyncerRetention(self.store, cfg.retention, self.events, self.io)
+        self.retention = SyncerRetention(self.store, cfg.retention, self.events, self.io, wall=self.wall)
         # A round's arithmetic on a pool of its own (issue 15): bit-identical at any thread count
         # (tests/test_threads.py), so it is a pure speed setting that replay never needs to know.
         self.compute = ThreadPoolExecutor(cfg.threads, thread_name_prefix="syncer-compute") if cfg.threads > 1 else None
