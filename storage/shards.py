@@ -109,12 +109,23 @@ def shard_stores(store: ObjectStore, descriptor: RunDescriptor) -> list[ObjectSt
 
 def owned_fragments(store: ObjectStore, descriptor: RunDescriptor) -> Sequence[int]:
     """The fragments whose commits ``store``'s log holds: a shard's, or all of them."""
-    return store.fragments if isinstance(store, ShardStore) else range(descriptor.num_fragments)
+    view = _shard_view(store)
+    return view.fragments if view is not None else range(descriptor.num_fragments)
 
 
 def shard_of(store: ObjectStore) -> tuple[int, int]:
     """(shard, syncers) of a store: (0, 1) for a run's own store."""
-    return (store.shard, store.syncers) if isinstance(store, ShardStore) else (0, 1)
+    view = _shard_view(store)
+    return (view.shard, view.syncers) if view is not None else (0, 1)
+
+
+def _shard_view(store: ObjectStore) -> "ShardStore | None":
+    """The ShardStore ``store`` is, or wraps (a wrapper that delegates, as the syncer's size-noting
+    store does, exposes it as ``shard_view``)."""
+    if isinstance(store, ShardStore):
+        return store
+    inner = getattr(store, "shard_view", None)
+    return inner if isinstance(inner, ShardStore) else None
 
 
 def syncer_store(store: ObjectStore, descriptor: RunDescriptor, shard: int | None) -> ObjectStore:

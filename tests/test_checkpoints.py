@@ -114,7 +114,9 @@ def test_retention_plan_lists_and_deletes_only_when_asked(store):
     assert all(item.reason for item in plan.items)
     assert plan.summary() == {"checkpoints": 1, "deltas": 5, "spill": 2, "versions": 8}
     assert apply_retention(store, plan) == len(expected)
-    assert sorted(store.list()) == sorted(set(before) - expected)
+    # ... and, before deleting, the horizon for replay (issue 26: ddiloco replay starts after it)
+    assert sorted(store.list()) == sorted((set(before) - expected) | {layout.RETENTION_KEY})
+    assert layout.unpack_retention_hint(store.get(layout.RETENTION_KEY)) == 7
     # What recovery needs is intact: the kept checkpoints and every commit after the horizon.
     assert latest_checkpoint(store) == (11, b"s") and latest_checkpoint(store, 10) == (7, b"s")
     assert [r.seq for r in CommitLog(store).read_range(0)] == list(range(12))

@@ -63,6 +63,7 @@ class RunSpec:
     ack_timeout_s: float = 1.0
     poll_s: float = 0.5
     checkpoint_every: int = 10
+    retain_bytes: str = "auto"         # the syncer's --retain-bytes (its default; "none": the commit rule only)
     lr: float = 3e-3
     grace_gamma: float = 0.5           # 0: no grace window (the round closes as soon as K report)
     keep_progress: bool = False        # learners keep their steps since the answer (issue "Rounds")
@@ -205,7 +206,7 @@ class ChaosRun:
         ``python -m infra.chaos.faulty_syncer --crash-before-commit N`` (docs/chaos.md)."""
         cluster = self._started()
         endpoints = tuple(f"tcp://127.0.0.1:{port}" for port in ports) if ports else None
-        extra = ["--checkpoint-every", str(self.spec.checkpoint_every)]
+        extra = ["--checkpoint-every", str(self.spec.checkpoint_every), "--retain-bytes", self.spec.retain_bytes]
         if fault:
             return cluster.start_syncer(name, ["--crash-before-commit", str(crash_count(fault)), *extra],
                                         module="infra.chaos.faulty_syncer", endpoints=endpoints)

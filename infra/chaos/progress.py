@@ -114,10 +114,13 @@ def _uncovered_runs(spans: Sequence[tuple[int, int]], last: int, tail: bool) -> 
 # -- (a) -------------------------------------------------------------------------------------------
 
 def learner_progress(obs: Observation, H: int, K: int = 1) -> Check:
-    """(a). With K > 1, a run of steps taken while fewer than K learners trained is exempt: no
-    merge was possible (``short_of_quorum``; e.g. the last learner still training at the end)."""
+    """(a). A run of steps that overlaps a time no merge could happen is exempt: fewer than K
+    learners training (``short_of_quorum``; e.g. the last learner still training at the end), or a
+    fault's blind window (``blind_windows``, as (b) uses: e.g. an S3 outage until the first commit
+    after it - a learner's steps there are overwritten by the versions that follow when the
+    post-outage commits come late, seen in tests/test_chaos.py test_s3_outage: 34 steps)."""
     bound = 2 * H
-    short = short_of_quorum(obs, K)
+    short = short_of_quorum(obs, K) + blind_windows(obs)
     worst: dict[str, dict] = {}
     problems = []
     for life in lives(obs):

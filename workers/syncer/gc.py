@@ -35,7 +35,7 @@ from typing import Callable, Literal, TextIO
 from pipeline.errors import FormatError
 from storage.errors import StoreError
 from storage.log import CommitLog
-from storage.layout import read_descriptor
+from storage.layout import CHECKPOINT_PREFIX, DELTA_PREFIX, SPILL_PREFIX, VERSION_PREFIX, read_descriptor
 from storage.retention import (RetentionPlan, apply_retention, default_keep_bytes, object_size, parse_duration,
                                parse_size, plan_retention)
 from storage.shards import shard_stores
@@ -74,17 +74,59 @@ class RetentionConfig:
             raise ValueError(f"keep_versions must be an int >= 1 or None, got {self.keep_versions!r}")
 
 
+class SizeNoting:
+    """The syncer's store, noting the size of each delta, spill, version and checkpoint it writes
+    or reads into ``sizes``, so that retention's byte budget needs no HEAD for them (issue 26: the
+    first budgeted pass otherwise sent one HEAD per object of the window through the syncer's I/O).
+    Everything else is the wrapped store's."""
+
+    NOTED = (DELTA_PREFIX, SPILL_PREFIX, VERSION_PREFIX, CHECKPOINT_PREFIX)
+
+    def __init__(self, store: ObjectStore, sizes: dict[str, int]):
+        self._store, self._sizes, self.uri = store, sizes, store.uri
+
+    def get(self, key: str) -> bytes:
+        data = self._store.get(key)
+        self._note(key, data)
+        return data
+
+    def put_if_absent(self, key: str, data: bytes) -> None:
+        self._store.put_if_absent(key, data)
+        self._note(key, data)
+
+    def put(self, key: str, data: bytes) -> None:
+        self._store.put(key, data)
+        self._note(key, data)
+
+    def _note(self, key: str, data) -> None:
+        if key.startswith(self.NOTED):
+            self._sizes[key] = len(data)
+
+    @property
+    def shard_view(self):
+        """The wrapped store, for storage/shards.py's checks of a shard's partition."""
+        return self._store
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    def __repr__(self) -> str:
+        return f"SizeNoting({self._store!r})"
+
+
 class SyncerRetention:
     """Runs retention after a checkpoint on ``executor``; at most one pass at a time."""
 
     def __init__(self, store: ObjectStore, cfg: RetentionConfig, events: EventLog, executor: Executor,
-                 wall: Callable[[], float] = time.time):
+                 wall: Callable[[], float] = time.time, sizes: dict[str, int] | None = None):
         self.store, self.cfg, self.events, self.executor, self.wall = store, cfg, events, executor, wall
         self._scan_from = 0
         self._busy = threading.Lock()
         self.passes = 0
         self.deleted = 0
-        self._sizes: dict[str, int] = {}       # object sizes seen (objects never change; deleted ones leave)
+        # object sizes seen (objects never change; deleted ones leave): shared with the syncer's
+        # SizeNoting store, which fills it as the syncer writes and reads
+        self._sizes: dict[str, int] = sizes if sizes is not None else {}
 
     def after_checkpoint(self, seq: int) -> None:
         if not self.cfg.enabled or not self._busy.acquire(blocking=False):

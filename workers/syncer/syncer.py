@@ -57,7 +57,7 @@ from workers.common.aggregate import RunningMean
 from workers.common.deltas import Opened, max_delta_bytes, round_input
 from workers.common.events import EventLog
 from workers.syncer.committer import Committer, CommitterConfig, KeyConflict
-from workers.syncer.gc import RetentionConfig, SyncerRetention
+from workers.syncer.gc import RetentionConfig, SizeNoting, SyncerRetention
 from workers.syncer.home import start_home
 from workers.syncer.ingest import Ingest
 from workers.syncer.records import Held, PendingKey
@@ -137,7 +137,8 @@ class Syncer:
         self.descriptor: RunDescriptor = read_descriptor(self.store)
         self.descriptor.check_writable("syncer")   # issue 26: refused by the feature's name, before any claim
         # Issue 15: shard i of a sharded run sees its own partition as the run (storage/shards.py).
-        self.store = syncer_store(self.store, self.descriptor, cfg.shard)
+        self.sizes: dict[str, int] = {}   # what retention's byte budget needs, noted as objects pass (gc.py)
+        self.store = SizeNoting(syncer_store(self.store, self.descriptor, cfg.shard), self.sizes)
         self.policy = self.descriptor.policy
         self.security = check_syncer_keys(self.descriptor, keys)
         self.signer = keys.own.signer() if keys is not None else None
@@ -157,7 +158,8 @@ class Syncer:
         # (each is an fsync or an HTTP round trip), and tidy the inbox in the background.
         # ``io``: injected by the fault simulation (an inline executor: infra/faultsim, issue 25).
         self.io = io if io is not None else ThreadPoolExecutor(max_workers=8, thread_name_prefix="syncer-io")
-        self.retention = SyncerRetention(self.store, cfg.retention, self.events, self.io, wall=self.wall)
+        self.retention = SyncerRetention(self.store, cfg.retention, self.events, self.io, wall=self.wall,
+                                         sizes=self.sizes)
         # A round's arithmetic on a pool of its own (issue 15): bit-identical at any thread count
         # (tests/test_threads.py), so it is a pure speed setting that replay never needs to know.
         self.compute = ThreadPoolExecutor(cfg.threads, thread_name_prefix="syncer-compute") if cfg.threads > 1 else None
