@@ -137,8 +137,12 @@ class Syncer:
         self.descriptor: RunDescriptor = read_descriptor(self.store)
         self.descriptor.check_writable("syncer")   # issue 26: refused by the feature's name, before any claim
         # Issue 15: shard i of a sharded run sees its own partition as the run (storage/shards.py).
-        self.sizes: dict[str, int] = {}   # what retention's byte budget needs, noted as objects pass (gc.py)
-        self.store = SizeNoting(syncer_store(self.store, self.descriptor, cfg.shard), self.sizes)
+        self.store = syncer_store(self.store, self.descriptor, cfg.shard)
+        # what retention's byte budget needs, noted as objects pass (gc.py); only under a budget: the
+        # map holds a size per object until retention deletes it, which --keep-all never does
+        self.sizes: dict[str, int] = {}
+        if cfg.retention.enabled and cfg.retention.keep_bytes is not None:
+            self.store = SizeNoting(self.store, self.sizes)
         self.policy = self.descriptor.policy
         self.security = check_syncer_keys(self.descriptor, keys)
         self.signer = keys.own.signer() if keys is not None else None
