@@ -132,13 +132,14 @@ class ManualClock:
         return self.t
 
 
-def wait_for(cond, timeout: float, what: str) -> None:
-    """Poll ``cond`` until it holds; AssertionError naming ``what`` after ``timeout`` seconds."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
+def wait_for(cond, timeout: float = 20.0, what: str = "condition", poll_s: float = 0.2) -> None:
+    """Poll ``cond`` every ``poll_s`` until it holds; AssertionError naming ``what`` after
+    ``timeout`` seconds (a deadline, not a wait: it returns as soon as the condition holds)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         if cond():
             return
-        time.sleep(0.2)
+        time.sleep(poll_s)
     raise AssertionError(f"timed out waiting for {what}")
 
 

@@ -5,7 +5,6 @@ Tests wait on conditions with deadlines, never on sleeps."""
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 
@@ -16,18 +15,9 @@ from storage.layout import SPILL_PREFIX
 from storage.store import open_store
 from workers.learner.sender import Sender, SenderConfig
 
-from runhelpers import Recorder
+from runhelpers import Recorder, wait_for
 
 MB_FLOATS = (1 << 20) // 4          # one MiB of float32
-
-
-def wait_for(cond, timeout=20.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 class BlockingStore:
@@ -70,7 +60,7 @@ def test_send_queue_stays_bounded_while_a_spill_hangs(tmp_path):
     sender, events = make_sender(store, max_pending=6, max_held_bytes=8 << 20)
     try:
         sender.submit(header(0, 0), {"w": np.ones(MB_FLOATS, np.float32)})
-        wait_for(store.entered.is_set, what="the first spill to start (and hang)")
+        wait_for(store.entered.is_set, what="the first spill to start (and hang)", poll_s=0.01)
         peak = (0, 0)
         for seq in range(1, 200):       # 4 fragments, the base changes every 10 deltas: many lineages
             sender.submit(header(seq, seq % 4, base=seq // 10), {"w": np.full(MB_FLOATS, seq, np.float32)})
@@ -127,7 +117,7 @@ def test_persistent_spill_failure_is_reported(tmp_path):
     sender, events = make_sender(store)
     for seq in range(3):
         sender.submit(header(seq, seq), {"w": np.ones(16, np.float32)})
-    wait_for(lambda: len(events.named("spill-failed")) >= 3, what="three spill-failed events")
+    wait_for(lambda: len(events.named("spill-failed")) >= 3, what="three spill-failed events", poll_s=0.01)
     assert not sender.drain(0.2)
     sender.stop()
     s = sender.stats

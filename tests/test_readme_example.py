@@ -18,6 +18,8 @@ import torch
 
 from workers import cli
 
+from runhelpers import wait_for
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 STEPS, BATCH, WIDTH = 200, 32, 16          # 200 steps x 512 tokens = 102,400 tokens
 
@@ -48,15 +50,6 @@ def my_batches():
         x = torch.randn(BATCH, WIDTH, generator=g)
         time.sleep(0.02)        # a real model's step takes a while; the syncer's rounds follow the clock
         yield x, (x @ w).argmax(dim=1)
-
-
-def wait_for(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_the_readme_example_runs_as_written(tmp_path, monkeypatch, capsys):
