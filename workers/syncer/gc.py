@@ -127,6 +127,7 @@ class SyncerRetention:
         # object sizes seen (objects never change; deleted ones leave): shared with the syncer's
         # SizeNoting store, which fills it as the syncer writes and reads
         self._sizes: dict[str, int] = sizes if sizes is not None else {}
+        self._model_bytes: int | None = None
 
     def after_checkpoint(self, seq: int) -> None:
         if not self.cfg.enabled or not self._busy.acquire(blocking=False):
@@ -164,7 +165,11 @@ class SyncerRetention:
         return self._sizes[key]
 
     def _budget(self) -> int | None:
-        return budget_bytes(self.store, self.cfg.keep_bytes, self._size)
+        if self.cfg.keep_bytes != "auto":
+            return self.cfg.keep_bytes
+        if self._model_bytes is None:        # fixed for the run: read the descriptor once, not every pass
+            self._model_bytes = model_bytes(self.store)
+        return default_keep_bytes(self.store, self._model_bytes, self._size)
 
 
 def model_bytes(store: ObjectStore) -> int:

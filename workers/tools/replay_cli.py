@@ -123,20 +123,26 @@ def describe_mismatch(exc: ReplayMismatch) -> list[str]:
     return lines
 
 
-def _removed_by_retention(store, exc: NotFound, horizon: int | None) -> bool:
-    """Whether a missing object was named only by commits at or before the retention horizon."""
+def _naming_commit(exc: NotFound) -> int | None:
+    """The commit that named a missing delta, spill or version (replay's message says), else None."""
     named = re.search(r"named by commit (\d+)", str(exc))
-    return horizon is not None and named is not None and int(named.group(1)) <= horizon \
-        and (exc.key or "").startswith((DELTA_PREFIX, SPILL_PREFIX, VERSION_PREFIX))
+    retainable = (exc.key or "").startswith((DELTA_PREFIX, SPILL_PREFIX, VERSION_PREFIX))
+    return int(named.group(1)) if named and retainable else None
+
+
+def _removed_by_retention(exc: NotFound, horizon: int | None) -> bool:
+    """Whether a missing object was named only by commits at or before the retention horizon."""
+    seq = _naming_commit(exc)
+    return horizon is not None and seq is not None and seq <= horizon
 
 
 def _retention_hint(store, exc: NotFound) -> str:
     """A missing delta below a kept checkpoint was most likely removed by retention on purpose."""
-    named = re.search(r"named by commit (\d+)", str(exc))
-    if not named or not (exc.key or "").startswith((DELTA_PREFIX, SPILL_PREFIX, VERSION_PREFIX)):
+    seq = _naming_commit(exc)
+    if seq is None:
         return ""
     try:
-        later = [c for c in list_checkpoints(store) if c >= int(named.group(1))]
+        later = [c for c in list_checkpoints(store) if c >= seq]
     except StoreError:
         return ""
     return (f"\n  hint: checkpoint {later[0]} lies after this commit; if retention removed old objects, "
@@ -245,7 +251,7 @@ def _replay_log(store, descriptor, args, out: TextIO, err: TextIO) -> int:
         print("\n".join(describe_mismatch(exc)), file=err)
         return EXIT_DIVERGED
     except NotFound as exc:
-        if _removed_by_retention(store, exc, horizon):    # asked for, not damage: say so, exit 2
+        if _removed_by_retention(exc, horizon):    # asked for, not damage: say so, exit 2
             print(f"error: cannot verify from commit {lo}: retention removed what it needs ({exc}); the run "
                   f"verifies from checkpoint {horizon} on: `ddiloco replay {args.run_uri}`", file=err)
             return EXIT_USAGE

@@ -36,10 +36,15 @@ from workers.tools.replay import ReplayStats, rebuild
 from workers.common.versions import VERSION_KIND, decode_version, max_fragment_bytes
 
 
+def _local_path(uri: str) -> str | None:
+    """The directory a local run location names (a path or ``file://``), None for a remote one."""
+    return uri[len("file://"):] if uri.startswith("file://") else None if "://" in uri else uri
+
+
 def run_output(uri: str) -> dict | None:
     """The summary of a ``ddiloco run`` output directory ``uri`` (``OUT/summary.json``, when ``uri``
     is a local directory that holds no run itself), else None."""
-    local = uri[len("file://"):] if uri.startswith("file://") else None if "://" in uri else uri
+    local = _local_path(uri)
     if local is None:
         return None
     out = Path(os.path.expanduser(local))
@@ -60,7 +65,7 @@ def open_run(uri: str, *, s3_endpoint: str | None = None) -> tuple[ObjectStore, 
     summary = run_output(uri)
     if summary is not None and isinstance(summary.get("replay_uri") or summary.get("run_uri"), str):
         uri = summary.get("replay_uri") or summary["run_uri"]
-    local = uri[len("file://"):] if uri.startswith("file://") else None if "://" in uri else uri
+    local = _local_path(uri)
     if local is not None and not os.path.isdir(os.path.expanduser(local)):
         # Opening a local store creates its directory: a mistyped path must not become an empty run.
         raise NotFound(f"no run at {uri} (no such directory)", uri=uri)
