@@ -19,10 +19,10 @@ import pytest
 
 from infra.faultsim.campaign import replay_command, run_campaign, run_one
 from infra.faultsim.checks import check_run, failures
-from infra.faultsim.clock import InlineExecutor, Killed, Proc, Sim, Thread
+from infra.faultsim.clock import WALL_EPOCH, InlineExecutor, Killed, Proc, Sim, Thread
 from infra.faultsim.faults import (KINDS, STORE_GAP_S, STORE_KINDS, Fault, draw_schedule, fewest_running,
                                    parse_schedule, schedule_text)
-from infra.faultsim.memstore import MemoryStore, StoreFault
+from infra.faultsim.memstore import REQUEST_S, MemoryStore, StoreFault
 from infra.faultsim.runner import simulate
 from infra.faultsim.world import LEARNERS, SimConfig, draw, draw_world, stable_seed
 from pipeline.codec import CodecConfig
@@ -255,11 +255,59 @@ def test_a_sender_without_a_thread_turns_spills_and_drains_on_the_injected_clock
 
 
 def test_a_receiver_without_a_thread_reads_versions_and_the_round_clock_per_turn():
-    res = simulate(SimConfig(seed=3, train_s=30.0, fault_span=(10.0, 20.0)), ())
+    res = simulate(SimConfig(seed=3, train_s=30.0, fault_span=(10.0, 20.0), bus=False), ())
     learner = res.events_of("learner")["l0"]
     applied = [e for e in learner if e["event"] == "version-applied"]
     assert applied and all(e["found_by"] == "poll" for e in applied)
     assert any(e["event"] == "delta" and e["round"] > 0 for e in learner)   # rounds heard from the clock record
+    assert not any(e["event"] == "delta-acked" for e in learner)
+
+
+def test_with_the_simulated_bus_deltas_are_acked_and_versions_announced():
+    """simbus.py: the real sender, ingest and receiver on the in-memory bus - deltas go over it and
+    are acked (none spilled while nothing fails), versions are found by their announcement, and
+    rounds are heard from it."""
+    res = simulate(SimConfig(seed=3, train_s=30.0, fault_span=(10.0, 20.0)), ())
+    for name in ("l0", "l1", "l2"):
+        learner = res.events_of("learner")[name]
+        acked = sum(e["event"] == "delta-acked" for e in learner)
+        spilled = sum(e["event"] == "delta-spilled" for e in learner)
+        applied = [e for e in learner if e["event"] == "version-applied"]
+        assert acked >= 5 and spilled <= 2, (name, acked, spilled)   # the start-up burst may spill
+        assert sum(e["found_by"] == "announce" for e in applied) > len(applied) / 2
+
+
+def test_a_bus_blackhole_makes_learners_spill_and_training_goes_on():
+    cfg = SimConfig(seed=3)
+    res = simulate(cfg, parse_schedule("bus-blackhole@60+20"))
+    spilled_at = [e["t"] - WALL_EPOCH for ev in res.events_of("learner").values() for e in ev
+                  if e["event"] == "delta-spilled"]
+    assert any(60 <= t < 80 for t in spilled_at)
+    assert not failures(check_run(res))
+    with pytest.raises(ValueError, match="no bus"):
+        simulate(SimConfig(seed=3, bus=False), parse_schedule("bus-blackhole@60+20"))
+
+
+def test_the_clock_shows_time_spent_within_a_turn():
+    """Two store requests one after another are seen apart (memstore REQUEST_S), never backwards,
+    and the thread's next turn waits for what it spent."""
+    sim = Sim()
+    store = MemoryStore(sim)
+    th = Thread(Proc("p"), "t")
+    seen = []
+
+    def turn():
+        seen.append(sim.clock())
+        store.put("a/b", b"x")
+        seen.append(sim.clock())
+        store.get("a/b")
+        seen.append(sim.clock())
+        sim.after(0.0, th, lambda: seen.append(sim.clock()))
+
+    sim.at(1.0, th, turn)
+    sim.run_until(2.0)
+    assert seen[0] == 1.0 and seen[1] == pytest.approx(1.0 + REQUEST_S) and seen[2] == pytest.approx(1.0 + 2 * REQUEST_S)
+    assert seen[3] >= seen[2]
 
 
 # ------------------------------------------------------------------ whole runs

@@ -286,9 +286,9 @@ def blind_windows(obs: Observation, after_repair_s: float = 10.0) -> list[tuple[
             nxt = [c for c in commits if c > t]
             out.append((down, min(nxt[0], t + after_repair_s) if nxt else t + after_repair_s))
             down = None
-        elif what == "blackhole":
+        elif who == "bus" and what == "blackhole":
             hole = t
-        elif what == "restore" and hole is not None:
+        elif who == "bus" and what == "restore" and hole is not None:   # not a learner's or the store's restore
             out.append((hole, min(t, hole + BUS_FALLBACK_S)))
             hole = None
         elif who.startswith("syncer") and (what == "kill" or what == "exit" and _restarted(obs, who, t)

@@ -5,7 +5,9 @@ with the simulation's clocks, an inline ``io`` executor and the in-memory store,
 (``Syncer.recover``: restart state from the log) and calls ``Syncer.turn`` on simulated time; a
 :class:`SimLearner` owns a ``workers.learner.Learner`` with ``threads=False`` and drives its
 training loop (``Learner.step``), its sender (``Sender.turn``) and its receiver
-(``Receiver.turn``) as three simulated threads of one process.
+(``Receiver.turn``) as three simulated threads of one process. With a bus (simbus.py) each
+endpoint's messages wake the thread that reads it: the syncer's loop, a learner's sender (acks) and
+receiver (announcements), as a socket's poll would.
 
 What stays the simulation's: when each turn runs, and what a supervisor does - a process that
 cannot start (the store refuses writes: down or full) tries again a second later, as a restart
@@ -22,6 +24,7 @@ from typing import Protocol
 import torch
 
 from storage.errors import Fenced, StoreError
+from workers.bus.bus import ZMQ, BusConfig
 from workers.common.events import EventLog
 from workers.learner.learner import Learner, LearnerConfig
 from workers.learner.sender import SenderConfig
@@ -29,6 +32,7 @@ from workers.syncer.syncer import Syncer, SyncerConfig
 
 from .clock import InlineExecutor, Proc, Sim, Thread
 from .memstore import MemoryStore
+from .simbus import SimNet
 from .model import TOKENS_PER_STEP, Batches, build_model
 from .world import SimConfig, stable_seed
 
@@ -43,6 +47,8 @@ class Context(Protocol):
     store: MemoryStore
     cfg: SimConfig
     train_end: float
+    net: SimNet | None            # the bus (None: a run without one)
+    bus_cfg: BusConfig | None
 
     def events(self, role: str, name: str) -> EventLog: ...
 
@@ -55,6 +61,32 @@ class Context(Protocol):
     def life_ended(self, name: str, how: str, killed: bool) -> None: ...
 
     def later(self, dt: float, fn) -> None: ...
+
+
+class Turns:
+    """One thread's next turn: ``at(t)`` schedules ``fn`` at ``t`` unless a turn is due sooner; a
+    turn brought forward leaves its old event behind, which is ignored when it fires (else every
+    wake-up would start one more chain of turns)."""
+
+    def __init__(self, sim: Sim, thread: Thread, fn):
+        self.sim, self.thread, self.fn = sim, thread, fn
+        self.due, self._ticket = math.inf, 0
+
+    def at(self, t: float) -> None:
+        if t >= self.due:
+            return
+        self.due, self._ticket = t, self._ticket + 1
+        ticket = self._ticket
+        self.sim.at(t, self.thread, lambda: self._fire(ticket))
+
+    def _fire(self, ticket: int) -> None:
+        if ticket == self._ticket:
+            self.due = math.inf
+            self.fn()
+
+    def reset(self) -> None:
+        """Forget what is scheduled (a new life's thread)."""
+        self.due, self._ticket = math.inf, self._ticket + 1
 
 
 def _sleep_injected(log, sim: Sim) -> None:
@@ -71,6 +103,9 @@ class SimSyncer:
         self.thread = Thread(self.proc, "loop")
         self.syncer: Syncer | None = None
         self.exited = ""                   # why the process ended ("" while it runs)
+        self.turns = Turns(ctx.sim, self.thread, self._turn)   # a bus message arriving brings it forward
+        if ctx.net is not None:
+            ctx.net.on_message(self.proc, "syncer", self._schedule)
 
     @property
     def running(self) -> bool:
@@ -88,9 +123,11 @@ class SimSyncer:
             # The clock's pace before any learner's is measured: the learners' nominal step (spill-only
             # learners report theirs only after 8 steps; the default 0.1 s ran the clock away at start).
             cfg = SyncerConfig(syncer_id=self.name, initial_step_s=ctx.cfg.step_s)
-            syncer = Syncer(ctx.store, cfg, bus=None, events=ctx.events("syncer", self.name), clock=ctx.sim.clock,
-                            wall=ctx.sim.wall, sleep=ctx.sim.block, io=InlineExecutor(ctx.sim))
+            syncer = Syncer(ctx.store, cfg, bus=ctx.bus_cfg, events=ctx.events("syncer", self.name), clock=ctx.sim.clock,
+                            wall=ctx.sim.wall, sleep=ctx.sim.block, io=InlineExecutor(ctx.sim),
+                            transport=ctx.net.transport if ctx.net is not None else ZMQ)
             syncer.recover()
+            syncer.open_bus()             # as ``Syncer.run`` does after recovering (none without a bus config)
         except Fenced:
             self._exit("exit 3")
             return
@@ -104,10 +141,21 @@ class SimSyncer:
         _sleep_injected(syncer.committer.log, ctx.sim)
         self.syncer = syncer
         ctx.new_life("syncer", self.name)
-        self._turn()
+        self.turns.reset()
+        self._schedule(ctx.sim.now)
+
+    def _schedule(self, t: float) -> None:
+        """A turn at ``t`` unless one is due sooner (a bus message arriving wakes the loop)."""
+        if self.syncer is not None:
+            self.turns.at(t)
 
     def _turn(self) -> None:
+        if self.syncer is None:
+            return
         try:
+            # ``Syncer.run``'s loop: the bus (what arrived), then a turn (the inbox, the rounds)
+            if self.syncer.bus is not None:
+                self.syncer.ingest.poll_bus(0)
             wait = self.syncer.turn()
         except Exception as exc:          # noqa: BLE001 - the real loop would have died: a bug, restarted
             self.ctx.crashed(self.name, exc)
@@ -117,7 +165,7 @@ class SimSyncer:
         if self.syncer.fenced:
             self._exit("exit 3")
             return
-        self.ctx.sim.after(max(wait, MIN_TURN_S), self.thread, self._turn)
+        self._schedule(self.ctx.sim.now + max(wait, MIN_TURN_S))
 
     def _exit(self, how: str) -> None:
         self.exited = how
@@ -146,7 +194,6 @@ class SimLearner:
         self.learner: Learner | None = None
         self.proc: Proc | None = None
         self.done = False                  # the last life closed (trained to the end)
-        self._sender_at = math.inf
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -155,7 +202,10 @@ class SimLearner:
         self.boot, self.train = Thread(p, "boot"), Thread(p, "train")
         self.send, self.recv = Thread(p, "sender"), Thread(p, "receiver")
         self.learner = None
-        self._sender_at = math.inf
+        self.sends, self.receives = Turns(self.ctx.sim, self.send, self._send), Turns(self.ctx.sim, self.recv, self._receive)
+        if self.ctx.net is not None:     # acks wake the sender, announcements the receiver
+            self.ctx.net.on_message(p, "sender", self._kick)
+            self.ctx.net.on_message(p, "receiver", self._kick_receiver)
         self.ctx.sim.after(0.0, self.boot, self._boot)
 
     @property
@@ -172,9 +222,11 @@ class SimLearner:
         self.batches = Batches(ctx.cfg.seed, self.name, self.lives)
         model = build_model(stable_seed("init", ctx.cfg.seed, self.name, self.lives))   # overwritten by version 0
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        cfg = LearnerConfig(sender=SenderConfig(bus_enabled=False), threads=False, log_every=ctx.cfg.sync_every)
-        learner = Learner(model, opt, ctx.store, self.name, cfg, bus=None, events=ctx.events("learner", self.name),
-                          clock=ctx.sim.clock, wall=ctx.sim.wall, sleep=ctx.sim.block)
+        cfg = LearnerConfig(sender=SenderConfig(bus_enabled=ctx.bus_cfg is not None), threads=False,
+                            log_every=ctx.cfg.sync_every)
+        learner = Learner(model, opt, ctx.store, self.name, cfg, bus=ctx.bus_cfg, events=ctx.events("learner", self.name),
+                          clock=ctx.sim.clock, wall=ctx.sim.wall, sleep=ctx.sim.block,
+                          transport=ctx.net.transport if ctx.net is not None else ZMQ)
         try:
             learner.start()
         except StoreError:
@@ -185,7 +237,8 @@ class SimLearner:
                 _sleep_injected(tracker.log, ctx.sim)
         self.learner, self.model, self.opt = learner, model, opt
         ctx.new_life("learner", self.name)
-        ctx.sim.after(0.0, self.recv, self._receive)
+        self._kick_receiver(ctx.sim.now)
+        self._kick(ctx.sim.now)          # its hello and first heartbeat
         ctx.sim.after(0.0, self.train, self._step)
 
     def _step(self) -> None:
@@ -213,20 +266,25 @@ class SimLearner:
         self.ctx.life_ended(self.name, "exit 0" if drained else "exit 0 (not drained)", killed=False)
 
     def _kick(self, t: float) -> None:
-        """A sender turn at ``t`` (the real sender thread is woken by ``submit``)."""
-        if t < self._sender_at:
-            self._sender_at = t
-            self.ctx.sim.at(t, self.send, self._send)
+        """A sender turn at ``t`` (the real sender thread is woken by ``submit``, or an ack)."""
+        self.sends.at(t)
 
     def _send(self) -> None:
-        self._sender_at = math.inf
+        if self.learner is None:
+            return
         due = self.learner.sender.turn()
         if due is not None:
             self._kick(self.ctx.sim.now + max(due, MIN_TURN_S))
 
+    def _kick_receiver(self, t: float) -> None:
+        """A receiver turn at ``t`` (a poll falling due, or an announcement arriving)."""
+        self.receives.at(t)
+
     def _receive(self) -> None:
+        if self.learner is None:
+            return
         wait = self.learner.receiver.turn()
-        self.ctx.sim.after(max(wait, MIN_TURN_S), self.recv, self._receive)
+        self._kick_receiver(self.ctx.sim.now + max(wait, MIN_TURN_S))
 
     # -- faults -------------------------------------------------------------------------------------
     @property

@@ -27,7 +27,7 @@ from .world import draw, draw_world
 MAX_RUNS = 1_000_000
 
 
-RULES = ("quorum", "marks", "guard_version")     # world fields ``--rules`` may override
+RULES = ("quorum", "marks", "guard_version", "bus")     # world fields ``--rules`` may override
 
 
 def parse_rules(text: str | None) -> dict | None:
@@ -39,12 +39,12 @@ def parse_rules(text: str | None) -> dict | None:
         name, sep, value = piece.strip().partition("=")
         if not sep or name not in RULES or not value.isdigit():
             raise ValueError(f"--rules piece {piece!r}: use NAME=INT with NAME one of {', '.join(RULES)}")
-        out[name] = int(value)
+        out[name] = bool(int(value)) if name == "bus" else int(value)
     return out
 
 
 def rules_text(rules: dict | None) -> str:
-    return ",".join(f"{k}={v}" for k, v in sorted((rules or {}).items()))
+    return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in sorted((rules or {}).items()))
 
 
 def replay_command(seed: int, schedule: str | None = None, rules: dict | None = None) -> str:

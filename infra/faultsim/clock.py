@@ -51,6 +51,7 @@ class Thread:
     blocked: bool = False
     stash: list = field(default_factory=list)
     debt: float = 0.0            # time spent in the current turn (``Sim.charge``), paid after it
+    seen: float = 0.0            # the latest time its clock showed in the current turn (monotone)
     busy_until: float = 0.0      # its next turn waits until then
 
     @property
@@ -73,10 +74,19 @@ class Sim:
 
     # -- the clocks handed to the components ---------------------------------------------------------
     def clock(self) -> float:
-        return self.now
+        """The current thread's time: the turn's start plus what it has spent in the turn so far
+        (``charge``), so that two requests made one after another are seen apart - a restarted
+        syncer's inbox backlog arrives spread over its listing's reads, as on real processes (a
+        clock that stood still within a turn hid the pace-from-one-listing defect, issue 25).
+        Never earlier than the thread saw before (an ``InlineExecutor.map`` job starts afresh)."""
+        thread = self.current
+        if thread is None:
+            return self.now
+        thread.seen = max(self.now + thread.debt, thread.seen)
+        return thread.seen
 
     def wall(self) -> float:
-        return WALL_EPOCH + self.now
+        return WALL_EPOCH + self.clock()
 
     # -- scheduling ------------------------------------------------------------------------------
     def at(self, t: float, thread: Thread, fn: Callable[[], None]) -> None:
@@ -112,14 +122,17 @@ class Sim:
             raise RuntimeError(f"simulation ran more than {self.max_events} events (at t={self.now:.3f}, "
                                f"thread {thread.label}): a loop that never waits?")
         outer, self.current = self.current, thread
+        thread.seen = self.now
         try:
             fn()
         except Killed:
             pass                                       # its process died during a wait: the turn just ends
         finally:
             self.current = outer
-            if thread.debt:
-                thread.busy_until, thread.debt = self.now + thread.debt, 0.0
+            spent = max(thread.debt, thread.seen - self.now)
+            if spent > 0:
+                thread.busy_until = self.now + spent
+            thread.debt, thread.seen = 0.0, 0.0
 
     def release(self, thread: Thread) -> None:
         """Put a thread's stashed events back in the queue (it woke, or its process was resumed)."""
@@ -134,7 +147,8 @@ class Sim:
         thread = self.current
         if thread is None:
             raise RuntimeError("Sim.block called outside a simulated thread")
-        seconds, thread.debt = max(0.0, float(seconds)) + thread.debt, 0.0   # what it spent first
+        seconds = max(0.0, float(seconds)) + max(thread.debt, thread.seen - self.now)   # what it spent first
+        thread.debt = 0.0
         thread.blocked = True
         try:
             self.run_until(self.now + seconds)
@@ -143,6 +157,7 @@ class Sim:
         finally:
             thread.blocked = False
             self.current = thread
+            thread.seen = self.now
         self.release(thread)
         if not thread.proc.alive:
             raise Killed(thread.label)

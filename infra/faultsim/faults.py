@@ -19,6 +19,7 @@ Kinds (targets: learners by name; the syncer and the store need none):
 | store-slow      | every request waits           | seconds per request (> 0)   |
 | disk-full       | writes fail                   | -                           |
 | bad-input       | - (planted in the inbox)      | 0 garbage, 1 a re-keyed delta, 2 a truncated delta |
+| bus-blackhole   | every bus message is lost     | - (runs with a bus only)    |
 
 ``draw_schedule`` picks 1-4 faults with kinds weighted by how much they are worth, times inside
 the run's fault span, and keeps store faults apart (at least ``STORE_GAP_S`` between them): a
@@ -34,15 +35,16 @@ from typing import Sequence
 import numpy as np
 
 KINDS = ("kill-syncer", "pause-syncer", "second-syncer", "kill-learner", "pause-learner", "slow-learner",
-         "store-down", "store-slow", "disk-full", "bad-input")
+         "store-down", "store-slow", "disk-full", "bad-input", "bus-blackhole")
 TARGETED = ("kill-learner", "pause-learner", "slow-learner", "bad-input")
 INSTANT = ("second-syncer", "bad-input")
 STORE_KINDS = {"store-down": "down", "store-slow": "slow", "disk-full": "full"}
 WEIGHTS = {"kill-syncer": 3, "kill-learner": 3, "pause-learner": 2, "slow-learner": 2, "store-down": 2,
-           "pause-syncer": 1, "store-slow": 1, "bad-input": 1, "second-syncer": 1, "disk-full": 1}
+           "pause-syncer": 1, "store-slow": 1, "bad-input": 1, "second-syncer": 1, "disk-full": 1,
+           "bus-blackhole": 2}
 DURATIONS = {"kill-syncer": (1.0, 25.0), "pause-syncer": (2.0, 15.0), "kill-learner": (2.0, 20.0),
              "pause-learner": (2.0, 20.0), "slow-learner": (5.0, 30.0), "store-down": (2.0, 20.0),
-             "store-slow": (5.0, 25.0), "disk-full": (3.0, 20.0)}
+             "store-slow": (5.0, 25.0), "disk-full": (3.0, 20.0), "bus-blackhole": (2.0, 20.0)}
 STORE_GAP_S = 10.0
 BAD_INPUTS = 3
 _FORM = re.compile(r"^(?P<kind>[a-z-]+)(?::(?P<target>[A-Za-z0-9_.-]+))?@(?P<at>[0-9.]+)"
@@ -122,10 +124,14 @@ def parse_schedule(text: str) -> tuple[Fault, ...]:
     return tuple(sorted(out, key=lambda f: (f.at, f.kind, f.target)))
 
 
-def check_schedule(faults: Sequence[Fault], learners: Sequence[str], span: tuple[float, float]) -> None:
-    """ValueError unless every fault targets a known learner and lies inside ``span`` (start, last end)."""
+def check_schedule(faults: Sequence[Fault], learners: Sequence[str], span: tuple[float, float],
+                   bus: bool = True) -> None:
+    """ValueError unless every fault targets a known learner and lies inside ``span`` (start, last
+    end), and a bus fault has a bus to hit."""
     lo, hi = span
     for f in faults:
+        if f.kind == "bus-blackhole" and not bus:
+            raise ValueError(f"fault {f.text()}: this run has no bus (its world draws bus=False)")
         if f.target and f.target not in learners:
             raise ValueError(f"fault {f.text()}: no learner {f.target!r} (learners: {', '.join(learners)})")
         if f.at < lo or f.end > hi:
@@ -133,12 +139,13 @@ def check_schedule(faults: Sequence[Fault], learners: Sequence[str], span: tuple
 
 
 def draw_schedule(rng: np.random.Generator, learners: Sequence[str], span: tuple[float, float],
-                  quorum: int = 1, max_faults: int = 4) -> tuple[Fault, ...]:
+                  quorum: int = 1, max_faults: int = 4, bus: bool = True) -> tuple[Fault, ...]:
     """1..``max_faults`` faults drawn from ``rng`` (module docstring); store faults kept apart, and
     at least ``quorum`` learners running at any time (with fewer, no merge is possible by design:
     SPEC §9, training continues while at least K learners run). A draw that breaks either rule is
-    left out, so a schedule may hold fewer faults than were drawn."""
-    kinds = list(WEIGHTS)
+    left out, so a schedule may hold fewer faults than were drawn. Without a ``bus`` there is no
+    bus to blackhole."""
+    kinds = [k for k in WEIGHTS if bus or k != "bus-blackhole"]
     weights = np.array([WEIGHTS[k] for k in kinds], dtype=float)
     lo, hi = span
     out: list[Fault] = []

@@ -14,6 +14,11 @@ Faults are windows of simulated time (:class:`StoreFault`), judged at each reque
 * ``slow`` - every request costs its caller ``latency_s`` of simulated time (``Sim.charge``: the
   request lands at once, and the calling thread's next turn starts that much later).
 
+Outside faults every request costs ``request_s`` (default 2 ms, a local S3 server's round trip):
+requests made one after another are seen apart on the caller's clock (``Sim.clock``), as on real
+processes - a restarted syncer's backlog arrives spread over its listing's reads, which is what
+made the pre-issue-25 syncer read a bogus pace from one listing.
+
 Every request is counted per simulated thread (``ops``): the training loop must make none
 (SPEC §3: no learner step waits on storage), which the invariants check.
 """
@@ -30,6 +35,7 @@ from storage.store import ObjectInfo, check_key, check_limit, check_prefix
 from .clock import Sim
 
 FAULT_KINDS = ("down", "full", "slow")
+REQUEST_S = 0.002          # what one request costs its caller outside faults (module docstring)
 WRITES = ("put", "put_if_absent")
 
 
@@ -59,8 +65,11 @@ class StoreFault:
 class MemoryStore:
     """An ``ObjectStore`` in a dict, faulted by ``faults`` on ``sim``'s clock (module docstring)."""
 
-    def __init__(self, sim: Sim, faults: Sequence[StoreFault] = (), uri: str = "mem://faultsim"):
-        self.sim, self.faults, self.uri = sim, tuple(faults), uri
+    def __init__(self, sim: Sim, faults: Sequence[StoreFault] = (), uri: str = "mem://faultsim",
+                 request_s: float = REQUEST_S):
+        if not (isinstance(request_s, (int, float)) and 0 <= request_s < 1):
+            raise ValueError(f"request_s must be a number of seconds in [0, 1), got {request_s!r}")
+        self.sim, self.faults, self.uri, self.request_s = sim, tuple(faults), uri, float(request_s)
         self._objects: dict[str, bytes] = {}
         self._keys: list[str] = []            # sorted: listing is a bisect
         self.ops: Counter = Counter()         # (thread label, op) -> requests
@@ -90,10 +99,9 @@ class MemoryStore:
             raise Unavailable(what, uri=self.uri, key=key or None)
 
     def _wait(self) -> None:
-        """A slow store: the request has landed; its caller pays the time it took."""
+        """The request has landed; its caller pays the time it took (a slow store's, or the usual)."""
         slow = self.state(self.sim.now).get("slow")
-        if slow is not None:
-            self.sim.charge(slow.latency_s)
+        self.sim.charge(slow.latency_s if slow is not None else self.request_s)
 
     # -- the ObjectStore protocol ---------------------------------------------------------------------
     def get(self, key: str) -> bytes:

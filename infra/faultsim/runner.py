@@ -21,6 +21,7 @@ import torch
 
 from pipeline.types import RunDescriptor
 from storage.layout import SPILL_PREFIX
+from workers.bus.bus import BusConfig
 from workers.common.events import EventLog
 
 from .actors import SimLearner, SimSyncer, describe
@@ -29,9 +30,12 @@ from .clock import Proc, Sim, Thread
 from .faults import STORE_KINDS, Fault, check_schedule
 from .memstore import MemoryStore, StoreFault
 from .model import create_sim_run
+from .simbus import SimNet
 from .world import SimConfig
 
 SYNCER = "syncer"
+BUS = "bus"             # the marks' name for the bus (a blackhole and its restore)
+BUS_CFG = BusConfig("inproc://faultsim-ingest", "inproc://faultsim-announce")   # names only: SimNet carries it
 STORE = "s3"            # the marks' name for the store (infra/chaos/progress.py reads its down/up)
 ROGUE = "rogue"         # who plants bad input
 _HEX_TOKEN = re.compile(r"\b[0-9a-f]{32}\b")     # uuid4 nonces (the log's claims): not part of a trace
@@ -72,9 +76,11 @@ class SimRun:
     """The run's processes and records (the ``Context`` the actors use, actors.py)."""
 
     def __init__(self, cfg: SimConfig, faults: Sequence[Fault]):
-        check_schedule(faults, cfg.learners, (0.0, cfg.train_s))
+        check_schedule(faults, cfg.learners, (0.0, cfg.train_s), bus=cfg.bus)
         self.cfg, self.faults = cfg, tuple(faults)
         self.sim = Sim()
+        self.net = SimNet(self.sim) if cfg.bus else None
+        self.bus_cfg = BUS_CFG if cfg.bus else None
         store_faults = [StoreFault(STORE_KINDS[f.kind], f.at, f.duration, f.param if f.kind == "store-slow" else 0.0)
                         for f in self.faults if f.kind in STORE_KINDS]
         self.store = MemoryStore(self.sim, store_faults)
@@ -182,6 +188,10 @@ class SimRun:
             what = "slow" if f.kind == "store-slow" else "down"
             self.mark(STORE, what, f.text())
             self.later(f.duration, lambda: self.mark(STORE, "restore" if what == "slow" else "up", f.kind))
+        elif f.kind == "bus-blackhole":
+            self.net.blackholes.append((f.at, f.end))
+            self.mark(BUS, "blackhole", f.text())
+            self.later(f.duration, lambda: self.mark(BUS, "restore", f.kind))
         elif f.kind == "bad-input":
             key, what = plant_bad_input(self.store, f, self.trace)
             self.injections.append({"t": self.sim.wall(), "key": key, "what": what})

@@ -2,7 +2,7 @@
 P, how long they train - and its fault schedule, both a pure function of the seed.
 
 :func:`draw` gives ``(SimConfig, faults)`` for a seed: K is 1 or 2 (3 learners), each learner's
-pace is 0.8-1.25 x ``step_s``, and 1-4 faults fall inside ``fault_span``: after a calm start (the
+pace is 0.8-1.25 x ``step_s``, three worlds in four have the bus (the rest spill every delta), and 1-4 faults fall inside ``fault_span``: after a calm start (the
 undisturbed level the recovery check compares with) and early enough that the 8H steps after the
 last fault ends are still trained (invariant (c) measures 4H..8H steps after a fault).
 """
@@ -46,6 +46,9 @@ class SimConfig:
     # marks 1 = one high-water mark per learner, guard_version 2 = norm guard on whole-delta norms.
     marks: int | None = None
     guard_version: int | None = None
+    # Whether the processes have the ZeroMQ bus (infra/faultsim/simbus.py): learners answer over it
+    # and spill when it fails; without it (a region with bucket-only learners) every delta spills.
+    bus: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
@@ -71,6 +74,8 @@ class SimConfig:
         if self.marks not in (None, 1, 2) or self.guard_version not in (None, 1, 2, 3):
             raise ValueError(f"marks must be None, 1 or 2 and guard_version None or 1..3, got "
                              f"{self.marks!r} and {self.guard_version!r}")
+        if not isinstance(self.bus, bool):
+            raise ValueError(f"bus must be True or False, got {self.bus!r}")
         lo, hi = self.fault_span
         if not 0 <= lo < hi <= self.train_s:
             raise ValueError(f"fault_span {self.fault_span} must lie inside 0..train_s ({self.train_s})")
@@ -81,6 +86,7 @@ def draw_world(seed: int, **overrides) -> SimConfig:
     rng = np.random.default_rng(stable_seed("world", seed))
     drawn = dict(seed=seed, quorum=1 if rng.random() < 0.65 else 2,
                  speeds=tuple(round(float(s), 3) for s in rng.uniform(0.8, 1.25, len(LEARNERS))))
+    drawn["bus"] = bool(rng.random() < 0.75)      # drawn last: the fields above keep their draws
     drawn.update(overrides)
     return SimConfig(**drawn)
 
@@ -89,4 +95,4 @@ def draw(seed: int, **overrides) -> tuple[SimConfig, tuple[Fault, ...]]:
     """The world and the fault schedule of ``seed``."""
     cfg = draw_world(seed, **overrides)
     rng = np.random.default_rng(stable_seed("faults", seed))
-    return cfg, draw_schedule(rng, cfg.learners, cfg.fault_span, cfg.quorum)
+    return cfg, draw_schedule(rng, cfg.learners, cfg.fault_span, cfg.quorum, bus=cfg.bus)

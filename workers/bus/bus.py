@@ -329,6 +329,22 @@ class AnnounceListener:
         self.sock.close(0)
 
 
+@dataclass(frozen=True)
+class Transport:
+    """How the processes reach each other: what builds the syncer's bus, a learner's link and its
+    announcement listener, each with the constructor signature of the ZeroMQ class it stands for.
+    ``ZMQ`` (the default everywhere) is ZeroMQ; the fault simulation hands its own in-memory
+    network on simulated time (infra/faultsim/simbus.py, issue 25: the bus's faults - blackhole,
+    acks that never come, reordering - run there without forking the sender's or syncer's logic)."""
+
+    syncer: Callable[..., SyncerBus] = SyncerBus
+    learner: Callable[..., LearnerLink] = LearnerLink
+    listener: Callable[..., AnnounceListener] = AnnounceListener
+
+
+ZMQ = Transport()
+
+
 def _receive(sock: zmq.Socket, counters: BusCounters) -> Message | None:
     """One ready message from a learner-side socket, counted; None if it is not a valid message
     (dropped: the syncer's side never sends one, and a learner must not stop on it)."""

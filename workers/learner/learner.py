@@ -41,7 +41,7 @@ from storage.layout import read_descriptor
 from storage.log import claim_incarnation
 from storage.regions import learner_region_store
 from storage.store import ObjectStore, open_store
-from workers.bus.bus import BusConfig, BusCounters
+from workers.bus.bus import ZMQ, BusConfig, BusCounters, Transport
 from workers.common.events import EventLog
 from workers.bus.keys import KeyRing, Roster
 from workers.learner.device_quant import QMAX as _DEVICE_QMAX, quantise_delta
@@ -99,8 +99,10 @@ class Learner:
                  learner_id: str, config: LearnerConfig = LearnerConfig(), bus: BusConfig | None = None,
                  events: EventLog | None = None, incarnation: int | None = None,
                  clock: Callable[[], float] = time.monotonic, region: str | None = None,
-                 wall: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep):
+                 wall: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
+                 transport: Transport = ZMQ):
         self.model, self.optimizer = model, optimizer
+        self.transport = transport   # what builds its bus sockets (ZeroMQ; the fault simulation's own)
         self.region = region     # issue 14: start() moves to this region's store (None: ``store`` is it)
         self.store = open_store(store, create=False) if isinstance(store, str) else store   # never a new empty dir
         self.id = check_learner_id(learner_id)
@@ -181,10 +183,10 @@ class Learner:
         else:   # one of each, or one per syncer shard (workers/learner/shards.py: fragment p to shard p % N)
             self.sender = make_sender(self.store, d, self.bus, lambda store, bus: Sender(
                 store, d.codec, self.cfg.sender, self.events, bus, self.id.encode(), self._heartbeat, self.clock,
-                curve=curve, seal=seal, sleep=self.sleep, threads=self.cfg.threads))
+                curve=curve, seal=seal, sleep=self.sleep, threads=self.cfg.threads, transport=self.transport))
             self.receiver = make_receiver(tracker, versions, self.bus, lambda t, known, bus: Receiver(
                 t, known, self.events, bus, self.cfg.poll_s, curve=curve, clock=self.clock, wall=self.wall,
-                threads=self.cfg.threads))
+                threads=self.cfg.threads, transport=self.transport))
         self.sender.start()
         self.receiver.start()
         self.events.emit("learner-start", incarnation=self.incarnation, pid=os.getpid(),

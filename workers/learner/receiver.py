@@ -36,7 +36,7 @@ from pipeline.types import CommitRecord
 from pipeline.schedule import ClockRecord
 from storage.errors import NotFound, StoreError
 from storage.layout import CLOCK_KEY
-from workers.bus.bus import AnnounceListener, BusConfig
+from workers.bus.bus import ZMQ, BusConfig, Message, Transport
 from workers.common.aggregate import RunningMean
 from workers.common.events import EventLog
 from workers.common.versions import VersionTracker
@@ -69,7 +69,7 @@ class Receiver:
     def __init__(self, tracker: VersionTracker, known: dict[int, int], events: EventLog,
                  bus: BusConfig | None, poll_s: float = 0.5, curve=None, fetch_threads: int = FETCH_THREADS,
                  on_news: Callable[[], None] | None = None, clock: Callable[[], float] | None = None,
-                 wall: Callable[[], float] | None = None, threads: bool = True):
+                 wall: Callable[[], float] | None = None, threads: bool = True, transport: Transport = ZMQ):
         if not isinstance(fetch_threads, int) or isinstance(fetch_threads, bool) or not 1 <= fetch_threads <= 64:
             raise ValueError(f"fetch_threads must be an int in 1..64, got {fetch_threads!r}")
         self.tracker, self.events, self.bus_cfg, self.poll_s, self.curve = tracker, events, bus, poll_s, curve
@@ -77,6 +77,9 @@ class Receiver:
         # Injected time (None: the time module's, read at each call), and ``threads=False``: no
         # thread, the caller drives ``turn`` (the fault simulation on simulated time, issue 25).
         self._clock, self._wall, self.threads = clock, wall, threads
+        self.transport = transport       # what builds the announcement listener (ZeroMQ; the simulation's own)
+        self._listener = None            # without a thread: the listener ``turn`` reads
+        self._next_poll = 0.0            # without a thread: when ``turn`` polls storage next
         # called (on this thread) when take() or opened() has something new: the learner's sync
         # agent (workers/learner/agent_main.py) waits on it instead of polling
         self.on_news = on_news or (lambda: None)
@@ -111,18 +114,54 @@ class Receiver:
     def start(self) -> None:
         if self.threads:
             self._thread.start()
+        elif self.bus_cfg is not None:
+            self._listener = self.transport.listener(self.bus_cfg, curve=self.curve)
 
     def stop(self) -> None:
         self._stop.set()
         if self.threads:
             self._thread.join(timeout=10)
+        elif self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
     def turn(self) -> float:
-        """One poll without a thread (``threads=False``): the log, then the round clock in storage.
-        Returns the seconds until the next poll is due."""
-        self._poll("poll")
-        self._poll_clock()
-        return self._after_poll()
+        """One turn without a thread (``threads=False``): what the announcement listener holds,
+        then, when due (or an announcement names a new version), a poll of the log and of the round
+        clock in storage - the thread's loop, on the caller's time. Returns the seconds until the
+        next poll is due (a message arriving meanwhile is the caller's cue to turn sooner)."""
+        found_by = "poll"
+        while self._listener is not None:
+            msg = self._listener.recv(0)
+            if msg is None:
+                break
+            if self._hear(msg):
+                found_by, self._next_poll = "announce", 0.0
+        if self._mono() >= self._next_poll:
+            self._poll(found_by)
+            self._poll_clock()
+            self._next_poll = self._mono() + self._after_poll()
+        return max(0.0, self._next_poll - self._mono())
+
+    def _is_new(self, msg: Message) -> bool:
+        v, p = msg.fields.get("version"), msg.fields.get("fragment")
+        return isinstance(p, int) and isinstance(v, int) and v > self.known.get(p, -1)
+
+    def _hear(self, msg: Message) -> bool:
+        """One announcement: a new version (True: poll now, unless a region's copy is being waited
+        for, where the backoff decides), a round opening, or the syncer's heartbeat."""
+        if msg.type == "version":
+            if self._is_new(msg):
+                seq = msg.fields.get("seq")
+                if isinstance(seq, int) and not isinstance(seq, bool):
+                    self._announced = max(self._announced, seq)
+                return self._awaiting_since < 0
+        elif msg.type == "round":
+            self._bus_round_at = self._mono()
+            self._open(msg.fields.get("epoch"), msg.fields.get("fragment"), msg.fields.get("round"))
+        elif msg.type == "syncer-heartbeat":
+            self.syncer_epoch = msg.fields.get("epoch", -1)
+        return False
 
     def _mono(self) -> float:
         return self._clock() if self._clock is not None else time.monotonic()
@@ -175,7 +214,7 @@ class Receiver:
                 self._open(clock.epoch, p, clock.round_at(p, now), guess=True)
 
     def _run(self) -> None:
-        listener = AnnounceListener(self.bus_cfg, curve=self.curve) if self.bus_cfg is not None else None
+        listener = self.transport.listener(self.bus_cfg, curve=self.curve) if self.bus_cfg is not None else None
         # GETs of commits and versions run on this pool (issue 15): one round trip for many objects
         pool = ThreadPoolExecutor(self.fetch_threads, thread_name_prefix="receiver-fetch")
         self._map = pool.map
@@ -188,21 +227,10 @@ class Receiver:
                 wait = max(0.0, min(self.poll_s, 0.2, next_poll - self._mono()))
                 if listener is not None:
                     msg = listener.recv(wait)
-                    if msg is not None and msg.type == "version":
-                        v = msg.fields.get("version")
-                        p = msg.fields.get("fragment")
-                        if isinstance(p, int) and isinstance(v, int) and v > self.known.get(p, -1):
-                            found_by = "announce"
-                            if self._awaiting_since < 0:   # while waiting for a copy, the backoff decides
-                                next_poll = 0.0
-                            seq = msg.fields.get("seq")
-                            if isinstance(seq, int) and not isinstance(seq, bool):
-                                self._announced = max(self._announced, seq)
-                    elif msg is not None and msg.type == "round":
-                        self._bus_round_at = self._mono()
-                        self._open(msg.fields.get("epoch"), msg.fields.get("fragment"), msg.fields.get("round"))
-                    elif msg is not None and msg.type == "syncer-heartbeat":
-                        self.syncer_epoch = msg.fields.get("epoch", -1)
+                    if msg is not None and msg.type == "version" and self._is_new(msg):
+                        found_by = "announce"
+                    if msg is not None and self._hear(msg):
+                        next_poll = 0.0
                 else:
                     self._stop.wait(wait)
                 if self._mono() >= next_poll:

@@ -41,7 +41,7 @@ from pipeline.types import DeltaHeader
 from storage.errors import AlreadyExists, StoreError
 from storage.layout import spill_key
 from storage.store import ObjectStore
-from workers.bus.bus import BusConfig, LearnerLink, Message, drain_wake
+from workers.bus.bus import ZMQ, BusConfig, LearnerLink, Message, Transport, drain_wake
 from workers.common.events import EventLog
 
 DELTA_KIND = "delta"
@@ -121,8 +121,9 @@ class Sender:
     def __init__(self, store: ObjectStore, codec: CodecConfig, cfg: SenderConfig, events: EventLog,
                  bus: BusConfig | None, identity: bytes, heartbeat: Callable[[], dict],
                  clock: Callable[[], float] = time.monotonic, curve=None, seal: Callable[[bytes], bytes] | None = None,
-                 sleep: Callable[[float], None] = time.sleep, threads: bool = True):
+                 sleep: Callable[[float], None] = time.sleep, threads: bool = True, transport: Transport = ZMQ):
         self.store, self.codec, self.cfg, self.events, self.seal = store, codec, cfg, events, seal
+        self.transport = transport   # what builds the bus link (ZeroMQ; the fault simulation's own)
         self.bus_cfg, self.identity, self.heartbeat, self.clock, self.curve = bus, identity, heartbeat, clock, curve
         # ``threads=False``: no thread; the caller drives ``turn`` (the fault simulation, on simulated
         # time: infra/faultsim, issue 25) and ``drain`` turns and waits with ``clock`` and ``sleep``.
@@ -304,7 +305,7 @@ class Sender:
     def _open(self) -> None:
         """The bus link (with its hello) and the encode pool, before the first turn."""
         if self.bus_cfg is not None and self.cfg.bus_enabled:
-            self._link = LearnerLink(self.bus_cfg, self.identity, curve=self.curve, wake_fd=self._wake_r)
+            self._link = self.transport.learner(self.bus_cfg, self.identity, curve=self.curve, wake_fd=self._wake_r)
             self._link.send(Message("hello", {"learner": self.identity.decode(), "incarnation": 0}))
         # The codec's jobs run on this pool (numpy releases the GIL): the same bytes at any count.
         self._pool = ThreadPoolExecutor(self.cfg.encode_threads, thread_name_prefix="sender-encode") \

@@ -50,7 +50,7 @@ from storage.log import CommitLog, claim_epoch
 from storage.probe import probe_conditional_writes
 from storage.shards import owned_fragments, syncer_store
 from storage.store import ObjectStore, open_store
-from workers.bus.bus import HEAD_MAX_BYTES, BusConfig, Message, SyncerBus
+from workers.bus.bus import HEAD_MAX_BYTES, ZMQ, BusConfig, Message, SyncerBus, Transport
 from workers.bus.keys import Gate, KeyRing, Roster, check_syncer_keys
 from workers.bus.signing import sign_commit
 from workers.common.aggregate import RunningMean
@@ -129,8 +129,10 @@ class Syncer:
                  events: EventLog | None = None, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
                  keys: KeyRing | None = None, before_commit: Callable[[CommitRecord], None] | None = None,
-                 regions: Mapping[str, ObjectStore] | None = None, io: Executor | None = None):
+                 regions: Mapping[str, ObjectStore] | None = None, io: Executor | None = None,
+                 transport: Transport = ZMQ):
         self.store = open_store(store, create=False) if isinstance(store, str) else store   # never a new empty dir
+        self.transport = transport   # what builds the bus (ZeroMQ; the fault simulation's own)
         self.cfg = cfg
         self.events = events or EventLog(None, "syncer", cfg.syncer_id)
         self.clock, self.wall, self.sleep = clock, wall, sleep   # injected: tests drive time (style guide)
@@ -279,7 +281,7 @@ class Syncer:
                                                     "anyone who reaches the bus or the bucket can change the model")
         if self.bus_cfg is not None:
             auth = self.roster.learner_of_curve if self.roster is not None else None
-            self.bus = SyncerBus(self.bus_cfg, curve=self.curve, authorize=auth, denied=self._on_denied)
+            self.bus = self.transport.syncer(self.bus_cfg, curve=self.curve, authorize=auth, denied=self._on_denied)
             self.ingest.attach(self.bus)
             self.events.emit("syncer-bus", ingest=self.bus.ingest_endpoint, announce=self.bus.announce_endpoint,
                              curve=self.curve is not None, max_message_bytes=self.bus_cfg.max_message_bytes)
