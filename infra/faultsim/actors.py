@@ -38,6 +38,7 @@ from .world import SimConfig, stable_seed
 
 MIN_TURN_S = 0.01       # a loop turn is never free: the next one is at least this much later
 RETRY_START_S = 1.0     # a supervisor's pause before starting a process again
+SENDER_MAX_PENDING = 8  # deltas a simulated learner's sender holds at most (``_boot``)
 
 
 class Context(Protocol):
@@ -222,7 +223,10 @@ class SimLearner:
         self.batches = Batches(ctx.cfg.seed, self.name, self.lives)
         model = build_model(stable_seed("init", ctx.cfg.seed, self.name, self.lives))   # overwritten by version 0
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        cfg = LearnerConfig(sender=SenderConfig(bus_enabled=ctx.bus_cfg is not None), threads=False,
+        # At most 8 deltas held (a real learner: 16): a store outage of the simulation's length (<= 20 s,
+        # ~10 answers) then reaches the bound, as a real one of minutes does.
+        cfg = LearnerConfig(sender=SenderConfig(bus_enabled=ctx.bus_cfg is not None, max_pending=SENDER_MAX_PENDING),
+                            threads=False,
                             log_every=ctx.cfg.sync_every)
         learner = Learner(model, opt, ctx.store, self.name, cfg, bus=ctx.bus_cfg, events=ctx.events("learner", self.name),
                           clock=ctx.sim.clock, wall=ctx.sim.wall, sleep=ctx.sim.block,

@@ -141,9 +141,11 @@ def check_schedule(faults: Sequence[Fault], learners: Sequence[str], span: tuple
 def draw_schedule(rng: np.random.Generator, learners: Sequence[str], span: tuple[float, float],
                   quorum: int = 1, max_faults: int = 4, bus: bool = True) -> tuple[Fault, ...]:
     """1..``max_faults`` faults drawn from ``rng`` (module docstring); store faults kept apart, and
-    at least ``quorum`` learners running at any time (with fewer, no merge is possible by design:
-    SPEC §9, training continues while at least K learners run). A draw that breaks either rule is
-    left out, so a schedule may hold fewer faults than were drawn. Without a ``bus`` there is no
+    at least one learner running at any time. Fewer than ``quorum`` may run for a while: then no
+    merge is possible by design (SPEC §9), and what the survivors answer must be held or dropped
+    with a reason, never merged below K (invariant (e); keeping K running hid the late-expiry path
+    that merged below K from the campaign, issue 25 mutation check). A draw that breaks either rule
+    is left out, so a schedule may hold fewer faults than were drawn. Without a ``bus`` there is no
     bus to blackhole."""
     kinds = [k for k in WEIGHTS if bus or k != "bus-blackhole"]
     weights = np.array([WEIGHTS[k] for k in kinds], dtype=float)
@@ -154,7 +156,7 @@ def draw_schedule(rng: np.random.Generator, learners: Sequence[str], span: tuple
         fault = _draw_one(rng, kind, learners, lo, hi)
         if kind in STORE_KINDS and any(_near(fault, g) for g in out if g.kind in STORE_KINDS):
             continue                                  # one store fault at a time (module docstring)
-        if fewest_running([*out, fault], len(learners), hi) < quorum:
+        if fewest_running([*out, fault], len(learners), hi) < 1:
             continue
         out.append(fault)
     return tuple(sorted(out, key=lambda f: (f.at, f.kind, f.target)))

@@ -1,7 +1,7 @@
 """What one simulated run is (issue 25; docs/faultsim.md): the world - learners, their speeds, K, H,
 P, how long they train - and its fault schedule, both a pure function of the seed.
 
-:func:`draw` gives ``(SimConfig, faults)`` for a seed: K is 1 or 2 (3 learners), each learner's
+:func:`draw` gives ``(SimConfig, faults)`` for a seed: K is 1 (65%), 2 or 3 (3 learners), each learner's
 pace is 0.8-1.25 x ``step_s``, three worlds in four have the bus (the rest spill every delta), and 1-4 faults fall inside ``fault_span``: after a calm start (the
 undisturbed level the recovery check compares with) and early enough that the 8H steps after the
 last fault ends are still trained (invariant (c) measures 4H..8H steps after a fault).
@@ -86,7 +86,9 @@ def draw_world(seed: int, **overrides) -> SimConfig:
     rng = np.random.default_rng(stable_seed("world", seed))
     drawn = dict(seed=seed, quorum=1 if rng.random() < 0.65 else 2,
                  speeds=tuple(round(float(s), 3) for s in rng.uniform(0.8, 1.25, len(LEARNERS))))
-    drawn["bus"] = bool(rng.random() < 0.75)      # drawn last: the fields above keep their draws
+    drawn["bus"] = bool(rng.random() < 0.75)      # drawn after the fields above: they keep their draws
+    if drawn["quorum"] == 2 and rng.random() < 0.4:
+        drawn["quorum"] = 3                         # K = M: any learner down stops the merges (by design)
     drawn.update(overrides)
     return SimConfig(**drawn)
 
