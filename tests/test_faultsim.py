@@ -396,6 +396,7 @@ def test_the_cli_runs_the_simulated_campaign_and_hands_real_runs_to_the_real_cam
         assert why in capsys.readouterr().err
 
 
+@pytest.mark.timeout(900)   # ~75 s idle; a loaded machine (two busy loops and more) ran past the default 300 s
 def test_the_campaign_ci_subset_keeps_every_invariant():
     """Seeds 0..CI_RUNS-1 of the campaign (what `ddiloco chaos campaign --sim --seed 0 --runs 100`
     runs), on two processes. Every schedule must keep every invariant; a failure names its seed,

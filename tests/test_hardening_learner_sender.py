@@ -139,3 +139,26 @@ def test_stop_releases_the_wake_pipe(tmp_path):
         sender.stop()
         sender.submit(header(0, 0), {"w": np.ones(4, np.float32)})     # after stop: harmless
     assert len(os.listdir("/proc/self/fd")) <= before + 2
+
+
+def test_a_newer_delta_supersedes_one_that_was_sent_but_never_made_durable(tmp_path):
+    """Issue 25: while the store was down nothing was acked, the held sent deltas filled the bound
+    and every new answer was evicted (lost), although each one carried the progress of the older
+    ones of its lineage. A sent, not yet durable delta is superseded like a never-sent one, so a long
+    outage costs no work (tests/mutants/evict-unacked.patch puts the old rule back: this fails)."""
+    store = BlockingStore(open_store(str(tmp_path / "run")), mode="fail")
+    now = [0.0]
+    events = Recorder()
+    sender = Sender(store, CodecConfig(scheme="fp32"), SenderConfig(max_pending=4), events, bus=None, identity=b"l0",
+                    heartbeat=dict, clock=lambda: now[0], sleep=lambda s: None, threads=False)
+    sender.start()
+    for seq in range(12):                       # one lineage (fragment 1, base 0), a turn after each answer
+        sender.submit(header(seq, 1), {"w": np.full(16, seq, np.float32)})
+        sender.turn()
+        now[0] += 1.0
+        assert all(p.sent_at is not None for p in sender.pending.values())   # each was sent (a spill tried)
+    assert store.attempts >= 1
+    assert [p.header.seq for p in sender.pending.values()] == [11]
+    assert sender.stats.superseded == 11 and sender.stats.evicted == 0
+    assert not events.named("delta-evicted")
+    sender.stop()

@@ -22,10 +22,11 @@ it is healthy: the log and the objects are the truth, the event logs say what ea
 """
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from pipeline.types import CommitRecord, RunDescriptor
 from storage.store import ObjectStore
@@ -346,7 +347,11 @@ def no_blocking(obs: Observation, factor: float, abs_s: float) -> Check:
 
 # -- 6. bad input --------------------------------------------------------------------------------------
 
-def bad_inputs_rejected(obs: Observation) -> Check:
+def bad_inputs_rejected(obs: Observation, short: Sequence[tuple[float, float]] = ()) -> Check:
+    """Every injection met an expected outcome, and learners' deltas were merged after the last one
+    - unless fewer than K learners trained from it to the end (``short``: the windows
+    ``progress.short_of_quorum`` gives), when no merge is possible by design (the fault campaign,
+    seed 953: K = 3 and a learner left for good before the bad input)."""
     if not obs.injections:
         return Check("bad-inputs-rejected", True, "no bad input in this scenario")
     merged = Counter(i.delta_id for r in obs.merges() for i in r.inputs)
@@ -383,7 +388,8 @@ def bad_inputs_rejected(obs: Observation) -> Check:
     last = max(i["t"] for i in obs.injections)
     after = [r for r in obs.merges() if (r.info.get("committed_at") or 0) > last
              and any(i.learner != obs.rogue for i in r.inputs)]
-    if not after:
+    no_quorum = any(a <= last and b == math.inf for a, b in short)
+    if not after and not no_quorum:
         problems.append("no learner delta was merged after the last bad input")
     crashed = [f"{n} ({life['how']})" for n, lives in obs.lives.items() for life in lives
                if life["role"] == "syncer" and life["how"] not in ("", "exit 0", "exit 3", "exit 137")
@@ -392,4 +398,6 @@ def bad_inputs_rejected(obs: Observation) -> Check:
         problems.append(f"syncer exited during bad input: {crashed}")
     return Check("bad-inputs-rejected", not problems, problems[0] if problems else
                  f"{len(obs.injections)} bad inputs, each rejected or recorded with its reason; "
-                 f"{len(after)} learner merges after the last one", {"outcomes": outcomes})
+                 f"{len(after)} learner merges after the last one"
+                 + (" (fewer than K learners trained after it: none possible)" if no_quorum and not after else ""),
+                 {"outcomes": outcomes})

@@ -63,7 +63,7 @@ def check_run(res: SimResult) -> list[Check]:
               inv.replay_bitexact(res.store, d)]
     checks += progress.progress_checks(obs, H, K, P)
     if obs.injections:
-        checks.append(inv.bad_inputs_rejected(obs))
+        checks.append(inv.bad_inputs_rejected(obs, progress.short_of_quorum(obs, K)))
     return checks + sim_checks(res)
 
 
