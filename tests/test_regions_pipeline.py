@@ -196,7 +196,7 @@ def test_a_learner_waits_for_its_regions_copy_instead_of_hammering(tmp_path, mon
     import torch
     from storage.log import CommitLog
     from storage.regions import replicate_commit, replicate_static
-    from workers.bus.bus import Message
+    from workers.bus.bus import Message, Transport
     from workers.common.versions import VersionTracker
     from workers.launch import RunSettings, create_run
     from workers.learner import receiver as receiver_mod
@@ -212,11 +212,11 @@ def test_a_learner_waits_for_its_regions_copy_instead_of_hammering(tmp_path, mon
     rec1 = CommitLog(home).read(1)
     _Announcer.msg = Message("version", {"seq": 1, "fragment": rec1.fragment, "version": rec1.version,
                                          "key": rec1.output_key, "epoch": 0, "round": -1})
-    monkeypatch.setattr(receiver_mod, "AnnounceListener", _Announcer)
     counted = LogMisses(region)
     tracker = VersionTracker(counted, read_descriptor(region))
     tracker.cursor = 0
-    rcv = receiver_mod.Receiver(tracker, {0: 0, 1: -1}, EventLog(None, "learner", "l1"), bus=object(), poll_s=0.5)
+    rcv = receiver_mod.Receiver(tracker, {0: 0, 1: -1}, EventLog(None, "learner", "l1"), bus=object(), poll_s=0.5,
+                                transport=Transport(listener=_Announcer))
     rcv.start()
     try:
         time.sleep(1.2)                        # ~100 announcements meanwhile

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -285,6 +286,11 @@ def _watch(cluster: LocalCluster, progress: Progress, events: EventLog, desc, co
     finish, then wait (bounded) for the syncer to commit what is left; stop every role. True if
     the run drained (``LocalCluster.drain_status``)."""
     tails = {name: Tail(cluster.log_path(name)) for name in cluster.names()}
+    # Ctrl-C / SIGINT stops the run even when it was started with SIGINT ignored (a background job
+    # of a non-interactive shell inherits SIG_IGN, and Python then keeps it: the run ran on to its
+    # last step and left its syncer behind). SIGTERM stops it the same way.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.default_int_handler)
 
     def show() -> None:
         for name, tail in tails.items():
