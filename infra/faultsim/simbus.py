@@ -116,6 +116,20 @@ class SimNet:
         return SimListener(self, cfg)
 
 
+def _learner_side(queue: _Queue, counters: BusCounters) -> Message | None:
+    """The next due message of a learner-side endpoint, counted; None if none is due or it does not
+    decode (as ``workers.bus.bus._receive``: a learner never stops on a bad message)."""
+    got = queue.take()
+    if got is None:
+        return None
+    frames = got[1]
+    counters.received(frames)
+    try:
+        return decode_message(frames, HEAD_MAX_BYTES)
+    except FormatError:
+        return None
+
+
 class SimSyncerBus:
     """The syncer's ROUTER (ingest) and PUB (announce): ``workers.bus.bus.SyncerBus``'s interface."""
 
@@ -176,15 +190,7 @@ class SimLink:
     def recv(self, timeout_s: float) -> Message | None:
         if self.wake_fd is not None:
             drain_wake(self.wake_fd)                # the submit() wake-up pipe: nothing waits on it here
-        got = self.acks.take()
-        if got is None:
-            return None
-        frames = got[1]
-        self.counters.received(frames)
-        try:
-            return decode_message(frames, HEAD_MAX_BYTES)
-        except FormatError:
-            return None
+        return _learner_side(self.acks, self.counters)
 
     def close(self) -> None:
         self.acks.closed = True
@@ -202,15 +208,7 @@ class SimListener:
         net.subs.append(self.queue)
 
     def recv(self, timeout_s: float) -> Message | None:
-        got = self.queue.take()
-        if got is None:
-            return None
-        frames = got[1]
-        self.counters.received(frames)
-        try:
-            return decode_message(frames, HEAD_MAX_BYTES)
-        except FormatError:
-            return None
+        return _learner_side(self.queue, self.counters)
 
     def close(self) -> None:
         self.queue.closed = True
