@@ -135,6 +135,34 @@ def test_the_board_refuses_a_damaged_record_or_a_foreign_header():
     ours.close()
 
 
+def test_a_record_held_mid_write_is_waited_for_and_a_dead_writers_is_refused():
+    """Issue 25: a writer that loses the GIL or the CPU mid-write holds a record's seq odd for
+    milliseconds; a reader that spun a fixed count judged it damaged and the learner died of it."""
+    import threading
+    ours = Board(2, 4)
+    theirs = Board(2, 4, fd=ours.fd)
+    theirs.set_done(1, 5)
+    at = theirs._done_at + 1 * 3
+    seq = int(theirs.words[at])
+    theirs.words[at] = seq + 1                   # odd: the writer is "descheduled" mid-write
+    def finish_write():
+        theirs.words[at] = seq                   # as it was, then the write the writer was doing
+        theirs.set_done(1, 6)
+    finish = threading.Timer(0.3, finish_write)
+    finish.start()
+    t0 = time.monotonic()
+    assert ours.done(1) == 6                     # waited for the write to end, 0.3 s later
+    assert time.monotonic() - t0 >= 0.25
+    finish.join()
+    theirs.words[at] = int(theirs.words[at]) + 1  # mid-write again, and its writer dies
+    ours.writer_alive = lambda: False
+    t0 = time.monotonic()
+    with pytest.raises(FormatError, match="mid-write"):
+        ours.done(1)
+    assert time.monotonic() - t0 < 2.0           # at once, not after WRITER_STALL_S
+    ours.close()
+
+
 def test_a_version_slot_is_never_rewritten_before_the_learner_copied_it_out(tmp_path):
     """The agent's publish and the learner's take, on one board and one set of slots (the two
     processes' halves, without the processes): the newest version wins, a slot is written again

@@ -340,6 +340,10 @@ class ChaosRun:
     def events(self, name: str) -> list[dict]:
         return self._started().events(name)
 
+    def stderr(self, name: str) -> str:
+        """The tail of a process's stderr (every life of it, appended)."""
+        return self.cluster.stderr(name) if self.cluster is not None else ""
+
     def learner_names(self) -> list[str]:
         return self.cluster.names(LEARNER_ROLE) if self.cluster is not None else []
 

@@ -351,6 +351,10 @@ def _versions(run: ChaosRun) -> dict[int, int]:
     return {p: r.version for p, r in VersionTracker(run.store, run.descriptor).latest().items()}
 
 
+def _tail(text: str, lines: int = 12) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
 def observe(run: ChaosRun, injections: list[dict], drained: bool) -> inv.Observation:
     lives = {n: [{"pid": l.popen.pid, "started": l.started, "ended": l.ended, "how": l.how, "killed": l.killed,
                   "role": l.role}
@@ -368,8 +372,12 @@ def _check_and_report(run: ChaosRun, sc: Scenario, spec, out: Path, seed: int, i
     b = sc.bounds
     final = {n: ls[-1]["how"] for n, ls in obs.lives.items() if ls[0]["role"] == "learner"}
     clean = all(h in ("exit 0", "killed") for h in final.values())
+    # A learner that failed says why in the check itself: CI keeps no run directory to read.
+    why = "".join(f"\n{n} stderr: ...{_tail(run.stderr(n))}" for n, h in sorted(final.items())
+                  if h not in ("exit 0", "killed"))
     checks = [
-        Check("drained", drained and clean, f"{run.last_drain or 'not drained'}; learners' last lives: {final}"),
+        Check("drained", drained and clean,
+              f"{run.last_drain or 'not drained'}; learners' last lives: {final}{why}"),
         inv.commit_sequence(obs.records, run.descriptor.num_fragments),
         inv.token_ledger(obs, run.store),
         inv.replay_bitexact(run.store, run.descriptor),

@@ -30,8 +30,10 @@ header ``[magic, version, fragments, delta_slots, generation (a record)]``, then
 A record is ``[seq, fields..., crc]``, written by one side only, seqlock style: ``seq`` odd while
 it is written, the fields, ``crc`` = crc32 of ``seq`` and the fields' bytes, then ``seq`` even. A
 reader copies the record and takes it when ``seq`` is even, unchanged after the copy, and the crc
-matches; a torn copy (the writer was busy, or a CPU that reorders stores) is read again, and a
-record that stays wrong ``RETRIES`` times is refused as damaged (``FormatError``): never guessed at.
+matches. A copy made while the writer was busy is read again - after ``SPINS`` reads the reader
+waits, yielding, for as long as the writer lives (up to ``WRITER_STALL_S``): a writer that lost
+the GIL or the CPU mid-write holds a record odd for milliseconds. A record whose ``seq`` is even and
+stable but whose crc fails ``RETRIES`` times is refused as damaged (``FormatError``): never guessed at.
 Documented in docs/scale.md ("The learner's sync agent").
 """
 from __future__ import annotations
@@ -39,7 +41,9 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,7 +54,10 @@ from workers.learner.agent_wire import unmap
 BOARD_VERSION = 2   # 2 (issue 25): the settled ring after the done records
 SETTLED_RING = 1024   # settled deltas a dead agent's board still names (more than its reports can lag behind)
 MAGIC = 0x4452_4442_4F41_5244   # "DDLBOARD"-ish, a fixed 8-byte tag
-RETRIES = 10_000
+RETRIES = 100          # reads of a record whose seq is stable but whose crc fails: then it is damaged
+SPINS = 1_000          # reads of a record mid-write before the reader waits, yielding, for its writer
+WAIT_S = 0.0002        # the wait between those reads
+WRITER_STALL_S = 10.0  # a record mid-write this long: its writer died or hangs (FormatError)
 FOUND_BY = ("announce", "poll")   # Arrival.found_by, by code
 
 _HEADER = 4                       # magic, version, fragments, delta_slots; then the generation record
@@ -104,6 +111,9 @@ class Board:
         self.map = mmap.mmap(fd, size)
         self.words = np.frombuffer(self.map, dtype=np.int64)
         self._seqs = memoryview(self.map).cast("q")    # single words, read without numpy's scalar boxing
+        # Whether the other side (the records' writer) still lives: a reader then stops waiting
+        # for a record torn by its writer's death at once, not after WRITER_STALL_S.
+        self.writer_alive: Callable[[], bool] | None = None
         if created:
             self.words[:_HEADER] = (MAGIC, BOARD_VERSION, fragments, delta_slots)
         elif tuple(int(w) for w in self.words[:_HEADER]) != (MAGIC, BOARD_VERSION, fragments, delta_slots):
@@ -121,18 +131,38 @@ class Board:
 
     def _read(self, at: int, s: struct.Struct) -> tuple:
         n = s.size + 8
-        for _ in range(RETRIES):
-            seq = int(self.words[at])
+        torn = 0                 # copies whose seq was even and stable but whose crc failed
+        spins, deadline = 0, None
+        while True:
+            seq = self._seqs[at]
             raw = self.map[8 * at: 8 * at + n]
-            if seq & 1 or int(self.words[at]) != seq:
-                continue                                   # the writer is busy: read it again
-            if seq == 0 and not any(raw):
-                return s.unpack(raw[:s.size])[1:]          # never written: zeros
-            body, crc = raw[:s.size], int.from_bytes(raw[s.size:], "little", signed=True)
-            fields = s.unpack(body)
-            if fields[0] == seq and zlib.crc32(body) == crc:
-                return fields[1:]
-        raise FormatError(f"sync agent board: the record at word {at} fails its checksum {RETRIES} times: damaged")
+            if not seq & 1 and self._seqs[at] == seq:
+                if seq == 0 and not any(raw):
+                    return s.unpack(raw[:s.size])[1:]      # never written: zeros
+                body, crc = raw[:s.size], int.from_bytes(raw[s.size:], "little", signed=True)
+                fields = s.unpack(body)
+                if fields[0] == seq and zlib.crc32(body) == crc:
+                    return fields[1:]
+                torn += 1            # a CPU that reorders stores, or damage: read again, a bounded number of times
+                if torn >= RETRIES:
+                    raise FormatError(f"sync agent board: the record at word {at} fails its checksum {RETRIES} "
+                                      "times: damaged")
+                continue
+            # The writer is mid-write. It may hold that state for many milliseconds: its thread lost
+            # the GIL to another of its threads (5 ms a switch), or its process was descheduled on a
+            # busy machine. Spinning a fixed count judged such a record damaged and the learner
+            # died of it (a CI run, issue 25); so spin a little, then wait, yielding, until the writer
+            # finishes - or is known dead, or WRITER_STALL_S passes.
+            spins += 1
+            if spins < SPINS:
+                continue
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + WRITER_STALL_S
+            elif now > deadline or (self.writer_alive is not None and not self.writer_alive()):
+                raise FormatError(f"sync agent board: the record at word {at} stays mid-write (seq {seq}): its "
+                                  "writer died or stalled while writing it")
+            time.sleep(WAIT_S)
 
     # -- the header's generation -----------------------------------------------------------------
     def generation(self) -> int:

@@ -60,6 +60,7 @@ class _Child:
                 pass_fds=(child_fd, self.slots.fd, self.board.fd), stdin=subprocess.DEVNULL)
         finally:
             os.close(child_fd)
+        self.board.writer_alive = self.alive     # a record its death tore is not waited for
         self._send_lock = threading.Lock()
         self.ready, self.done, self.sender_stopped = threading.Event(), threading.Event(), threading.Event()
         self.ready_at: float | None = None   # when its ``ready`` came

@@ -82,6 +82,8 @@ class Agent:
         if cfg["version_slots"] != 2 * d.num_fragments:
             raise ValueError(f"expected 2 version slots per fragment, got {cfg['version_slots']}")
         self.board = Board(d.num_fragments, cfg["delta_slots"], fd=board_fd)
+        learner = os.getppid()       # the learner writes `consumed`; its death is reparenting
+        self.board.writer_alive = lambda: os.getppid() == learner
         self.done = [0] * cfg["delta_slots"]       # deltas copied out of each delta slot
         self.gen = [0] * d.num_fragments            # newest arrival generation on the board
         self.events = EventLog(cfg.get("log"), "learner", cfg["learner"], echo=None if cfg.get("log") else sys.stdout)
