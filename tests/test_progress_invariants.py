@@ -95,6 +95,15 @@ def test_fragment_progress_fails_when_answered_rounds_go_unmerged():
     burst = [_merge(0, 0, 5, _inp("l0", 0, 5, 6)), _merge(1, 0, 23, _inp("l0", 1, 9, 4, base=1))]
     few = {"l0": _events("l0", 40, [(0, 0, 0, 5, 5), (1, 0, 1, 7, 11), (2, 0, 1, 8, 17), (3, 0, 1, 9, 23)])}
     assert progress.fragment_progress(_obs(burst, few), H, 1).ok
+    # an answer to a round inside the gap's ids, given long before it (a learner answered round 23 of a
+    # dead syncer's extrapolated clock; the new syncer's round 23 came later, while its loop stalled):
+    # nobody answered inside the gap, no violation - the same answer given inside it is one
+    stall = [_merge(0, 0, 5, _inp("l0", 0, 30, 6)), _merge(1, 0, 41, _inp("l0", 1, 60, 30, base=1))]
+    early = {"l0": _events("l0", 61, [(0, 0, 0, 2, 23), (1, 0, 0, 30, 5), (2, 0, 1, 60, 41)])}
+    assert progress.fragment_progress(_obs(stall, early), H, 1).ok
+    inside = {"l0": _events("l0", 61, [(0, 0, 0, 40, 23), (1, 0, 0, 30, 5), (2, 0, 1, 60, 41)])}
+    bad = progress.fragment_progress(_obs(stall, inside), H, 1)
+    assert not bad.ok and "no merge between rounds 5 and 41" in bad.detail
     # a clock that runs away (the restart defect): every answer merged, but the round ids race ahead
     runaway = [dataclasses.replace(r, round=r.round * 10) for r in records]
     bad = progress.fragment_progress(_obs(runaway, events), H, 1)
@@ -146,3 +155,18 @@ def test_utilisation_recovers_only_when_merges_resume_at_the_old_level():
     sparse = [r for r in records if r.inputs[0].learner_step < 80 or r.seq % 3 == 0]
     bad = progress.utilisation_recovers(_obs(sparse, events, marks), H, 1)
     assert not bad.ok and "undisturbed" in bad.detail
+
+
+def test_a_restarted_learners_fault_lasts_until_its_new_life_steps():
+    """A restarted learner imports and loads for seconds before its first step, taking the CPU the
+    others' versions need on a small machine: its fault ends at that step, not at the start mark."""
+    first_life = _events("l1", 50)                                   # steps 10..50 at 1..5 s
+    second = _events("l1", 40, t0=11.0, inc=2)                       # first step event at 12.0 s
+    marks = [{"t": 6.0, "who": "l1", "what": "kill", "detail": ""},
+             {"t": 8.0, "who": "l1", "what": "restart", "detail": ""},
+             {"t": 9.0, "who": "l0", "what": "pause", "detail": ""},
+             {"t": 9.5, "who": "l0", "what": "resume", "detail": ""}]
+    obs = _obs([], {"l1": first_life + second, "l0": _events("l0", 200)}, marks)
+    assert progress.fault_windows(obs) == [(6.0, 12.0), (9.0, 9.5)]
+    never = _obs([], {"l1": first_life}, marks[:2])                  # restarted, never stepped: the mark
+    assert progress.fault_windows(never) == [(6.0, 8.0)]
