@@ -268,6 +268,27 @@ def test_the_learner_answers_the_real_round_after_a_bogus_guess_and_never_a_roun
         learner.close(flush=False)
 
 
+def test_rounds_answered_as_guesses_ahead_are_answered_again_when_they_open_for_real(tmp_path):
+    """A learner whose wall clock reads ahead of the syncer's guesses rounds before they open; when
+    the syncer's real (lower) round replaces the guess, the rounds answered ahead are still to come.
+    Remembered as answered, they went unanswered when they opened (fault simulation, clock-skew)."""
+    learner, step = _learner(tmp_path)
+    try:
+        step()
+        for guess in (100, 106):                          # guessed 25 s ahead, answered
+            learner.receiver.rounds = {0: (2, guess)}
+            step()
+        for real in (94, 100, 106):                       # the syncer's clock, same epoch
+            learner.receiver.rounds = {0: (2, real)}
+            step()
+        assert _answers(tmp_path) == [100, 106, 94, 100, 106]
+        learner.receiver.rounds = {0: (2, 106)}           # the same opening again: not twice
+        step()
+        assert _answers(tmp_path) == [100, 106, 94, 100, 106]
+    finally:
+        learner.close(flush=False)
+
+
 def test_a_version_of_an_unanswered_round_below_a_guess_is_answered_before_it_overwrites(tmp_path):
     import numpy as np
     from workers.learner.receiver import Arrival

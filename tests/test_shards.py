@@ -218,10 +218,14 @@ def test_one_shard_dies_and_restarts_alone(tmp_path):
         cluster.kill(s1)
         down_at = _tail(store, desc, 0)
         spill1 = shard_stores(store, desc)[1]
-        cluster.wait_for(lambda: _tail(store, desc, 0) >= down_at + 4 and spill1.list("spill/"), 60,
+
+        def spilled_to_1() -> set[str]:
+            return {e["delta"] for lid in ("l0", "l1") for e in cluster.events(lid)
+                    if e.get("event") == "delta-spilled" and e["fragment"] % 2 == 1}
+        # the spill's event is logged after its PUT: wait for both (once in CI the listing was seen first)
+        cluster.wait_for(lambda: _tail(store, desc, 0) >= down_at + 4 and spill1.list("spill/") and spilled_to_1(), 60,
                          "shard 0 commits and the learners spill shard 1's fragments while it is down")
-        spilled = {e["delta"] for lid in ("l0", "l1") for e in cluster.events(lid)
-                   if e.get("event") == "delta-spilled" and e["fragment"] % 2 == 1}
+        spilled = spilled_to_1()
         assert spilled
         assert _tail(store, desc, 0) >= down_at + 4             # the other shard kept committing
         cluster.restart(s1)

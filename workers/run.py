@@ -29,7 +29,7 @@ from pipeline.guard import NEW_RUN_VERSION, NormGuardConfig
 from pipeline.regions import RegionSpec, RegionsConfig
 from storage.shards import run_records
 from storage.store import ObjectStore, open_store
-from .cluster import ClusterConfig, LocalCluster, create_job_run, global_eval_loss
+from .cluster import ClusterConfig, LocalCluster, RoleExited, create_job_run, global_eval_loss
 from workers.job.data import Corpus, evaluate
 from workers.common.events import EventLog, Tail, read_events
 from workers.job.job import LR_SCHEDULES, JobSettings, dp_baseline
@@ -151,6 +151,7 @@ def default_sync_every(fragments: int) -> int:
 
 
 LEARNER_NICE = 5   # co-located demo only: see ClusterConfig.learner_nice (workers/cluster.py)
+SYNCER_READY_S = 180.0   # how long `ddiloco run` waits for its syncers to recover before it starts learners
 DEMO_BATCH_SIZE = 16   # the demo's batch (README "Rounds"); the benchmark's sync-off control uses it too
 
 
@@ -254,6 +255,15 @@ def _run_decoupled(args, out: Path, gcfg: GPTConfig, job: JobSettings, steps: in
     spill_poll = ["--spill-poll", str(args.spill_poll)] if args.spill_poll is not None else []
     cluster.start_syncers([*metrics_flags(args.metrics_port if args.syncers == 1 else args.metrics_port and 0, 0),
                            *spill_poll])
+    # Learners start once their syncers listen (recovered, bus bound): started together on a busy
+    # machine, learners of a short run trained to their end before a syncer had imported torch, and
+    # their work reached the model in one outer step at the drain (a CI run: eval loss 5.41 from
+    # 5.56). Learners never wait for a syncer; the launcher, which starts both, orders them.
+    try:
+        cluster.wait_ready(cluster.syncer_names(), SYNCER_READY_S)
+    except (RoleExited, TimeoutError) as exc:
+        cluster.stop()
+        raise SystemExit(f"ddiloco run: the syncer did not come up: {exc}") from None
     for m, lid in enumerate(names):
         region = ["--region", f"r{m % args.regions}"] if desc.regions is not None else []
         slow = ["--slow", str(args.slow)] if args.slow != 1.0 else []

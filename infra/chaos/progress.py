@@ -46,7 +46,7 @@ from workers.tools.logview import HARMLESS     # what ddiloco log counts harmles
 from .invariants import Check, Observation, _lives_of, _minus
 
 REPAIRS = ("resume", "restart", "restore", "up", "heal", "start")   # a mark that ends a fault (its ``what``)
-FAULTS = ("pause", "kill", "blackhole", "down", "partition", "slow")
+FAULTS = ("pause", "kill", "blackhole", "down", "partition", "slow", "skew")
 INSTANT = ("rogue", "kill-agent")     # over when done: bad input sent, a sync agent the learner replaces itself
 
 

@@ -191,6 +191,7 @@ class SimLearner:
     def __init__(self, ctx: Context, name: str, speed: float):
         self.ctx, self.name, self.speed = ctx, name, speed
         self.slow = 1.0                    # a slow-learner fault's factor while it lasts
+        self.skew = 0.0                    # a clock-skew fault's seconds: its wall clock reads that far ahead
         self.lives = 0
         self.learner: Learner | None = None
         self.proc: Proc | None = None
@@ -229,7 +230,7 @@ class SimLearner:
                             threads=False,
                             log_every=ctx.cfg.sync_every)
         learner = Learner(model, opt, ctx.store, self.name, cfg, bus=ctx.bus_cfg, events=ctx.events("learner", self.name),
-                          clock=ctx.sim.clock, wall=ctx.sim.wall, sleep=ctx.sim.block,
+                          clock=ctx.sim.clock, wall=lambda: ctx.sim.wall() + self.skew, sleep=ctx.sim.block,
                           transport=ctx.net.transport if ctx.net is not None else ZMQ)
         try:
             learner.start()

@@ -182,7 +182,7 @@ class SimRun:
     def _apply(self, f: Fault) -> None:
         if f.kind in ("kill-syncer", "pause-syncer", "second-syncer"):
             self._syncer_fault(f)
-        elif f.kind in ("kill-learner", "pause-learner", "slow-learner"):
+        elif f.kind in ("kill-learner", "pause-learner", "slow-learner", "clock-skew"):
             self._learner_fault(f)
         elif f.kind in STORE_KINDS:
             what = "slow" if f.kind == "store-slow" else "down"
@@ -228,6 +228,12 @@ class SimRun:
             self.mark(lr.name, "pause")
             lr.pause()
             self.later(f.duration, lambda: (self.mark(lr.name, "resume"), lr.resume()))
+        elif f.kind == "clock-skew":
+            # Its host's wall clock steps ahead, then back (an NTP step): the learner computes rounds
+            # from the syncer's clock record with it whenever no round was announced lately.
+            self.mark(lr.name, "skew", f"+{f.param:g} s")
+            lr.skew = f.param
+            self.later(f.duration, lambda: (self.mark(lr.name, "restore"), setattr(lr, "skew", 0.0)))
         else:
             self.mark(lr.name, "slow", f"x{f.param:g}")
             lr.slow = f.param

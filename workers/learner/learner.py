@@ -123,6 +123,7 @@ class Learner:
         self.base_version: dict[int, int] = {}
         self.answered: dict[int, tuple[int, int]] = {}   # fragment -> (syncer epoch, round) last answered
         self._answered_recent: dict[int, deque[tuple[int, int]]] = {}   # fragment -> its last ANSWERS_KEPT answers
+        self._opened_seen: dict[int, tuple[int, int]] = {}   # fragment -> the opening answer_rounds saw last
         self._rounds_seen: dict | None = None      # the receiver's open rounds as of the last answer_rounds
         self._answered_steps: dict[int, int] = {}   # fragment -> c_steps its last answer held
         self._at_answer: dict[int, tuple] = {}   # keep_progress: fragment -> (θ_p, c_steps, c_tokens) at the answer
@@ -388,6 +389,7 @@ class Learner:
         self._rounds_seen = rounds
         n = 0
         for p, opened in sorted(rounds.items()):
+            self._went_back(p, opened)
             if self._owes(p, opened):
                 n += self._answer(p, opened)
         return n
@@ -398,9 +400,23 @@ class Learner:
         of p are remembered: never twice), nor for an older syncer epoch than its last answer's;
         otherwise yes - also a round below the last one answered in the same epoch, which is the
         syncer's real round replacing one the receiver had extrapolated from the storage clock
-        (answering only rounds above the last one stopped the learner for good after a bogus guess)."""
+        (answering only rounds above the last one stopped the learner for good after a bogus guess).
+        (``_went_back`` forgets the answers to guesses above such a replacement.)"""
         last = self.answered.get(p, (-1, -1))
         return opened[0] >= last[0] and opened not in self._answered_recent.get(p, ())
+
+    def _went_back(self, p: int, opened: tuple[int, int]) -> None:
+        """The receiver's opening of ``p`` went back within one syncer epoch: it replaced a guess.
+        The answers given above it in that epoch answered guesses ahead of the syncer's clock (this
+        host's wall clock read ahead of the syncer's, or the clock record was bogus), and those
+        rounds are still to open for real: forgotten, each is answered when it does (remembered,
+        none was - the fault simulation's clock-skew: a learner 25 s ahead stopped contributing)."""
+        before = self._opened_seen.get(p)
+        self._opened_seen[p] = opened
+        recent = self._answered_recent.get(p)
+        if recent and before is not None and before[0] == opened[0] and opened[1] < before[1]:
+            self._answered_recent[p] = deque((o for o in recent if o[0] != opened[0] or o[1] <= opened[1]),
+                                             maxlen=ANSWERS_KEPT)
 
     def _unsent(self, p: int) -> bool:
         """Steps on p since the last answer (keep_progress keeps the count since the answer; else the
