@@ -192,8 +192,8 @@ class SimLink:
             drain_wake(self.wake_fd)                # the submit() wake-up pipe: nothing waits on it here
         return _learner_side(self.acks, self.counters)
 
-    def close(self) -> None:
-        self.acks.closed = True
+    def close(self, linger_s: float = 0.0) -> None:
+        self.acks.closed = True               # what it sent is in flight already: no linger to model
         if self.net.links.get(self.identity) is self.acks:
             del self.net.links[self.identity]
 

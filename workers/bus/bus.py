@@ -302,8 +302,9 @@ class LearnerLink:
             return None
         return _receive(self.sock, self.counters)
 
-    def close(self) -> None:
-        self.sock.close(0)
+    def close(self, linger_s: float = 0.0) -> None:
+        """``linger_s``: how long what was sent last may still go out (a leaving heartbeat)."""
+        self.sock.close(int(linger_s * 1000))
 
 
 class AnnounceListener:

@@ -141,7 +141,11 @@ class Ingest:
         learner, st = f.get("learner"), f.get("step_time_s")
         if isinstance(learner, str) and isinstance(st, (int, float)) and not isinstance(st, bool) \
                 and 0 <= st < 3600:
-            self.rounds.heartbeat(learner, float(st), self.clock())
+            if f.get("leaving") is True:       # a clean stop, after its last delta was acked
+                self.rounds.left(learner)
+                self.events.emit("learner-left", learner=learner, incarnation=f.get("incarnation"))
+            else:
+                self.rounds.heartbeat(learner, float(st), self.clock())
 
     def _ack(self, ident: bytes, delta_id: str, opened: Opened) -> None:
         if self.bus is not None:

@@ -116,6 +116,13 @@ class RoundBook:
         if period_s > 0:
             pace.beat_s, pace.beat_at = clamp_period(period_s), now
 
+    def left(self, learner: str) -> None:
+        """The learner said it stopped (a leaving heartbeat): no longer live, so no round waits a
+        grace window for its answer; its next heartbeat or delta (a new life) makes it live again."""
+        pace = self.learners.get(learner)
+        if pace is not None:
+            pace.heard = -math.inf
+
     def delta_arrived(self, learner: str, learner_step: int, now: float) -> None:
         """A delta is a sign of life, and a pace sample for a learner without heartbeats: between
         the newest steps of two bursts of its deltas (module docstring, issue 25) - never from the
