@@ -289,6 +289,23 @@ def test_rounds_answered_as_guesses_ahead_are_answered_again_when_they_open_for_
         learner.close(flush=False)
 
 
+def test_a_round_open_before_any_work_is_answered_at_the_first_step_that_has_some(tmp_path):
+    """A learner (re)started while a round was open has nothing to say yet: it answers that round
+    once it has trained on it, instead of counting it answered with nothing (in a K = 3 run the
+    round then waited for it in vain and the fragment froze: fault simulation seed 934)."""
+    learner, step = _learner(tmp_path)
+    try:
+        learner.receiver.rounds = {0: (2, 40)}        # open before the first step
+        step()                                        # the boundary comes before the step's work
+        assert _answers(tmp_path) == []
+        step()                                        # one step trained on it: answered now
+        assert _answers(tmp_path) == [40]
+        step()
+        assert _answers(tmp_path) == [40]             # and only once
+    finally:
+        learner.close(flush=False)
+
+
 def test_a_version_of_an_unanswered_round_below_a_guess_is_answered_before_it_overwrites(tmp_path):
     import numpy as np
     from workers.learner.receiver import Arrival

@@ -391,6 +391,13 @@ class Learner:
         for p, opened in sorted(rounds.items()):
             self._went_back(p, opened)
             if self._owes(p, opened):
+                if self.c_steps[p] == 0:
+                    # Nothing trained on p yet (a new life, or its version just came): answer at the
+                    # first step that has work, not never - a round of a K = 3 run that opened while
+                    # a learner restarted waited for it in vain and its fragment froze for 18 steps
+                    # (fault simulation, seed 934). Look again next step.
+                    self._rounds_seen = None
+                    continue
                 n += self._answer(p, opened)
         return n
 
