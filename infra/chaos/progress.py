@@ -321,9 +321,11 @@ def fault_windows(obs: Observation) -> list[tuple[float, float]]:
         elif what.startswith(FAULTS) and what != "start":
             open_at.setdefault(who, m["t"])
         elif what.startswith(REPAIRS) and who in open_at:
-            first = next((float(e["t"]) for e in obs.learner_events.get(who, ())
-                          if e.get("event") == "step" and float(e["t"]) >= m["t"]), m["t"])
-            out.append((open_at.pop(who), first if what in ("restart", "start") else m["t"]))
+            until = m["t"]
+            if what in ("restart", "start"):      # a learner's new life: its first step (a syncer has none)
+                until = next((float(e["t"]) for e in obs.learner_events.get(who, ())
+                              if e.get("event") == "step" and float(e["t"]) >= m["t"]), until)
+            out.append((open_at.pop(who), until))
     end = max((m["t"] for m in obs.marks), default=0.0)
     out += [(t, end if not obs.marks else max(t, end)) for t in open_at.values()]
     return sorted(out)

@@ -434,7 +434,9 @@ class Learner:
         self.answered[p] = opened
         self._answered_recent.setdefault(p, deque(maxlen=ANSWERS_KEPT)).append(opened)
         if self.c_steps[p] == 0:
-            return 0        # nothing trained on p since its last version: nothing to say
+            # Only from apply_arrivals (answer_rounds waits for work): the arriving version closed
+            # this round, so it counts as answered - answering it after the next step would be late.
+            return 0
         self._emit_delta(p, opened[1])
         return 1
 
