@@ -225,7 +225,7 @@ def test_sim_config_refuses_what_cannot_run():
     for bad, why in [(dict(quorum=4), "exceeds"), (dict(sync_every=2), "must be >= fragments"),
                      (dict(speeds=(1.0,)), "one positive number per learner"), (dict(jitter=0.7), "jitter"),
                      (dict(fault_span=(50.0, 300.0)), "fault_span"), (dict(seed=-1), "seed"),
-                     (dict(marks=3), "marks")]:
+                     (dict(marks=3), "marks"), (dict(inner_lr=0.0), "inner_lr")]:
         with pytest.raises(ValueError, match=why):
             SimConfig(**bad)
     with pytest.raises(ValueError, match="no learner 'l9'"):
@@ -341,8 +341,24 @@ def test_a_fault_free_run_keeps_every_invariant():
     assert len(merges) > 60 and res.drained
     assert {c.name for c in checks} >= {"commit-sequence", "token-ledger", "replay-bit-exact", "progress-learners",
                                        "progress-fragments", "progress-recovery", "progress-drops-truthful",
-                                       "progress-quorum", "sim-no-crash", "sim-train-loop-io", "sim-drained"}
+                                       "progress-quorum", "sim-no-crash", "sim-train-loop-io", "sim-drained",
+                                       "sim-no-false-outlier"}
     assert res.store.ops and not any(thread == "train" for thread, _ in res.store.ops)
+
+
+def test_a_long_outage_of_a_drifting_job_is_merged_and_the_whole_norm_guard_is_caught_dropping_it():
+    """Issue 25 item 2 in the simulation: a 95 s syncer outage while the job still drifts (lr
+    1e-3) makes answers of ~55-105 steps on one base, 9-17x the window's 6-step norms. The
+    per-step guard (version 3) merges them; the whole-norm guard (version 2, what runs before
+    issue 25 replay by) drops them, and the campaign names it (``sim-no-false-outlier``)."""
+    faults = parse_schedule("kill-syncer@40+95")
+    res = simulate(draw_world(2, inner_lr=1e-3), faults)
+    assert not failures(check_run(res)), failures(check_run(res))
+    log = CommitLog(res.store)
+    long_merged = [i for rec in log.read_range(0) if rec.kind == "merge" for i in rec.inputs if i.c_steps >= 40]
+    assert long_merged, "no answer of the outage (>= 40 steps) was merged"
+    mutant = failures(check_run(simulate(draw_world(2, inner_lr=1e-3, guard_version=2), faults)))
+    assert [f for f in mutant if f.startswith("sim-no-false-outlier: ")], mutant
 
 
 def test_every_fault_kind_is_applied():

@@ -223,7 +223,7 @@ class SimLearner:
         self.rng = _Rng(stable_seed("steps", ctx.cfg.seed, self.name, self.lives))
         self.batches = Batches(ctx.cfg.seed, self.name, self.lives)
         model = build_model(stable_seed("init", ctx.cfg.seed, self.name, self.lives))   # overwritten by version 0
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = torch.optim.AdamW(model.parameters(), lr=ctx.cfg.inner_lr)
         # At most 8 deltas held (a real learner: 16): a store outage of the simulation's length (<= 20 s,
         # ~10 answers) then reaches the bound, as a real one of minutes does.
         cfg = LearnerConfig(sender=SenderConfig(bus_enabled=ctx.bus_cfg is not None, max_pending=SENDER_MAX_PENDING),

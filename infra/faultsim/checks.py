@@ -11,7 +11,11 @@ infra/chaos/progress.py, bad input refused, and what only a simulation can see f
 - ``sim-train-loop-io``: the training loop made no storage request (SPEC §3: a learner step never
   waits on the network, the syncer or storage) - the store counts requests per simulated thread;
 - ``sim-drained``: after training, the syncer committed every durable delta within ``drain_s``
-  (else the ledger could not judge the end of the run).
+  (else the ledger could not judge the end of the run);
+- ``sim-no-false-outlier``: no learner's delta was dropped as a ``norm-outlier``. Every simulated
+  learner is honest (bad input comes only from the planted objects), so such a drop is the norm
+  guard throwing away real work - what the pre-issue-25 guard did to the work of an outage (issue
+  25 item 2), which freezes a fragment only sometimes but loses the outage's work every time.
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ def observation(res: SimResult) -> Observation:
                        injections=injections, drained=res.drained)
 
 
-def sim_checks(res: SimResult) -> list[Check]:
+def sim_checks(res: SimResult, obs: Observation) -> list[Check]:
     """The simulation's own checks (module docstring)."""
     crash = Check("sim-no-crash", not res.crashes, res.crashes[0] if res.crashes else "no component crashed",
                   {"crashes": res.crashes[:10]})
@@ -51,7 +55,14 @@ def sim_checks(res: SimResult) -> list[Check]:
                     "every durable delta committed after training" if res.drained else
                     f"the syncer had not committed every durable delta {res.cfg.drain_s:g} s after training",
                     {"end_s": round(res.end_s, 2)})
-    return [crash, loop, drained]
+    planted = {i["delta_id"] for i in obs.injections}
+    false = [(rec.seq, d.delta_id, d.c_tokens) for rec in obs.records for d in (getattr(rec, "dropped", None) or ())
+             if d.reason == "norm-outlier" and d.delta_id not in planted]
+    outlier = Check("sim-no-false-outlier", not false,
+                    f"{len(false)} honest deltas dropped as norm-outlier ({sum(t for *_, t in false)} tokens), "
+                    f"first {false[0][1]} at commit {false[0][0]}" if false else
+                    "no honest delta was dropped as a norm-outlier", {"dropped": false[:10]})
+    return [crash, loop, drained, outlier]
 
 
 def check_run(res: SimResult) -> list[Check]:
@@ -64,7 +75,7 @@ def check_run(res: SimResult) -> list[Check]:
     checks += progress.progress_checks(obs, H, K, P)
     if obs.injections:
         checks.append(inv.bad_inputs_rejected(obs, progress.short_of_quorum(obs, K)))
-    return checks + sim_checks(res)
+    return checks + sim_checks(res, obs)
 
 
 def failures(checks: list[Check]) -> list[str]:
