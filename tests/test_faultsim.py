@@ -102,6 +102,25 @@ def test_memory_store_faults_follow_simulated_time():
         StoreFault("slow", 1.0, 1.0)
     with pytest.raises(ValueError, match="kind"):
         StoreFault("flaky", 1.0, 1.0)
+    with pytest.raises(ValueError, match="latency_s"):
+        StoreFault("lag", 1.0, 1.0)
+
+
+def test_a_lagging_listing_shows_new_objects_late_and_reads_them_at_once():
+    sim = Sim()
+    store = MemoryStore(sim, [StoreFault("lag", 10.0, 5.0, latency_s=8.0)])
+    store.put("a/old", b"1")
+    sim.now = 14.0
+    store.put("a/lagged", b"2")
+    assert store.get("a/lagged") == b"2" and store.exists("a/lagged")     # read-after-write holds
+    assert store.list("a/") == ["a/old"]
+    sim.now = 16.0
+    store.put("a/new", b"3")                      # after the window: listed at once, overtaking
+    assert store.list("a/") == ["a/new", "a/old"]
+    sim.now = 22.0
+    assert store.list("a/") == ["a/lagged", "a/new", "a/old"]
+    store.delete("a/lagged")
+    assert store.list("a/") == ["a/new", "a/old"]
 
 
 # ------------------------------------------------------------------ simulated time
@@ -359,6 +378,19 @@ def test_a_long_outage_of_a_drifting_job_is_merged_and_the_whole_norm_guard_is_c
     assert long_merged, "no answer of the outage (>= 40 steps) was merged"
     mutant = failures(check_run(simulate(draw_world(2, inner_lr=1e-3, guard_version=2), faults)))
     assert [f for f in mutant if f.startswith("sim-no-false-outlier: ")], mutant
+
+
+def test_an_answer_overtaken_behind_a_lagging_listing_is_never_called_a_duplicate():
+    """Issue 25 item 4 in the simulation: in a bucket-only world (seed 3) a listing that lags 12 s
+    lets a learner's answer on base v+1 be merged before its answer on base v shows. The fixed
+    rules (marks 2) merge it or drop it truthfully; one high-water mark per learner (marks 1,
+    what runs before issue 25 replay by) drops it ``duplicate``, counted harmless, and (d) says so."""
+    faults = parse_schedule("list-lag@50+30x12")
+    assert not draw_world(3).bus
+    res = simulate(draw_world(3), faults)
+    assert not failures(check_run(res)), failures(check_run(res))
+    mutant = failures(check_run(simulate(draw_world(3, marks=1), faults)))
+    assert [f for f in mutant if f.startswith("progress-drops-truthful: ") and "'duplicate'" in f], mutant
 
 
 def test_every_fault_kind_is_applied():

@@ -21,6 +21,7 @@ Kinds (targets: learners by name; the syncer and the store need none):
 | bad-input       | - (planted in the inbox)      | 0 garbage, 1 a re-keyed delta, 2 a truncated delta |
 | bus-blackhole   | every bus message is lost     | - (runs with a bus only)    |
 | clock-skew      | its wall clock reads ahead    | the seconds ahead (> 0)     |
+| list-lag        | new objects list late         | seconds a listing lags (> 0) |
 
 ``draw_schedule`` picks 1-4 faults with kinds weighted by how much they are worth, times inside
 the run's fault span, and keeps store faults apart (at least ``STORE_GAP_S`` between them): a
@@ -36,17 +37,17 @@ from typing import Sequence
 import numpy as np
 
 KINDS = ("kill-syncer", "pause-syncer", "second-syncer", "kill-learner", "pause-learner", "slow-learner",
-         "store-down", "store-slow", "disk-full", "bad-input", "bus-blackhole", "clock-skew")
+         "store-down", "store-slow", "disk-full", "bad-input", "bus-blackhole", "clock-skew", "list-lag")
 TARGETED = ("kill-learner", "pause-learner", "slow-learner", "bad-input", "clock-skew")
 INSTANT = ("second-syncer", "bad-input")
-STORE_KINDS = {"store-down": "down", "store-slow": "slow", "disk-full": "full"}
+STORE_KINDS = {"store-down": "down", "store-slow": "slow", "disk-full": "full", "list-lag": "lag"}
 WEIGHTS = {"kill-syncer": 3, "kill-learner": 3, "pause-learner": 2, "slow-learner": 2, "store-down": 2,
            "pause-syncer": 1, "store-slow": 1, "bad-input": 1, "second-syncer": 1, "disk-full": 1,
-           "bus-blackhole": 2, "clock-skew": 1}
+           "bus-blackhole": 2, "clock-skew": 1, "list-lag": 2}
 DURATIONS = {"kill-syncer": (1.0, 25.0), "pause-syncer": (2.0, 15.0), "kill-learner": (2.0, 20.0),
              "pause-learner": (2.0, 20.0), "slow-learner": (5.0, 30.0), "store-down": (2.0, 20.0),
              "store-slow": (5.0, 25.0), "disk-full": (3.0, 20.0), "bus-blackhole": (2.0, 20.0),
-             "clock-skew": (5.0, 30.0)}
+             "clock-skew": (5.0, 30.0), "list-lag": (10.0, 40.0)}
 LONG_OUTAGE = (40.0, 95.0)   # one syncer kill in four lasts this long: ~7-16 H of steps on one base
 STORE_GAP_S = 10.0
 BAD_INPUTS = 3
@@ -84,9 +85,11 @@ class Fault:
             raise ValueError(f"fault clock-skew needs the seconds its learner's clock reads ahead (x...), got {self.param}")
         if self.kind == "store-slow" and self.param <= 0:
             raise ValueError(f"fault store-slow needs seconds per request > 0 (x...), got {self.param}")
+        if self.kind == "list-lag" and self.param <= 0:
+            raise ValueError(f"fault list-lag needs the seconds a listing lags (x...), got {self.param}")
         if self.kind == "bad-input" and self.param not in range(BAD_INPUTS):
             raise ValueError(f"fault bad-input variant must be one of 0..{BAD_INPUTS - 1}, got {self.param}")
-        if self.kind not in ("slow-learner", "store-slow", "bad-input", "clock-skew") and self.param:
+        if self.kind not in ("slow-learner", "store-slow", "bad-input", "clock-skew", "list-lag") and self.param:
             raise ValueError(f"fault {self.kind} takes no parameter, got x{self.param}")
 
     @property
@@ -199,6 +202,8 @@ def _draw_one(rng: np.random.Generator, kind: str, learners: Sequence[str], lo: 
         param = round(float(rng.uniform(0.05, 0.5)), 3)
     elif kind == "clock-skew":
         param = round(float(rng.uniform(2.0, 40.0)), 2)   # seconds: 2 to 40 of the world's ~1 s steps
+    elif kind == "list-lag":
+        param = round(float(rng.uniform(2.0, 15.0)), 2)   # seconds: longer than a fragment's round
     return Fault(kind, at, duration, target, param)
 
 

@@ -12,7 +12,11 @@ Faults are windows of simulated time (:class:`StoreFault`), judged at each reque
 * ``full`` - writes raise ``Unavailable`` as a full disk does (``LocalStore`` maps ENOSPC so);
   reads, lists and deletes still work;
 * ``slow`` - every request costs its caller ``latency_s`` of simulated time (``Sim.charge``: the
-  request lands at once, and the calling thread's next turn starts that much later).
+  request lands at once, and the calling thread's next turn starts that much later);
+* ``lag`` - an object written in the window is read at once (S3's read-after-write) but shows in a
+  ``list`` only ``latency_s`` after its write: a listing that lags, as a replicated or
+  eventually-consistent bucket's does. Objects written after the window shows at once, so they
+  can overtake the lagging ones.
 
 Outside faults every request costs ``request_s`` (default 2 ms, a local S3 server's round trip):
 requests made one after another are seen apart on the caller's clock (``Sim.clock``), as on real
@@ -34,14 +38,15 @@ from storage.store import ObjectInfo, check_key, check_limit, check_prefix
 
 from .clock import Sim
 
-FAULT_KINDS = ("down", "full", "slow")
+FAULT_KINDS = ("down", "full", "slow", "lag")
 REQUEST_S = 0.002          # what one request costs its caller outside faults (module docstring)
 WRITES = ("put", "put_if_absent")
 
 
 @dataclass(frozen=True)
 class StoreFault:
-    """The store is ``kind`` from ``start`` for ``duration`` simulated seconds (``latency_s``: slow only)."""
+    """The store is ``kind`` from ``start`` for ``duration`` simulated seconds (``latency_s``: slow
+    and lag only: a request's cost, a listing's delay)."""
 
     kind: str
     start: float
@@ -54,8 +59,8 @@ class StoreFault:
         if not self.start >= 0 or not self.duration > 0:
             raise ValueError(f"store fault {self.kind}: start must be >= 0 and duration > 0, "
                              f"got {self.start} and {self.duration}")
-        if (self.kind == "slow") != (self.latency_s > 0):
-            raise ValueError(f"store fault {self.kind}: latency_s must be > 0 for 'slow' and 0 otherwise, "
+        if (self.kind in ("slow", "lag")) != (self.latency_s > 0):
+            raise ValueError(f"store fault {self.kind}: latency_s must be > 0 for 'slow' and 'lag' and 0 otherwise, "
                              f"got {self.latency_s}")
 
     def active(self, now: float) -> bool:
@@ -72,6 +77,7 @@ class MemoryStore:
         self.sim, self.faults, self.uri, self.request_s = sim, tuple(faults), uri, float(request_s)
         self._objects: dict[str, bytes] = {}
         self._keys: list[str] = []            # sorted: listing is a bisect
+        self._listed_from: dict[str, float] = {}   # key -> when a list shows it (written under ``lag``)
         self.ops: Counter = Counter()         # (thread label, op) -> requests
         self.refused = 0                      # requests a fault refused
 
@@ -156,10 +162,12 @@ class MemoryStore:
         if start_after is not None:
             lo = max(lo, bisect.bisect_right(self._keys, start_after))
         out = []
+        now = self.sim.now
         for key in self._keys[lo:]:
             if not key.startswith(prefix) or (limit is not None and len(out) >= limit):
                 break
-            out.append(key)
+            if self._listed_from.get(key, now) <= now:
+                out.append(key)
         self._wait()
         return out
 
@@ -168,12 +176,16 @@ class MemoryStore:
         self._request("delete", key)
         if self._objects.pop(key, None) is not None:
             del self._keys[bisect.bisect_left(self._keys, key)]
+            self._listed_from.pop(key, None)
         self._wait()
 
     # -- helpers ---------------------------------------------------------------------------------
     def _store(self, key: str, blob: bytes) -> None:
         if key not in self._objects:
             bisect.insort(self._keys, key)
+            lag = self.state(self.sim.now).get("lag")
+            if lag is not None:
+                self._listed_from[key] = self.sim.now + lag.latency_s
         self._objects[key] = blob
 
     def plant(self, key: str, data: bytes) -> None:

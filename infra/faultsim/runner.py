@@ -81,7 +81,7 @@ class SimRun:
         self.sim = Sim()
         self.net = SimNet(self.sim) if cfg.bus else None
         self.bus_cfg = BUS_CFG if cfg.bus else None
-        store_faults = [StoreFault(STORE_KINDS[f.kind], f.at, f.duration, f.param if f.kind == "store-slow" else 0.0)
+        store_faults = [StoreFault(STORE_KINDS[f.kind], f.at, f.duration, f.param if f.kind in ("store-slow", "list-lag") else 0.0)
                         for f in self.faults if f.kind in STORE_KINDS]
         self.store = MemoryStore(self.sim, store_faults)
         self.descriptor = create_sim_run(self.store, cfg)
@@ -185,9 +185,11 @@ class SimRun:
         elif f.kind in ("kill-learner", "pause-learner", "slow-learner", "clock-skew"):
             self._learner_fault(f)
         elif f.kind in STORE_KINDS:
-            what = "slow" if f.kind == "store-slow" else "down"
+            what = "slow" if f.kind in ("store-slow", "list-lag") else "down"
             self.mark(STORE, what, f.text())
-            self.later(f.duration, lambda: self.mark(STORE, "restore" if what == "slow" else "up", f.kind))
+            # A lagging listing's fault lasts until the last object written in it shows.
+            lasts = f.duration + (f.param if f.kind == "list-lag" else 0.0)
+            self.later(lasts, lambda: self.mark(STORE, "restore" if what == "slow" else "up", f.kind))
         elif f.kind == "bus-blackhole":
             self.net.blackholes.append((f.at, f.end))
             self.mark(BUS, "blackhole", f.text())
