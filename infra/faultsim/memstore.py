@@ -15,7 +15,7 @@ Faults are windows of simulated time (:class:`StoreFault`), judged at each reque
   request lands at once, and the calling thread's next turn starts that much later);
 * ``lag`` - an object written in the window is read at once (S3's read-after-write) but shows in a
   ``list`` only ``latency_s`` after its write: a listing that lags, as a replicated or
-  eventually-consistent bucket's does. Objects written after the window shows at once, so they
+  eventually-consistent bucket's does. Objects written after the window show at once, so they
   can overtake the lagging ones.
 
 Outside faults every request costs ``request_s`` (default 2 ms, a local S3 server's round trip):
