@@ -56,7 +56,7 @@ def sim_checks(res: SimResult, obs: Observation) -> list[Check]:
                     f"the syncer had not committed every durable delta {res.cfg.drain_s:g} s after training",
                     {"end_s": round(res.end_s, 2)})
     planted = {i["delta_id"] for i in obs.injections}
-    false = [(rec.seq, d.delta_id, d.c_tokens) for rec in obs.records for d in (getattr(rec, "dropped", None) or ())
+    false = [(rec.seq, d.delta_id, d.c_tokens) for rec in obs.records for d in rec.dropped
              if d.reason == "norm-outlier" and d.delta_id not in planted]
     outlier = Check("sim-no-false-outlier", not false,
                     f"{len(false)} honest deltas dropped as norm-outlier ({sum(t for *_, t in false)} tokens), "

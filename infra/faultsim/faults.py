@@ -40,6 +40,7 @@ KINDS = ("kill-syncer", "pause-syncer", "second-syncer", "kill-learner", "pause-
          "store-down", "store-slow", "disk-full", "bad-input", "bus-blackhole", "clock-skew", "list-lag")
 TARGETED = ("kill-learner", "pause-learner", "slow-learner", "bad-input", "clock-skew")
 INSTANT = ("second-syncer", "bad-input")
+PARAMETERISED = ("slow-learner", "store-slow", "bad-input", "clock-skew", "list-lag")   # the kinds with an x...
 STORE_KINDS = {"store-down": "down", "store-slow": "slow", "disk-full": "full", "list-lag": "lag"}
 WEIGHTS = {"kill-syncer": 3, "kill-learner": 3, "pause-learner": 2, "slow-learner": 2, "store-down": 2,
            "pause-syncer": 1, "store-slow": 1, "bad-input": 1, "second-syncer": 1, "disk-full": 1,
@@ -89,7 +90,7 @@ class Fault:
             raise ValueError(f"fault list-lag needs the seconds a listing lags (x...), got {self.param}")
         if self.kind == "bad-input" and self.param not in range(BAD_INPUTS):
             raise ValueError(f"fault bad-input variant must be one of 0..{BAD_INPUTS - 1}, got {self.param}")
-        if self.kind not in ("slow-learner", "store-slow", "bad-input", "clock-skew", "list-lag") and self.param:
+        if self.kind not in PARAMETERISED and self.param:
             raise ValueError(f"fault {self.kind} takes no parameter, got x{self.param}")
 
     @property

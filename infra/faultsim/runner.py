@@ -81,7 +81,8 @@ class SimRun:
         self.sim = Sim()
         self.net = SimNet(self.sim) if cfg.bus else None
         self.bus_cfg = BUS_CFG if cfg.bus else None
-        store_faults = [StoreFault(STORE_KINDS[f.kind], f.at, f.duration, f.param if f.kind in ("store-slow", "list-lag") else 0.0)
+        # The param is a slow store's latency or a lagging listing's delay (0 for the other kinds).
+        store_faults = [StoreFault(STORE_KINDS[f.kind], f.at, f.duration, f.param)
                         for f in self.faults if f.kind in STORE_KINDS]
         self.store = MemoryStore(self.sim, store_faults)
         self.descriptor = create_sim_run(self.store, cfg)
