@@ -211,3 +211,52 @@ def _book():
     desc = RunDescriptor(run_id="r", layout=FragmentLayout((TensorSpec("a", (2,)),), (("a",),)),
                          schedule=ScheduleConfig(4, (0,)))
     return RoundBook(desc, live_timeout_s=5.0, initial_step_s=1.0)
+
+
+class _SilentLink:
+    """A bus link into a blackhole: every send is taken, no ack ever comes."""
+    def __init__(self, *args, **kwargs):
+        self.sent: list = []
+
+    def send(self, msg) -> bool:
+        self.sent.append(msg)
+        return True
+
+    def recv(self, timeout_s: float):
+        return None
+
+    def close(self, linger_s: float = 0.0) -> None:
+        pass
+
+
+def test_answers_superseding_each_other_faster_than_the_ack_timeout_still_spill(tmp_path):
+    """Issue 25 (chaos bus-blackhole, 4.05 s without a commit on a busy machine): with the bus
+    blackholed a learner answered each fragment every 0.5 s, faster than its 1 s ack timeout, and
+    each new answer superseded the sent, unacked one and restarted its wait; nothing spilled until
+    the syncer was given up for dead (3 x ack_timeout_s). The newest answer keeps the lineage's
+    first deadline: it spills ack_timeout_s after the first unacked send."""
+    from workers.bus.bus import BusConfig, Transport
+    store = open_store(str(tmp_path / "run"))
+    now = [0.0]
+    events = Recorder()
+    sender = Sender(store, CodecConfig(scheme="fp32"), SenderConfig(ack_timeout_s=1.0), events,
+                    bus=BusConfig("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"), identity=b"l0", heartbeat=dict,
+                    clock=lambda: now[0], sleep=lambda s: None, threads=False,
+                    transport=Transport(learner=_SilentLink))
+    sender.start()
+    sender._last_heard = 0.0            # an ack was heard at t=0: the syncer counts as alive for 3 s
+    for seq in range(5):                # one lineage, a new answer every 0.4 s
+        sender.submit(header(seq, 1), {"w": np.full(16, seq, np.float32)})
+        sender.turn()
+        if sender.stats.spilled:
+            break
+        now[0] += 0.4
+    assert sender.stats.spilled == 1, f"nothing spilled by t={now[0]:.1f} s"
+    assert now[0] <= 1.2 + 1e-9, f"the first spill came at t={now[0]:.1f} s, not ~1 s after the first send"
+    assert sender.stats.superseded == 3 and [e["delta"] for e in events.named("delta-spilled")] == \
+        [header(3, 1).id]
+    # a new lineage (a new base version: something was committed) starts its own wait
+    sender.submit(header(9, 1, base=1), {"w": np.ones(16, np.float32)})
+    sender.turn()
+    assert sender.stats.spilled == 1 and list(sender.pending.values())[0].spill_after == now[0] + 1.0
+    sender.stop()

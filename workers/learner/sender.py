@@ -83,6 +83,9 @@ class _Pending:
     checksum: str = ""
     sent_at: float | None = None
     spill_after: float = 0.0
+    # The spill deadline of the sent, unacked delta of this lineage that this one superseded: the
+    # lineage has waited for an ack since then, and a newer answer must not restart that wait.
+    inherited_spill_after: float | None = None
 
     @property
     def lineage(self) -> tuple[int, int]:
@@ -361,12 +364,18 @@ class Sender:
         durable, so nothing was acked, spills failed, and the 16 held unacked deltas of a few
         lineages filled the bound; every new answer was then *evicted* - 46 deltas, all of a learner's
         work for the rest of its run - although each one held the progress of those it could have
-        replaced."""
+        replaced. The newer one keeps the older one's spill deadline: answers that supersede each
+        other faster than ``ack_timeout_s`` must not postpone the spill forever."""
         with self._lock:
             items, self.queue = list(self.queue.values()), {}
             for item in items:
                 for did, old in list(self.pending.items()):
                     if old.lineage == item.lineage:
+                        if old.sent_at is not None or old.inherited_spill_after is not None:
+                            deadlines = [d for d in (item.inherited_spill_after, old.inherited_spill_after,
+                                                     old.spill_after if old.sent_at is not None else None)
+                                         if d is not None]
+                            item.inherited_spill_after = min(deadlines)
                         self._forget(self.pending.pop(did), "delta-superseded")
                 self.pending[item.header.id] = item
             while self._over():
@@ -411,6 +420,11 @@ class Sender:
                 continue
             p.sent_at = now
             p.spill_after = now + self.cfg.ack_timeout_s
+            if p.inherited_spill_after is not None:
+                # Answers of one lineage superseded one another faster than ack_timeout_s while the
+                # bus was blackholed: each restarted the wait, so nothing spilled until the syncer
+                # was given up for dead (3 x ack_timeout_s; 4 s without a commit in the chaos suite).
+                p.spill_after = min(p.spill_after, max(now, p.inherited_spill_after))
             if self._link is None:
                 p.spill_after = now     # no bus: spill straight away
                 continue
