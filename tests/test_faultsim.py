@@ -316,6 +316,24 @@ def test_a_bus_blackhole_makes_learners_spill_and_training_goes_on():
         simulate(SimConfig(seed=3, bus=False), parse_schedule("bus-blackhole@60+20"))
 
 
+def test_a_blackholed_learner_spills_one_ack_timeout_after_its_first_unacked_answer():
+    """Issue 25 (chaos bus-blackhole, 4.05 s without a commit on a busy machine): with answers of a
+    lineage coming faster than the ack timeout, each one superseded the sent, unacked one and
+    restarted the wait, so nothing spilled until the syncer was given up for dead (3 ack timeouts
+    after the last ack: 25 s here). With an 8 s ack timeout and 6 s between a fragment's rounds the
+    newest answer keeps the first deadline (tests/mutants/restart-ack-wait.patch: this fails)."""
+    from infra.faultsim.checks import observation, spill_on_time
+    cfg = SimConfig(seed=6, ack_timeout_s=8.0)
+    res = simulate(cfg, parse_schedule("bus-blackhole@60+20"))
+    check = spill_on_time(res, observation(res))
+    assert check.ok, check.detail
+    assert 8.0 <= check.data["max_wait_s"] <= 9.0, check.data     # a lineage waited out its timeout
+    superseded = [e for ev in res.events_of("learner").values() for e in ev if e["event"] == "delta-superseded"
+                  and 60 <= e["t"] - WALL_EPOCH < 80]
+    assert superseded, "no answer superseded a sent one inside the blackhole: the case is not exercised"
+    assert not failures(check_run(res))
+
+
 def test_the_clock_shows_time_spent_within_a_turn():
     """Two store requests one after another are seen apart (memstore REQUEST_S), never backwards,
     and the thread's next turn waits for what it spent."""

@@ -226,7 +226,8 @@ class SimLearner:
         opt = torch.optim.AdamW(model.parameters(), lr=ctx.cfg.inner_lr)
         # At most 8 deltas held (a real learner: 16): a store outage of the simulation's length (<= 20 s,
         # ~10 answers) then reaches the bound, as a real one of minutes does.
-        cfg = LearnerConfig(sender=SenderConfig(bus_enabled=ctx.bus_cfg is not None, max_pending=SENDER_MAX_PENDING),
+        cfg = LearnerConfig(sender=SenderConfig(bus_enabled=ctx.bus_cfg is not None, max_pending=SENDER_MAX_PENDING,
+                                                ack_timeout_s=ctx.cfg.ack_timeout_s),
                             threads=False,
                             log_every=ctx.cfg.sync_every)
         learner = Learner(model, opt, ctx.store, self.name, cfg, bus=ctx.bus_cfg, events=ctx.events("learner", self.name),

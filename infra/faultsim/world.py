@@ -3,7 +3,8 @@ P, how long they train - and its fault schedule, both a pure function of the see
 
 :func:`draw` gives ``(SimConfig, faults)`` for a seed: K is 1 (65%), 2 or 3 (3 learners), each learner's
 pace is 0.8-1.25 x ``step_s``, three worlds in four have the bus (the rest spill every delta), three in
-ten train with ``inner_lr`` 1e-3 instead of 1e-2 (still drifting), and 1-4 faults fall inside ``fault_span``: after a calm start (the
+ten train with ``inner_lr`` 1e-3 instead of 1e-2 (still drifting), one in four waits 8 s for an ack
+(longer than a fragment's rounds are apart), and 1-4 faults fall inside ``fault_span``: after a calm start (the
 undisturbed level the recovery check compares with) and early enough that the 8H steps after the
 last fault ends are still trained (invariant (c) measures 4H..8H steps after a fault).
 """
@@ -43,6 +44,7 @@ class SimConfig:
     fault_span: tuple[float, float] = (40.0, 140.0)
     drain_s: float = 120.0           # after training: how long the syncer may take to commit what is left
     inner_lr: float = 1e-2           # the learners' AdamW lr (1e-3: the job still drifts when training ends)
+    ack_timeout_s: float = 2.0       # a learner spills an answer not acked by then (SenderConfig)
     # The run's decision rules, as a descriptor records them (None: what new runs write). An older
     # rule reproduces what runs written before issue 25 do (their logs keep replaying by it):
     # marks 1 = one high-water mark per learner, guard_version 2 = norm guard on whole-delta norms.
@@ -68,7 +70,7 @@ class SimConfig:
             raise ValueError(f"quorum K={self.quorum} exceeds the {len(self.learners)} learners")
         if self.sync_every < self.fragments:
             raise ValueError(f"sync_every H={self.sync_every} must be >= fragments P={self.fragments}")
-        for name in ("step_s", "train_s", "drain_s", "inner_lr"):
+        for name in ("step_s", "train_s", "drain_s", "inner_lr", "ack_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if not 0 <= self.jitter < 0.5:
@@ -96,6 +98,11 @@ def draw_world(seed: int, **overrides) -> SimConfig:
     # in a run (at 1e-2 it has converged by the first fault and long deltas are mostly noise, which
     # hid the whole-norm guard's drops of an outage's work from the campaign: issue 25 item 2).
     drawn["inner_lr"] = 1e-3 if rng.random() < 0.3 else 1e-2
+    # One world in four waits longer for an ack than a fragment's rounds are apart (8 s against
+    # H x step_s = 6 s: a slow link's setting), so each answer of a lineage supersedes the sent,
+    # unacked one before its wait ends - the case where a restarted wait kept a blackholed learner
+    # from spilling until the syncer was given up for dead (issue 25, chaos bus-blackhole).
+    drawn["ack_timeout_s"] = 8.0 if rng.random() < 0.25 else 2.0
     drawn.update(overrides)
     return SimConfig(**drawn)
 
