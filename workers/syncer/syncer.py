@@ -422,7 +422,7 @@ class Syncer:
     def close_rounds(self) -> float | None:
         """Merge every fragment whose round may close; return the shortest wait for the others.
         Rejected deltas never count toward a quorum; they join the next commit of their fragment,
-        or force a drop commit when nothing else is pending (or too many have piled up)."""
+        or force a drop commit when nothing else was pending for a round (or too many piled up)."""
         waits: list[float] = []
         timing = self._timing()
         live = self._live_count()
@@ -435,11 +435,24 @@ class Syncer:
             d = self._decide_round(p, valid, timing, live, waits)
             if d.merge or d.dropped:
                 self.merge(p, list(d.merge) + list(d.superseded) + list(d.dropped) + rejected, d)
-            elif rejected and (not valid or len(rejected) >= REJECTED_FLUSH):
+            elif rejected and (len(rejected) >= REJECTED_FLUSH or not valid and self._refusals_due(pend, timing, waits)):
                 self.merge(p, rejected, Decision((), (), None, None, None, Verdict.REJECTED_ONLY))
             elif d.wait_s is not None:
                 waits.append(d.wait_s)
         return min(waits) if waits else None
+
+    def _refusals_due(self, pend: dict[PendingKey, Held], timing: Timing, waits: list[float]) -> bool:
+        """Whether a fragment's refused deltas, with no answer pending beside them, get a commit of
+        their own now: once the oldest has waited a round (H global steps). Until then they may ride
+        along with the fragment's next merge. Committed at once, a flood of stale bus deltas after a
+        blackhole's restore (already merged through the inbox: duplicates) made a drop commit every
+        loop turn and delayed a merge by 36 global steps (chaos bus-blackhole, issue 25)."""
+        oldest = min(h.arrived_at for h in pend.values() if not h.candidate)
+        due = oldest + self.descriptor.schedule.sync_every * (timing.step_time_s or self.cfg.initial_step_s)
+        if self.clock() >= due:
+            return True
+        waits.append(due - self.clock())
+        return False
 
     def _watch_quorum(self, timing: Timing) -> None:
         """A standalone syncer cannot know M (issue 25): once K has exceeded the number of learners
