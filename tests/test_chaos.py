@@ -233,3 +233,39 @@ def test_event_log_schedule_kills_and_restarts_learners_through_the_cli(tmp_path
     assert rc == 0, out
     assert "all invariants hold" in out and (tmp_path / "report.json").exists() and (tmp_path / "timeline.png").exists()
     assert (tmp_path / "failures.events").exists() and "kill-learner" in out
+
+
+def test_a_syncer_that_exits_before_the_first_merge_fails_the_scenario_at_once_with_its_error():
+    """A clean-clone CI run: the syncer could not bind its bus port ("Address already in use") and
+    the scenario waited 120 s for a first merge, then said only that. Now the wait ends as soon as
+    the syncer's life has ended, with its error; a killed syncer (a fault) is not an error."""
+    from infra.chaos.runner import _first_merge
+
+    class _Life:
+        how, killed = "exit 2", False
+
+    class _Cluster:
+        def life(self, name):
+            assert name == "syncer"
+            return self.the_life
+
+        def stderr(self, name, chars=3000):
+            return "error: Address already in use (addr='tcp://127.0.0.1:45209')\n"
+
+    class _Run:
+        cluster = _Cluster()
+        merged = 0
+
+        def merges(self):
+            return self.merged
+
+    run = _Run()
+    run.cluster.the_life = _Life()
+    with pytest.raises(RuntimeError, match=r"exited \(exit 2\) before the first merge commit: error: Address already"):
+        _first_merge(run)
+    run.cluster.the_life.how = ""                  # still running: keep waiting
+    assert _first_merge(run) is False
+    run.cluster.the_life.how, run.cluster.the_life.killed = "killed", True
+    assert _first_merge(run) is False
+    run.merged = 1
+    assert _first_merge(run) is True

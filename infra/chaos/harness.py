@@ -120,7 +120,7 @@ class ChaosRun:
         self.s3 = None
         self.uri = ""
         self.descriptor: RunDescriptor | None = None
-        self.syncer_ports = (free_port(), free_port())
+        self.syncer_ports: tuple[int, int] = (0, 0)     # picked in create(), after the storage servers
         self.relays: tuple[Relay, Relay] | None = None
         self.keydir = self.out / "keys"
         self._saved_env: dict[str, str | None] = {}
@@ -169,6 +169,11 @@ class ChaosRun:
                                job=job.to_dict(), regions=self.topology.regions if self.topology else None)
         self.descriptor, _ = create_job_run(self.store, settings, gcfg, spec.seed, self.keydir, spec.learner_ids(),
                                             also_listed=[ROGUE])
+        # The syncer's ports are picked now, after the S3 servers and WAN links bound theirs: a port
+        # picked free earlier is not reserved, and the WAN topology's SeaweedFS servers (about ten
+        # ports each, picked the same way) once held one by the time the syncer bound it ("Address
+        # already in use", then 120 s waiting for a first merge: a clean-clone CI run).
+        self.syncer_ports = (free_port(), free_port())
         self.relays = (Relay(self.syncer_ports[0], name="ingest").start(),
                        Relay(self.syncer_ports[1], name="announce").start())
         ing, ann = (f"tcp://127.0.0.1:{port}" for port in self.syncer_ports)

@@ -109,6 +109,18 @@ def _spilled_during_fault(run: ChaosRun, obs: inv.Observation) -> Check:
                  f"({len(spilled & named)} merged, {len(spilled - recorded)} not in the log), {merged} merges")
 
 
+def _first_merge(run: ChaosRun) -> bool:
+    """Whether the run has merged; a syncer that exited before that fails the scenario at once with
+    its error, instead of after the 120 s wait (it once could not bind its bus port: CI, issue 25)."""
+    if run.merges() > 0:
+        return True
+    life = run.cluster.life("syncer")
+    if life.how and not life.killed:
+        raise RuntimeError(f"the syncer exited ({life.how}) before the first merge commit: "
+                           f"{run.cluster.stderr('syncer', 800).strip()}")
+    return False
+
+
 EXTRA_CHECKS: dict[str, Callable[[ChaosRun, inv.Observation], Check]] = {
     "restarted-learner-merged": _restarted_learner_merged, "all-learners-merged": _all_learners_merged,
     "syncer-recovered": _syncer_recovered, "orphan-ignored": _orphan_ignored, "fenced-once": _fenced_once,
@@ -167,7 +179,7 @@ def run_scenario(sc: Scenario, out: str | Path, seed: int = 0, events_path: str 
         run.start_syncer("syncer", fault=sc.syncer_fault or None)
         for lid in spec.learner_ids():
             run.start_learner(lid)
-        run.wait_for(lambda: run.merges() > 0, 120, "the first merge commit", tick=run.poll)
+        run.wait_for(lambda: _first_merge(run), 120, "the first merge commit", tick=run.poll)
         t0 = time.time()
         run.mark("run", "training", "schedule time 0")
         sched = _Schedule()
