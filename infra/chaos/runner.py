@@ -90,12 +90,7 @@ def _fenced_once(run: ChaosRun, obs: inv.Observation) -> Check:
 
 
 def _spilled_during_fault(run: ChaosRun, obs: inv.Observation) -> Check:
-    spans = []
-    for m in obs.marks:
-        if m["what"] == "blackhole":
-            spans.append([m["t"], float("inf")])
-        elif m["what"] == "restore" and spans:
-            spans[-1][1] = m["t"]
+    spans = progress.bus_down(obs)
     spilled = {e["delta"] for ev in obs.learner_events.values() for e in ev if e.get("event") == "delta-spilled"
                and any(a <= e["t"] <= b for a, b in spans)}
     merged = sum(1 for r in obs.merges() if any(a <= (r.info.get("committed_at") or 0) <= b for a, b in spans))

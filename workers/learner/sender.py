@@ -371,11 +371,10 @@ class Sender:
             for item in items:
                 for did, old in list(self.pending.items()):
                     if old.lineage == item.lineage:
-                        if old.sent_at is not None or old.inherited_spill_after is not None:
-                            deadlines = [d for d in (item.inherited_spill_after, old.inherited_spill_after,
-                                                     old.spill_after if old.sent_at is not None else None)
-                                         if d is not None]
-                            item.inherited_spill_after = min(deadlines)
+                        # a sent one's deadline already holds what it inherited (_send_unsent)
+                        carried = old.spill_after if old.sent_at is not None else old.inherited_spill_after
+                        if carried is not None:
+                            item.inherited_spill_after = min(carried, item.inherited_spill_after or carried)
                         self._forget(self.pending.pop(did), "delta-superseded")
                 self.pending[item.header.id] = item
             while self._over():
