@@ -161,10 +161,11 @@ def control_main(out: str, run_dir: str, steps: int) -> None:
     import torch
     from workers.job.data import Corpus
     from workers.job.job import JobSettings, make_optimizer
-    from workers.job.model import GPTConfig, build_model
+    from workers.job.model import build_model
+    from workers.run_config import RunConfig
     torch.set_num_threads(1)
-    from workers.run import DEMO_BATCH_SIZE
-    gcfg, job = GPTConfig(), JobSettings(steps=steps, batch_size=DEMO_BATCH_SIZE)   # what `ddiloco run` trains
+    demo = RunConfig()                                   # what `ddiloco run` trains
+    gcfg, job = demo.model, JobSettings(steps=steps, batch_size=demo.job.batch_size)
     corpus = Corpus(job.data_config(gcfg.block_size))
     model = build_model(gcfg, 0)
     opt = make_optimizer(model, job)

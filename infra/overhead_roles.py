@@ -83,9 +83,9 @@ def control(out: str, steps: int, seed: int, cpus: set[int] | None, guard: str =
     from workers.job.job import JobSettings, make_optimizer, set_lr
     from workers.job.model import GPTConfig, build_model
     from workers.learner.nonfinite import grads_finite
-    from workers.run import DEMO_BATCH_SIZE
+    from workers.run_config import RunConfig
     torch.set_num_threads(1)                  # what learner_process sets
-    gcfg, job = GPTConfig(), JobSettings(steps=steps, batch_size=DEMO_BATCH_SIZE, shards=1)
+    gcfg, job = GPTConfig(), JobSettings(steps=steps, batch_size=RunConfig().job.batch_size, shards=1)
     if model_from is not None:     # the model and job of a created run (benchmark --run-args)
         from storage.layout import read_descriptor
         from storage.store import open_store

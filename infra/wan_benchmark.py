@@ -266,7 +266,7 @@ def run_benchmark(args) -> int:
     """``--pairs`` side-by-side pairs per path (module docstring), each pair's figures and, per
     key figure, the median over the pairs."""
     from workers.job.model import GPTConfig, build_model
-    from workers.run import DEMO_BATCH_SIZE, default_sync_every
+    from workers.run_config import RunConfig, Schedule
     out = Path(args.out) / "regions"
     out.mkdir(parents=True, exist_ok=True)
     pairs = getattr(args, "pairs", 1)
@@ -276,12 +276,12 @@ def run_benchmark(args) -> int:
         raise SystemExit(f"--pairs must be >= 1 and --paths a subset of {sorted(known)}, got {pairs}, {names}")
     gcfg = GPTConfig()
     params = sum(p.numel() for p in build_model(gcfg, 0).parameters())
-    dp = dp_bytes_per_learner_token(params, args.learners, DEMO_BATCH_SIZE * gcfg.block_size)
+    dp = dp_bytes_per_learner_token(params, args.learners, RunConfig().job.batch_size * gcfg.block_size)
     figures: dict = {"wan": args.wan, "baseline": getattr(args, "baseline", "none"), "learners": args.learners,
                      "steps": args.steps, "params": params, "slow": getattr(args, "slow", 1.0),
                      "pace": getattr(args, "pace", None), "pairs": pairs,
                      "run_args": getattr(args, "run_args", None),
-                     "sync_every": args.sync_every or default_sync_every(4),
+                     "sync_every": args.sync_every or Schedule(fragments=4).h,
                      "dp_bf16_bytes_per_learner_token": dp}
     t0 = time.time()
     for name in names:

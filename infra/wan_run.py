@@ -22,7 +22,7 @@ from .wan_topology import HOME, RegionCluster, WanConfig, WanTopology
 
 
 def configure_run(parser):
-    """Add ``--wan`` to ``ddiloco run``; returns ``select(args, out)`` (None without ``--wan``)."""
+    """Add ``--wan`` to ``ddiloco run``; returns ``select(args, cfg, out)`` (None without ``--wan``)."""
     parser.add_argument("--wan", default=None, metavar="SPEC",
                         help="with --regions N >= 2: one local S3 server per region and an emulated link on every "
                              "cross-region path, e.g. 'rtt=100ms,bw=100mbit', per region 'rtt=100ms;r2:rtt=250ms' "
@@ -31,18 +31,21 @@ def configure_run(parser):
     return select
 
 
-def select(args, out: Path) -> "WanRun | None":
+def select(args, cfg, out: Path) -> "WanRun | None":
+    """The WAN topology for ``ddiloco run``'s own flags ``args`` and its resolved config tree ``cfg``
+    (workers/run_config.py ``RunConfig``)."""
     if args.wan is None:
         return None
-    if args.regions < 2:
-        raise SystemExit(f"--wan needs --regions N >= 2 (the links are between regions), got --regions {args.regions}")
-    if args.store is not None or args.s3_endpoint is not None:
+    run = cfg.run
+    if run.regions < 2:
+        raise SystemExit(f"--wan needs --regions N >= 2 (the links are between regions), got --regions {run.regions}")
+    if run.store is not None or run.s3_endpoint is not None:
         raise SystemExit("--wan starts its own S3 server per region: leave out --store and --s3-endpoint")
     try:
-        cfg = WanConfig.parse(args.regions, args.wan, bus=not args.no_bus, seed=args.wan_seed)
+        wan = WanConfig.parse(run.regions, args.wan, bus=run.bus, seed=args.wan_seed)
     except ValueError as exc:
         raise SystemExit(f"--wan: {exc}") from None
-    return WanRun(WanTopology(out, cfg).start())
+    return WanRun(WanTopology(out, wan).start())
 
 
 class WanRun:

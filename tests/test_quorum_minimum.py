@@ -262,7 +262,7 @@ def test_ddiloco_run_refuses_a_quorum_above_its_learners(tmp_path):
            "--quorum", "3", "--out", str(out)]
     done = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
-    assert "--quorum 3 --learners 2" in done.stderr and "exceeds" in done.stderr, done.stderr[-2000:]
+    assert "policy.quorum 3 with run.learners 2" in done.stderr and "exceeds" in done.stderr, done.stderr[-2000:]
     assert not out.exists()                                # refused before anything started
 
 

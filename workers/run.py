@@ -14,7 +14,6 @@ CURVE or signatures, and says so in the log and the summary.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import signal
 import sys
@@ -24,21 +23,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.codec import RUN_FORMAT, SCHEMES, VERSIONS as CODEC_FORMATS
-from pipeline.guard import NEW_RUN_VERSION, NormGuardConfig
 from pipeline.regions import RegionSpec, RegionsConfig
 from storage.shards import run_records
 from storage.store import ObjectStore, open_store
+from . import config
 from .cluster import ClusterConfig, LocalCluster, RoleExited, create_job_run, global_eval_loss
+from .run_config import ALIASES, CHOICES, HELP, SKIP, RunConfig
 from workers.job.data import Corpus, evaluate
 from workers.common.events import EventLog, Tail, read_events
-from workers.job.job import LR_SCHEDULES, JobSettings, dp_baseline
-from .launch import RunSettings, check_quorum
+from workers.job.job import dp_baseline
 from workers.tools.accounting import report_lines, traffic_report
 from workers.tools.cost import parse_prices
 from workers.tools.logview import stored_base, token_figures
 from workers.job.lockstep import OuterSettings, diloco_baseline
-from workers.job.model import GPTConfig
 from workers.tools.progress import Progress
 from workers.tools.report import plot_run
 from workers.tools.utilisation import latency_steps, p50, utilisation
@@ -47,75 +44,31 @@ from workers.tools.utilisation import latency_steps, p50, utilisation
 def configure(parser):
     """Train a model with M learners and a syncer (default: a small GPT on Python's own sources)."""
     a = parser.add_argument
-    a("--learners", type=int, default=4, help="learner processes (M)")
-    a("--steps", type=int, default=300, help="inner steps per learner")
-    a("--tokens", type=int, default=None, help="token budget per learner (overrides --steps)")
-    a("--fragments", type=int, default=4, help="fragments P")
-    a("--sync-every", type=int, default=None, help="H: steps between syncs of one fragment (default 4*P)")
-    a("--quorum", type=int, default=1, help="minimum quorum K")
-    a("--compression", default="int4", choices=SCHEMES)
-    a("--codec-format", type=int, default=RUN_FORMAT, choices=CODEC_FORMATS,
-      help="tensor blob format version of the run's deltas and versions, recorded in its descriptor "
-           "(docs/formats.md \"Tensor blobs\"; 1: the format of runs before issue 15)")
-    a("--strategy", default="balanced", choices=("balanced", "layerwise", "roundrobin"))
-    a("--store", default=None, help="the run's location: a directory or s3://bucket/prefix (default OUT/store)")
-    a("--s3-endpoint", default=None, help="S3 endpoint URL (default: AWS_ENDPOINT_URL)")
-    a("--data", default=None, help="text file or directory (default: the Python standard library's sources)")
-    a("--seed", type=int, default=0)
-    a("--mode", default="decoupled", choices=("decoupled", "dp", "diloco"),
-      help="decoupled: M learner processes + syncer; dp: lock-step data parallelism; diloco: lock-step "
-           "DiLoCo with the same H (everyone waits for each full sync), both in one process")
+    a("--config", default=None, metavar="FILE.toml",
+      help="the run's settings as TOML, sections as below (flags given override the file; --print-config writes one)")
+    a("--print-config", action="store_true", help="print the resolved settings as TOML and exit")
     a("--out", default=None, help="output directory (default runs/<time>)")
     a("--summary", default=None, help="also write the summary JSON here")
-    a("--layers", type=int, default=2, help="transformer layers")
-    a("--width", type=int, default=64, help="embedding width")
-    # 16: on 2 cores a version then lands <= 2 of the demo's steps after the answer (README "Rounds").
-    a("--batch-size", type=int, default=DEMO_BATCH_SIZE)
-    a("--max-bytes", type=int, default=2_000_000, help="corpus size in bytes (split into one shard per learner)")
-    a("--lr", type=float, default=JobSettings.lr, help="inner AdamW learning rate (README \"Rounds\")")
-    a("--lr-schedule", default="constant", choices=LR_SCHEDULES,
-      help="inner lr schedule of every learner (cosine: --warmup-steps linear warmup, decay to 0.1 x lr)")
-    a("--warmup-steps", type=int, default=20, help="linear warmup steps of the cosine schedule")
-    a("--outer-lr", type=float, default=0.7)
-    # DiLoCo's 0.7/0.9 are tuned for H in the hundreds; at this job's H=16, 0.5 measured better (README).
-    a("--outer-momentum", type=float, default=0.5)
-    a("--grace-gamma", type=float, default=RunSettings.grace_gamma,
-      help="gamma of the adaptive grace window (SPEC §4; README \"Rounds\")")
-    a("--keep-progress", action="store_true",
-      help="learners keep their steps since answering a round when its version lands (instead of overwriting)")
-    a("--no-bus", action="store_true", help="no ZeroMQ: deltas and versions go through storage only")
-    a("--slow", type=float, default=1.0, help="stretch every learner step by this factor (>= 1; ddiloco learner --slow)")
-    a("--pace", type=float, default=None, metavar="SECONDS",
-      help="instead: pad every learner step to this many seconds (ddiloco learner --pace)")
-    a("--poll", type=float, default=None, metavar="SECONDS",
-      help="learners' storage polls for versions (ddiloco learner --poll; default 0.5)")
-    a("--spill-poll", type=float, default=None, metavar="SECONDS",
-      help="the syncer's inbox listings (ddiloco syncer --spill-poll; default 0.5)")
-    a("--sync-process", action="store_true",
-      help="each learner's sender and receiver in a child process, off its training loop's GIL (ddiloco learner "
-           "--sync-process; docs/scale.md); with --syncers N the child talks to every shard")
-    a("--metrics-port", type=int, default=None, metavar="N",
-      help="Prometheus metrics: the syncer at http://127.0.0.1:N/metrics, learner m at N+1+m (0: every process "
-           "takes a free port and logs it as a metrics-listening event); off unless given (README \"Metrics\")")
-    a("--eval-every", type=float, default=10.0, help="seconds between global-model evaluations")
     a("--plain", action="store_true", help="plain progress lines instead of a live table")
-    a("--insecure", action="store_true", help="no CURVE and no signatures (default: ephemeral keys in OUT/keys)")
-    a("--keys", default=None, help="key directory (default OUT/keys); missing keys are created")
-    a("--norm-guard", type=float, default=0.0,
-      help="drop deltas whose norm exceeds this factor x the recent median (0: off)")
-    a("--regions", type=int, default=1, metavar="N",
-      help="regions (docs/regions.md): r0 is home (--store), r1.. are directories OUT/regions/rK; learner m "
-           "runs in region m mod N, reading and spilling only there (--wan: S3 servers and emulated links)")
-    a("--prices", default=None, metavar="FILE|JSON",
-      help="price table overrides for the cost estimate: a JSON file or inline JSON, e.g. "
-           "'{\"inter_region_per_gb\": 0.09}' (docs/regions.md \"The price table\")")
-    a("--syncers", type=int, default=1, metavar="N",
-      help="syncer shards (docs/scale.md \"Sharded syncer\"): shard i owns the fragments p with p %% N == i, "
-           "with its own epochs, log and bus endpoints; 1..--fragments")
     a("--create-only", action="store_true",
       help="only create the run (descriptor + version 0) and exit; start roles with ddiloco syncer/learner")
+    config.add_flags(parser, RunConfig, skip=SKIP, aliases=ALIASES, helps=HELP, choices=CHOICES)
     topologies = _topology_plugins(parser)
     return lambda args: run(args, topologies)
+
+
+def run_config(args) -> RunConfig:
+    """The run's resolved settings: the tree's defaults, then ``--config FILE``, then the flags
+    given (``SystemExit`` naming the file or flag for a refused value)."""
+    try:
+        values = config.read_toml(args.config, RunConfig, SKIP) if args.config else {}
+        sources = {k: args.config for k in values}
+        flags = config.given(args)
+        values.update(flags)
+        sources.update({k: f"--{k}" for k in flags})
+        return config.build(RunConfig, values, sources).resolved()
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 TOPOLOGY_GROUP = "ddiloco.run_topology"
@@ -123,8 +76,8 @@ TOPOLOGY_GROUP = "ddiloco.run_topology"
 
 def _topology_plugins(parser) -> list:
     """Run topologies from plugins (entry-point group ``ddiloco.run_topology``, setup.cfg): each
-    entry point names ``configure(parser) -> select(args, out)`` that adds its flags and returns,
-    for parsed flags, None (not asked for) or a topology: ``store_uri``, ``regions``, ``cluster(cfg)
+    entry point names ``configure(parser) -> select(args, cfg, out)`` that adds its flags and returns,
+    for parsed flags and the resolved config tree, None (not asked for) or a topology: ``store_uri``, ``regions``, ``cluster(cfg)
     -> LocalCluster``, ``summary() -> dict``, ``close()``. So ``ddiloco run --wan`` (infra/wan_run.py)
     brings up S3 servers and WAN links while workers/ never imports infra/."""
     from importlib import metadata
@@ -145,115 +98,75 @@ def metrics_flags(base: int | None, index: int) -> list[str]:
     return ["--metrics-port", str(base + index if base else 0)]
 
 
-def default_sync_every(fragments: int) -> int:
-    """The demo job's H for P fragments (the README's sweep)."""
-    return 4 * fragments
-
-
 LEARNER_NICE = 5   # co-located demo only: see ClusterConfig.learner_nice (workers/cluster.py)
 SYNCER_READY_S = 180.0   # how long `ddiloco run` waits for its syncers to recover before it starts learners
-DEMO_BATCH_SIZE = 16   # the demo's batch (README "Rounds"); the benchmark's sync-off control uses it too
 
 
-def settings_from_args(args, gcfg: GPTConfig, job: JobSettings) -> RunSettings:
-    """The run's settings from ``ddiloco run``'s flags: the one place flags map to the descriptor
-    (RunSettings.descriptor makes its sections)."""
-    return RunSettings(fragments=args.fragments, sync_every=args.sync_every or default_sync_every(args.fragments),
-                       quorum=args.quorum, compression=args.compression, strategy=args.strategy,
-                       codec_format=getattr(args, "codec_format", RUN_FORMAT),
-                       outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, seed=args.seed,
-                       keep_progress=args.keep_progress, grace_gamma=args.grace_gamma,
-                       model=gcfg.to_dict(), job=job.to_dict(), syncers=getattr(args, "syncers", 1),
-                       norm_guard=NormGuardConfig(factor=args.norm_guard, version=NEW_RUN_VERSION)
-                       if args.norm_guard else None)
-
-
-def local_regions(args, store_uri: str, out: Path) -> RegionsConfig | None:
-    """``--regions N``: home r0 at the run's store, r1..r(N-1) in local directories (None: one region)."""
-    if args.regions < 1:
-        raise SystemExit(f"--regions must be >= 1, got {args.regions}")
-    if args.regions == 1:
+def local_regions(cfg: RunConfig, store_uri: str, out: Path) -> RegionsConfig | None:
+    """``run.regions`` N: home r0 at the run's store, r1..r(N-1) in local directories (None: one region)."""
+    if cfg.run.regions == 1:
         return None
     if "://" in store_uri:
         raise SystemExit("--regions N places regions in local directories; for S3 buckets create the run with a "
                          "regions section (docs/regions.md) and start the roles with ddiloco syncer/learner --region")
-    uris = [store_uri, *(str((out / "regions" / f"r{r}").resolve()) for r in range(1, args.regions))]
+    uris = [store_uri, *(str((out / "regions" / f"r{r}").resolve()) for r in range(1, cfg.run.regions))]
     return RegionsConfig("r0", tuple(RegionSpec(f"r{r}", uri) for r, uri in enumerate(uris)))
 
 
 def run(args, topologies=()) -> int:
-    if args.learners < 1:
-        raise SystemExit(f"--learners must be >= 1, got {args.learners}")
+    cfg = run_config(args)
+    if args.print_config:
+        print(config.to_toml(cfg, SKIP, header="ddiloco run --config FILE reads this back (workers/run_config.py)"),
+              end="")
+        return 0
     try:
-        check_quorum(args.quorum, args.learners)    # issue 25: refused before anything starts
+        parse_prices(cfg.run.prices)         # refused before anything starts (the report uses it at the end)
     except ValueError as exc:
-        raise SystemExit(f"--quorum {args.quorum} --learners {args.learners}: {exc}") from None
-    if not args.slow >= 1.0:
-        raise SystemExit(f"--slow must be >= 1, got {args.slow}")
-    if args.pace is not None and (not args.pace > 0 or args.slow != 1.0):
-        raise SystemExit(f"--pace must be > 0 seconds and takes no --slow, got --pace {args.pace}")
-    for flag, value in (("--poll", args.poll), ("--spill-poll", args.spill_poll)):
-        if value is not None and not value > 0:
-            raise SystemExit(f"{flag} must be > 0 seconds, got {value}")
-    if not 1 <= args.syncers <= args.fragments:
-        raise SystemExit(f"--syncers must be in 1..--fragments ({args.fragments}): every shard owns a fragment, "
-                         f"got {args.syncers}")
-    if args.syncers > 1 and args.regions > 1:
-        raise SystemExit("--syncers N with --regions is not supported yet (each shard would need its own replicator)")
-    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535 - args.learners:
-        raise SystemExit(f"--metrics-port must be 0 (any free ports) or 1..{65535 - args.learners} (the syncer's "
-                         f"port; learners take the next {args.learners}), got {args.metrics_port}")
+        raise SystemExit(f"--run.prices: {exc}") from None
     out = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     (out / "logs").mkdir(parents=True, exist_ok=True)
+    (out / "config.toml").write_text(config.to_toml(cfg, SKIP, header="the settings of this run "
+                                                    "(ddiloco run --config OUT/config.toml repeats it)"))
     torch.set_num_threads(1)
-    gcfg = GPTConfig(n_layer=args.layers, n_embd=args.width)
-    steps = args.steps
-    if args.tokens is not None:
-        steps = max(1, args.tokens // (args.batch_size * gcfg.block_size))
-    job = JobSettings(steps=steps, batch_size=args.batch_size, lr=args.lr, data=args.data, shards=args.learners,
-                      max_bytes=args.max_bytes, lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps)
+    if cfg.run.mode in ("dp", "diloco"):
+        return _run_baseline(args, cfg, out)
+    topology = next((t for t in (select(args, cfg, out) for select in topologies) if t is not None), None)
     try:
-        parse_prices(args.prices)         # refused before anything starts (the report uses it at the end)
-    except ValueError as exc:
-        raise SystemExit(f"--prices: {exc}") from None
-    if args.mode in ("dp", "diloco"):
-        return _run_baseline(args, out, gcfg, job)
-    topology = next((t for t in (select(args, out) for select in topologies) if t is not None), None)
-    try:
-        return _run_decoupled(args, out, gcfg, job, steps, topology)
+        return _run_decoupled(args, cfg, out, topology)
     finally:
         if topology is not None:
             topology.close()
 
 
-def _run_decoupled(args, out: Path, gcfg: GPTConfig, job: JobSettings, steps: int, topology) -> int:
-    store_uri = topology.store_uri if topology is not None else args.store or str(out / "store")
-    store = open_store(store_uri, s3_endpoint=args.s3_endpoint)
-    keydir = None if args.insecure else Path(args.keys or out / "keys")
-    names = [f"l{m}" for m in range(args.learners)]
-    regions = topology.regions if topology is not None else local_regions(args, store_uri, out)
-    settings = dataclasses.replace(settings_from_args(args, gcfg, job), regions=regions)
-    desc, model = create_job_run(store, settings, gcfg, args.seed, keydir, names)
+def _run_decoupled(args, cfg: RunConfig, out: Path, topology) -> int:
+    gcfg, job, steps, learners = cfg.model, cfg.job, cfg.job.steps, cfg.run.learners
+    store_uri = topology.store_uri if topology is not None else cfg.run.store or str(out / "store")
+    store = open_store(store_uri, s3_endpoint=cfg.run.s3_endpoint)
+    keydir = None if cfg.run.insecure else Path(cfg.run.keys or out / "keys")
+    names = [f"l{m}" for m in range(learners)]
+    regions = topology.regions if topology is not None else local_regions(cfg, store_uri, out)
+    desc, model = create_job_run(store, cfg.settings(regions), gcfg, cfg.run.seed, keydir, names)
     if args.create_only:
         print(f"created run {desc.run_id} at {store_uri}: {desc.num_fragments} fragments, "
               f"H={desc.schedule.sync_every}, K={desc.policy.quorum}, {desc.codec.scheme}; {steps} steps per learner; "
-              + ("UNSIGNED (--insecure)" if args.insecure else f"signed, keys in {keydir} (roles: --keys {keydir})"))
+              + ("UNSIGNED (--insecure)" if cfg.run.insecure else f"signed, keys in {keydir} (roles: --keys {keydir})"))
         return 0
     corpus = Corpus(job.data_config(gcfg.block_size))
     events = EventLog(out / "logs" / "launcher.jsonl", "launcher", "launcher")
-    if args.insecure:
+    if cfg.run.insecure:
         events.emit("security-off", detail="--insecure: no CURVE on the bus and no signatures")
-    events.emit("run-created", run_id=desc.run_id, store=store_uri, learners=args.learners, steps=steps,
-                security="off" if args.insecure else "signed",
+    events.emit("run-created", run_id=desc.run_id, store=store_uri, learners=learners, steps=steps,
+                security="off" if cfg.run.insecure else "signed",
                 fragments=desc.num_fragments, sync_every=desc.schedule.sync_every, quorum=desc.policy.quorum,
                 compression=desc.codec.scheme, params=int(sum(p.numel() for p in model.parameters())))
-    ccfg = ClusterConfig(store_uri, out, keydir=keydir, bus=not args.no_bus, s3_endpoint=args.s3_endpoint,
-                         learner_nice=LEARNER_NICE, syncers=args.syncers)
+    ccfg = ClusterConfig(store_uri, out, keydir=keydir, bus=cfg.run.bus, s3_endpoint=cfg.run.s3_endpoint,
+                         learner_nice=LEARNER_NICE, syncers=cfg.run.syncers)
     cluster = topology.cluster(ccfg) if topology is not None else LocalCluster(ccfg)
     t_start = time.time()
     # shards (--syncers > 1) take free metrics ports (logged): base + 1 + m already belongs to learner m
-    spill_poll = ["--spill-poll", str(args.spill_poll)] if args.spill_poll is not None else []
-    cluster.start_syncers([*metrics_flags(args.metrics_port if args.syncers == 1 else args.metrics_port and 0, 0),
+    roles = cfg.roles
+    spill_poll = ["--spill-poll", str(roles.spill_poll)] if roles.spill_poll is not None else []
+    cluster.start_syncers([*metrics_flags(roles.metrics_port if cfg.run.syncers == 1 else roles.metrics_port and 0, 0),
                            *spill_poll])
     # Learners start once their syncers listen (recovered, bus bound): started together on a busy
     # machine, learners of a short run trained to their end before a syncer had imported torch, and
@@ -265,34 +178,35 @@ def _run_decoupled(args, out: Path, gcfg: GPTConfig, job: JobSettings, steps: in
         cluster.stop()
         raise SystemExit(f"ddiloco run: the syncer did not come up: {exc}") from None
     for m, lid in enumerate(names):
-        region = ["--region", f"r{m % args.regions}"] if desc.regions is not None else []
-        slow = ["--slow", str(args.slow)] if args.slow != 1.0 else []
-        slow += ["--pace", str(args.pace)] if args.pace is not None else []
-        slow += ["--poll", str(args.poll)] if args.poll is not None else []
-        slow += ["--sync-process"] if args.sync_process else []
-        cluster.start_learner(lid, ["--shard", str(m), *region, *slow, *metrics_flags(args.metrics_port, m + 1)])
+        region = ["--region", f"r{m % cfg.run.regions}"] if desc.regions is not None else []
+        slow = ["--slow", str(roles.slow)] if roles.slow != 1.0 else []
+        slow += ["--pace", str(roles.pace)] if roles.pace is not None else []
+        slow += ["--poll", str(roles.poll)] if roles.poll is not None else []
+        slow += ["--sync-process"] if roles.sync_process else []
+        cluster.start_learner(lid, ["--shard", str(m), *region, *slow, *metrics_flags(roles.metrics_port, m + 1)])
     init_loss = evaluate(model, corpus)
     events.emit("eval", tokens=0, loss=init_loss, versions={})
-    progress = Progress(args.learners, steps, desc, plain=args.plain or not sys.stdout.isatty())
-    drained = _watch(cluster, progress, events, desc, corpus, args)
+    progress = Progress(learners, steps, desc, plain=args.plain or not sys.stdout.isatty())
+    drained = _watch(cluster, progress, events, desc, corpus, roles.eval_every)
     wall = time.time() - t_start
     final = _eval_global(store, desc, corpus)
     if final is not None:
         events.emit("eval", tokens=progress.total_tokens(), loss=final[0], versions=final[1])
     events.close()
     all_events = [e for f in sorted((out / "logs").glob("*.jsonl")) for e in read_events(f)]
-    summary = _summary(store_uri, desc, all_events, init_loss, final, wall, drained, args)
+    summary = _summary(store_uri, desc, all_events, init_loss, final, wall, drained, cfg)
     summary.update(_rounds_figures(store, desc, all_events))
     summary.update(_log_figures(store, desc))
-    summary["accounting"] = _accounting(all_events, desc, args)
+    summary["accounting"] = _accounting(all_events, desc, cfg.run.prices)
     if topology is not None:
         summary.update(topology.summary())
     _write_outputs(out, summary, all_events, args)
     return 0 if summary["ok"] else 1
 
 
-def _watch(cluster: LocalCluster, progress: Progress, events: EventLog, desc, corpus: Corpus, args) -> bool:
-    """Show progress and evaluate the global model every ``--eval-every`` s until the learners
+def _watch(cluster: LocalCluster, progress: Progress, events: EventLog, desc, corpus: Corpus,
+           eval_every: float) -> bool:
+    """Show progress and evaluate the global model every ``eval_every`` s until the learners
     finish, then wait (bounded) for the syncer to commit what is left; stop every role. True if
     the run drained (``LocalCluster.drain_status``)."""
     tails = {name: Tail(cluster.log_path(name)) for name in cluster.names()}
@@ -305,7 +219,7 @@ def _watch(cluster: LocalCluster, progress: Progress, events: EventLog, desc, co
     def show() -> None:
         for name, tail in tails.items():
             progress.update(name, tail.read(), cluster.life(name).popen.poll())
-    next_eval = time.time() + args.eval_every
+    next_eval = time.time() + eval_every
     drained = False
     try:
         with progress:
@@ -316,7 +230,7 @@ def _watch(cluster: LocalCluster, progress: Progress, events: EventLog, desc, co
                     if ev is not None:
                         events.emit("eval", tokens=progress.total_tokens(), loss=ev[0], versions=ev[1])
                         progress.eval_loss = ev[0]
-                    next_eval = time.time() + args.eval_every
+                    next_eval = time.time() + eval_every
                 for sn in cluster.syncer_names():
                     if not cluster.alive(sn):
                         progress.note(f"{sn} exited with {cluster.life(sn).popen.returncode}; "
@@ -346,7 +260,7 @@ def _eval_global(store: ObjectStore, desc, corpus: Corpus):
     return loss, {str(k): v for k, v in versions.items()}
 
 
-def _summary(store_uri, desc, events, init_loss, final, wall, drained, args) -> dict:
+def _summary(store_uri, desc, events, init_loss, final, wall, drained, cfg: RunConfig) -> dict:
     commits = [e for e in events if e.get("event") == "commit"]
     done = {e["id"]: e for e in events if e.get("event") == "learner-stop"}
     versions = {}
@@ -364,8 +278,8 @@ def _summary(store_uri, desc, events, init_loss, final, wall, drained, args) -> 
     final_loss = final[0] if final else None
     stop = next((e for e in reversed(events) if e.get("event") == "syncer-stop"), {})
     return {
-        "ok": bool(final is not None and drained and len(done) == args.learners),
-        "mode": "decoupled", "run_uri": store_uri, "run_id": desc.run_id, "learners": args.learners,
+        "ok": bool(final is not None and drained and len(done) == cfg.run.learners),
+        "mode": "decoupled", "run_uri": store_uri, "run_id": desc.run_id, "learners": cfg.run.learners,
         # where `ddiloco replay OUT` reads the run (issue 26): a local store by its absolute path (the
         # summary may be read from another directory); a --wan run's topology replaces it with its copy
         "replay_uri": store_uri if "://" in store_uri else str(Path(store_uri).resolve()),
@@ -383,7 +297,7 @@ def _summary(store_uri, desc, events, init_loss, final, wall, drained, args) -> 
         "commit_to_applied_p50_s": _pct(latencies, 50), "commit_to_applied_p99_s": _pct(latencies, 99),
         **_publish_to_applied(events),
         "drained": drained, "wall_s": round(wall, 2), "per_learner": learners,
-        "security": "off" if args.insecure else "signed",
+        "security": "off" if cfg.run.insecure else "signed",
         "rejections": stop.get("rejections", {}), "drops_by_reason": stop.get("drops", {}),
     }
 
@@ -426,12 +340,12 @@ def _log_figures(store: ObjectStore, desc) -> dict:
         return {"tokens_merged": None, "figures_error": str(exc)}
 
 
-def _accounting(events: list[dict], desc, args) -> dict | None:
+def _accounting(events: list[dict], desc, prices: str | None) -> dict | None:
     """Requests and bytes per region, link, learner and outer step, the monthly cost estimate and
     the data-parallel comparison (workers/tools/accounting.py); figures never fail a run."""
     try:
         return traffic_report(events, params=sum(t.numel for t in desc.layout.tensors),
-                              sync_every=desc.schedule.sync_every, prices=parse_prices(args.prices))
+                              sync_every=desc.schedule.sync_every, prices=parse_prices(prices))
     except Exception as exc:   # noqa: BLE001 - see the docstring
         return {"error": f"{exc.__class__.__name__}: {exc}"}
 
@@ -485,19 +399,20 @@ def _write_outputs(out: Path, summary: dict, events: list[dict], args) -> None:
         print(f"  {'replay':<20} ddiloco replay {out}" + (" --regions" if summary.get("region_stores") else ""))
 
 
-def _run_baseline(args, out: Path, gcfg: GPTConfig, job: JobSettings) -> int:
-    events = EventLog(out / "logs" / f"{args.mode}.jsonl", args.mode, args.mode)
+def _run_baseline(args, cfg: RunConfig, out: Path) -> int:
+    mode, learners, seed = cfg.run.mode, cfg.run.learners, cfg.run.seed
+    events = EventLog(out / "logs" / f"{mode}.jsonl", mode, mode)
     t0 = time.time()
-    if args.mode == "dp":
-        res = dp_baseline(gcfg, job, args.learners, args.seed, events)
+    if mode == "dp":
+        res = dp_baseline(cfg.model, cfg.job, learners, seed, events)
     else:
-        outer = OuterSettings(sync_every=args.sync_every or default_sync_every(args.fragments), fragments=1,
-                              latency=0, outer_lr=args.outer_lr, outer_momentum=args.outer_momentum)
-        res = diloco_baseline(gcfg, job, args.learners, args.seed, events, outer)
+        outer = OuterSettings(sync_every=cfg.schedule.h, fragments=1, latency=0, outer_lr=cfg.outer.lr,
+                              outer_momentum=cfg.outer.momentum)
+        res = diloco_baseline(cfg.model, cfg.job, learners, seed, events, outer)
     events.close()
-    summary = {"ok": True, "mode": args.mode, "run_uri": None, "learners": args.learners,
+    summary = {"ok": True, "mode": mode, "run_uri": None, "learners": learners,
                "tokens_trained": res["tokens"], "initial_eval_loss": res["initial_eval_loss"],
                "final_eval_loss": res["final_eval_loss"], "wall_s": round(time.time() - t0, 2),
                "bytes_per_learner_per_step": res["bytes_per_learner_per_step"]}
-    _write_outputs(out, summary, read_events(out / "logs" / f"{args.mode}.jsonl"), args)
+    _write_outputs(out, summary, read_events(out / "logs" / f"{mode}.jsonl"), args)
     return 0
