@@ -6,7 +6,7 @@ processes, loads the page in Chromium twice while the run trains (the learners a
 numbers move), stops the run as Ctrl-C does, keeps screenshots in tests/artifacts/ (ignored by
 git), and checks that the dashboard's commits, merges and drops equal ``ddiloco log --json``'s
 totals for the same run.
-Without Chromium it is skipped with a reason that says how to install it (README "Dashboard").
+Without Chromium it is skipped with a reason that says how to install it (docs/running.md "Dashboard").
 """
 from __future__ import annotations
 

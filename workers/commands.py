@@ -9,7 +9,7 @@ Keys (issue "Security", docs/security.md): a signed run's roles need their secre
 pin), or ``--keys DIR`` holding ``<id>.key_secret`` and ``syncer.key``. Secrets are only ever
 read from files, never from the command line. A role follows the run's own mode (fixed when it
 was created): a signed run needs keys; an unsigned one (``ddiloco run --insecure``, or a run made
-with ``create_run`` and no syncer key, as in the README's "Your own model") is joined without
+with ``create_run`` and no syncer key, as in the README's "Train your own model") is joined without
 them - with a warning on stderr and a ``security-off`` event - and refuses keys.
 
 Errors a user reads (issue 11 items 11, 15): a mistyped local ``--store`` is refused, never

@@ -29,7 +29,7 @@ from .launch import RunSettings, check_quorum
 
 MODES = ("decoupled", "dp", "diloco")
 STRATEGIES = ("balanced", "layerwise", "roundrobin")
-DEMO_BATCH_SIZE = 16   # on 2 cores a version then lands <= 2 of the demo's steps after its answer (README "Rounds")
+DEMO_BATCH_SIZE = 16   # on 2 cores a version then lands <= 2 of the demo's steps after its answer (docs/results.md "Rounds, defaults and quality")
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class RunOptions:
 @dataclass(frozen=True)
 class Schedule:
     """``[schedule]``: P fragments, each synced every H steps (SPEC §2), cut by ``strategy``.
-    ``sync_every`` none: 4 x fragments, the demo job's sweep (README "Rounds")."""
+    ``sync_every`` none: 4 x fragments, the demo job's sweep (docs/results.md "Rounds, defaults and quality")."""
 
     fragments: int = 4
     sync_every: int | None = None

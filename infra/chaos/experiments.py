@@ -128,7 +128,7 @@ def _learner_rows(run: ChaosRun, records) -> dict[str, dict]:
 
 def hetero(out: Path, seed: int = 0, quick: bool = False) -> dict:
     steps, pace = (120, 0.05) if quick else (300, 0.05)
-    g = PolicyConfig.gamma     # the default grace window (README "Rounds")
+    g = PolicyConfig.gamma     # the default grace window (docs/results.md "Rounds, defaults and quality")
     configs = {"K=M": (4, g, False), "K=1": (1, 0.0, False), "K=1+grace": (1, g, False),
                "K=1+grace+keep": (1, g, True)}
     slow = {"l2": 1.18, "l3": 1.18}

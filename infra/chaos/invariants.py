@@ -245,7 +245,7 @@ def training_windows(obs: Observation, margin_s: float) -> dict[str, list[tuple[
     """Per learner: when it was training (from ``learner-start`` + margin to its last sign of
     training - a produced delta, a step report or its stop - per life), minus the times the harness
     had it paused. (Not the last delta alone: a learner that ends its budget sends no closing delta,
-    README "Rounds", so its last delta can come long before it stops training.)"""
+    docs/results.md "Rounds, defaults and quality", so its last delta can come long before it stops training.)"""
     out: dict[str, list[tuple[float, float]]] = {}
     for lid, events in obs.learner_events.items():
         spans = []

@@ -8,7 +8,7 @@ scrapes instead: the store's requests and bytes (the role's store wrapped in
 fragment's version. Every ``Metrics`` has its own registry (never prometheus_client's global one),
 so several in one process (tests) do not collide. The endpoint is ``http://HOST:PORT/metrics``
 (HOST 127.0.0.1 unless ``--metrics-host``; PORT 0 picks a free port); the process logs a
-``metrics-listening`` event with the URL. Metric names: README "Metrics"; dashboard:
+``metrics-listening`` event with the URL. Metric names: docs/running.md "Weights out and metrics"; dashboard:
 infra/grafana/ddiloco.json.
 
 Bytes: a learner's deltas out are ``ddiloco_learner_delta_bytes_total`` (bus and spill together)

@@ -36,14 +36,14 @@ class JobSettings:
 
     steps: int = 300                  # inner steps per learner
     batch_size: int = 8
-    lr: float = 2e-3                  # README "Rounds": 2e-3 beat 3e-3 and 1e-3-1.5e-3 for decoupled at 300 and 1,200 steps
+    lr: float = 2e-3                  # docs/results.md "Rounds, defaults and quality": 2e-3 beat 3e-3 and 1e-3-1.5e-3 for decoupled at 300 and 1,200 steps
     weight_decay: float = 0.1
     data: str | None = None
     max_bytes: int = 2_000_000
     shards: int = 4                   # data shards = base learners
     # "constant", or "cosine" (linear warmup, cosine decay to min_lr_ratio). Constant by default: at
     # the demo's 300-1,200 steps the model is still far from converged and cosine trained worse in
-    # every mode (README "Rounds").
+    # every mode (docs/results.md "Rounds, defaults and quality").
     lr_schedule: str = "constant"
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
@@ -199,7 +199,7 @@ def learner_process(store: ObjectStore, learner_id: str, shard: int, bus: BusCon
     # steps; one that finishes its budget does not, like the lock-step baselines, which drop each
     # fragment's steps after its last round too: at the end of a run the flushes are extra merges
     # that each re-apply the outer momentum, often with one learner in them, and measured worse
-    # (README "Rounds": 1,200 steps, 3 seeds, 1.709 without vs 1.767 with, every seed lower).
+    # (docs/results.md "Rounds, defaults and quality": 1,200 steps, 3 seeds, 1.709 without vs 1.767 with, every seed lower).
     drained = learner.close(flush=left_early)
     return {"steps": learner.step_count, "tokens": learner.tokens, "drained": drained, **learner.stats()}
 

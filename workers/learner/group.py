@@ -4,7 +4,7 @@ itself be a data-parallel job"; paper §3, each learner on its own accelerators)
 Rank 0 is the learner the rest of the system sees: it runs a ``Learner`` (workers/learner/learner.py)
 that talks to the syncer and storage; the other ranks never touch the network or storage. Inside the
 group the ranks train one replica with DistributedDataParallel (gradients all-reduced every step;
-FSDP is the next step, README "A learner under torchrun"). At every step boundary:
+FSDP is the next step, docs/running.md "A learner under torchrun"). At every step boundary:
 
 1. one small all-reduce of ``[tokens, leaving, skipped]``: the group's tokens for the step (the sum
    of every rank's local batch, so counters and deltas carry the group's work), whether any rank is

@@ -14,7 +14,7 @@ differences, both about who can connect to the group:
   (the learner's event log) as an abbreviation of its ``--log-dir``/``--logs-specs`` and stop.
 
 ``--master-addr``/``--master-port``/``--rdzv-*``/``--nnodes``/``--standalone`` are refused: a
-group spanning hosts uses torchrun itself (README "A learner under torchrun").
+group spanning hosts uses torchrun itself (docs/running.md "A learner under torchrun").
 """
 from __future__ import annotations
 
