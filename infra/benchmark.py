@@ -1,6 +1,7 @@
-"""`ddiloco benchmark`: end-to-end figures of real runs on this machine (issue "Workers end to end").
+"""`ddiloco benchmark [run|codec|merge|throughput|regions]`: the figures a user runs on this machine.
 
-Runs the default job and reports, each measured side by side in the same run where it is a ratio:
+``run`` (the default) runs the default job and reports, each measured side by side in the same run
+where it is a ratio:
 1. learner step time with sync on vs off: a *control* process trains the identical model with a
    plain AdamW loop (no Learner) alongside the run's learners, under the same machine load;
 2. time from a delta's publication to the version that merged it being applied by another learner
@@ -15,7 +16,9 @@ Runs the default job and reports, each measured side by side in the same run whe
 5. rounds (issue "Rounds"): utilisation - the share of each learner's inner steps whose work
    entered a committed version - the version latency in steps (answer -> applied) and the mean
    number of learners merged per round.
-Timing claims live here, never in tests.
+``codec``, ``merge`` and ``throughput`` (both) time the codec and the syncer's merge beside this
+machine's memcpy (workers/tools/bench.py); ``regions`` compares paced runs over an emulated WAN with
+and without the links (infra/wan_benchmark.py). Timing claims live here, never in tests.
 """
 from __future__ import annotations
 
@@ -33,10 +36,19 @@ import numpy as np
 from storage.log import CommitLog
 from storage.store import open_store
 from workers.common.events import read_events
+from workers.tools.bench import add_arguments as add_bench_arguments, run_bench
+
+
+KINDS = ("run", "codec", "merge", "throughput", "regions")
 
 
 def configure(parser: argparse.ArgumentParser):
-    """End-to-end benchmark of real runs: sync overhead, version latency, bytes per step, decoupled vs DP."""
+    """Figures on this machine: end-to-end runs, codec/merge throughput, regions over an emulated WAN."""
+    parser.add_argument("what", nargs="?", default="run", choices=KINDS,
+                        help="run (default): sync overhead, version latency, bytes both ways, utilisation and final "
+                             "loss vs DP / DiLoCo / one learner over --seeds; codec, merge, throughput (both): "
+                             "throughput beside memcpy (workers/tools/bench.py); regions: 2 regions over the "
+                             "emulated WAN vs none, bus and bucket-only (infra/wan_benchmark.py)")
     parser.add_argument("--learners", type=int, default=4)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--out", default="runs/benchmark")
@@ -44,43 +56,22 @@ def configure(parser: argparse.ArgumentParser):
     parser.add_argument("--json", default=None, help="write the figures here too")
     parser.add_argument("--seeds", default="0,1,2",
                         help="comma-separated seeds for the quality comparison (mean ± spread over them)")
-    parser.add_argument("--regions", action="store_true",
-                        help="instead: 2 regions over the emulated WAN vs none, bus and bucket-only (infra/wan_benchmark.py)")
-    parser.add_argument("--wan", default="rtt=100ms,bw=100mbit", help="with --regions: the link spec between regions")
-    parser.add_argument("--sync-every", type=int, default=None, help="with --regions: H of both runs (default: ddiloco run's)")
+    parser.add_argument("--wan", default="rtt=100ms,bw=100mbit", help="regions: the link spec between regions")
+    parser.add_argument("--sync-every", type=int, default=None, help="regions: H of both runs (default: ddiloco run's)")
     parser.add_argument("--slow", type=float, default=1.0,
-                        help="with --regions: stretch every learner step by this factor (ddiloco run --slow)")
+                        help="regions: stretch every learner step by this factor (ddiloco run --slow)")
     parser.add_argument("--pace", type=float, default=None, metavar="SECONDS",
-                        help="with --regions: pad every learner step to this many seconds (ddiloco run --pace)")
+                        help="regions: pad every learner step to this many seconds (ddiloco run --pace)")
     parser.add_argument("--pairs", type=int, default=3,
-                        help="with --regions: side-by-side WAN/baseline pairs per path (start order alternates)")
+                        help="regions: side-by-side WAN/baseline pairs per path (start order alternates)")
     parser.add_argument("--baseline", default="rtt=0ms",
-                        help="with --regions: the other run's links ('rtt=0ms': the same proxies, unshaped; "
+                        help="regions: the other run's links ('rtt=0ms': the same proxies, unshaped; "
                              "'none': no proxies)")
-    parser.add_argument("--paths", default="bus,bucket-only", help="with --regions: which paths to measure")
+    parser.add_argument("--paths", default="bus,bucket-only", help="regions: which paths to measure")
     parser.add_argument("--run-args", default=None, metavar="FLAGS",
-                        help="with --regions: more ddiloco run flags for both runs, e.g. '--poll 0.2 --spill-poll 0.2'; "
-                             "with --overhead: for the sync-on runs, e.g. a model's shape '--layers 4 --width 256' "
-                             "(the control trains the same model)")
-    parser.add_argument("--overhead", action="store_true",
-                        help="instead: a learner's step time sync on / off, the two run one after the other "
-                             "(infra/overhead.py)")
-    parser.add_argument("--repeats", type=int, default=4, help="with --overhead: alternating on/off pairs")
-    parser.add_argument("--cpus-learner", default=None,
-                        help="with --overhead: cores of the learner and of the control (e.g. 0)")
-    parser.add_argument("--cpus-syncer", default=None, help="with --overhead: cores of the syncer (e.g. 1)")
-    parser.add_argument("--sync-process", action="store_true",
-                        help="with --overhead: the learner's sender and receiver in a child process "
-                             "(LearnerConfig.sync_process)")
-    parser.add_argument("--interleave", action="store_true",
-                        help="with --overhead: sync on / off as an A/B inside one learner process, a plain step "
-                             "before each learner step (infra/overhead_interleave.py): free of the +-4%% "
-                             "process-to-process spread, blind to what spills into the next step")
-    parser.add_argument("--store-root", default=None, metavar="DIR",
-                        help="with --overhead: where the sync-on runs and their stores live (default: under --out); "
-                             "a directory on tmpfs (e.g. /dev/shm/x) takes the store's fsyncs off this machine's "
-                             "disk, as a remote store (S3) does (docs/scale.md)")
-    return _handle
+                        help="regions: more ddiloco run flags for both runs, e.g. '--poll 0.2 --spill-poll 0.2'")
+    add_bench_arguments(parser)
+    return lambda args: _handle(parser, args)
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -256,13 +247,12 @@ def step_tails(out: Path, control_times: list[float]) -> dict:
     return res
 
 
-def _handle(args) -> int:
-    if args.regions:
+def _handle(parser: argparse.ArgumentParser, args) -> int:
+    if args.what == "regions":
         from .wan_benchmark import run_benchmark
         return run_benchmark(args)
-    if args.overhead:
-        from .overhead import run_overhead
-        return run_overhead(args)
+    if args.what in ("codec", "merge", "throughput"):
+        return run_bench(parser, args, args.what)
     seeds = parse_seeds(args.seeds)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""`ddiloco benchmark --regions`: cross-region training over the emulated WAN vs the same run without
+"""`ddiloco benchmark regions`: cross-region training over the emulated WAN vs the same run without
 it (issue 14; docs/regions.md "Benchmark").
 
 For each path - the bus (ZeroMQ from region r1's learners to the home syncer through the link) and

@@ -2,7 +2,7 @@
 
 A tensor blob's raw payload and its compressed frames are only intermediates of an encode or a
 decode. Allocated fresh per call, their pages come back from the kernel zeroed on many calls with
-glibc's default allocator (``ddiloco bench codec`` without ``--keep-memory``: several thousand
+glibc's default allocator (``ddiloco benchmark codec`` without ``--keep-memory``: several thousand
 page faults, ~1.9 us each, per 16M-value int4 encode). ``borrow`` lends a uint8 buffer from a
 small pool and takes it back after, so later calls reuse pages already mapped.
 

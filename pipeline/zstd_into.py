@@ -2,7 +2,7 @@
 
 python-zstandard's C backend returns a new ``bytes`` per call: a tensor blob's frames cost a fresh
 ~1 MiB output each, and with glibc's default allocator those pages come back from the kernel
-zeroed on many calls (``ddiloco bench codec`` without ``--keep-memory``: ~2,200 page faults and
+zeroed on many calls (``ddiloco benchmark codec`` without ``--keep-memory``: ~2,200 page faults and
 ~3 ms of a 16M-value int4 encode). The same package's cffi backend (``zstandard.backend_cffi``,
 the same bundled libzstd) exposes ``ZSTD_compress2`` and ``ZSTD_decompressDCtx``, which write
 into any buffer: the codec compresses frames into, and decompresses them from, buffers it reuses.

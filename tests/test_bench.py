@@ -1,4 +1,4 @@
-"""`ddiloco bench scaling` and `ddiloco bench load` (issue 15): they run, check that every thread
+"""The lab's `python -m infra.lab.bench_cli scaling` and `... load` (issue 15): they run, check that every thread
 count gives the same bits, and report figures that are consistent with each other. No timing is
 asserted (timings belong to the benchmark's output, not to tests)."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from workers.tools.bench import BenchConfig
-from workers.tools.bench_load import LoadConfig, _one_round, bench_load
-from workers.tools.bench_scaling import bench_scaling
+from infra.lab.bench_load import LoadConfig, _one_round, bench_load
+from infra.lab.bench_scaling import bench_scaling
 
 
 def test_load_config_refuses_bad_values():
@@ -43,7 +43,7 @@ def test_load_runs_rounds_at_each_thread_count_with_the_same_bits():
 
 def test_load_refuses_a_round_that_differs_between_thread_counts(monkeypatch):
     """The check is real: a run whose commit depends on the thread count is refused."""
-    import workers.tools.bench_load as bl
+    import infra.lab.bench_load as bl
 
     def skewed(desc, state, window, blobs, rnd, map_fn, clock):
         phases, commit, blob = _one_round(desc, state, window, blobs, rnd, map_fn, clock)
@@ -68,7 +68,7 @@ def test_scaling_reports_medians_and_same_results():
 
 def test_bench_load_cli_writes_json(tmp_path):
     out = tmp_path / "load.json"
-    proc = subprocess.run([sys.executable, "-m", "workers.cli", "bench", "load", "--params", "20000", "--deltas", "2",
+    proc = subprocess.run([sys.executable, "-m", "infra.lab.bench_cli", "load", "--params", "20000", "--deltas", "2",
                            "--rounds", "1", "--threads", "1,2", "--json", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -78,7 +78,7 @@ def test_bench_load_cli_writes_json(tmp_path):
 
 
 def test_bench_versions_loads_every_new_version_both_ways_and_counts_requests(tmp_path):
-    from workers.tools.bench_versions import bench_versions
+    from infra.lab.bench_versions import bench_versions
 
     res = bench_versions(str(tmp_path / "run"), rtt_ms=0.0, commits=(0, 1, 3), repeat=2, values_per_fragment=1000,
                          threads=4)

@@ -221,7 +221,7 @@ def test_auto_takes_the_device_path_only_off_the_cpu_and_on_refuses_what_it_cann
 
 
 def test_benchmark_checks_bytes_and_reports_ratios():
-    from infra.bench_device_quant import run
+    from infra.lab.bench_device_quant import run
     out = run(3000, "int8", 64, 2, 1, str(DEVICE))
     assert set(out["median_ms"]) >= {"torch", "answer_off", "answer_on"}
     assert out["answer_on_over_off"] > 0 and ("torch_over_c" in out) == kernels.AVAILABLE

@@ -56,6 +56,7 @@ SYNCER_MODULES = ("workers", "syncer")     # ... and files under workers/ whose 
 ENV_ALLOWED = {"storage/s3.py": "AWS_"}    # ... except these files, and only literal names with this prefix
 SEEDED_RNG = ("pipeline", "storage")       # packages where numpy randomness must be explicitly seeded
 RNG_TYPES = {"Generator"}                  # np.random attributes that may be named without a call
+LAB = "infra/lab"                          # investigations: not installed, so nothing outside imports them
 KEY_OWNER = "storage/layout.py"
 KEY_STARTS = tuple(sorted(v for k, v in vars(layout).items()   # DESCRIPTOR_KEY, LOG_PREFIX, ...
                           if k.isupper() and k.endswith(("_KEY", "_PREFIX")) and isinstance(v, str)))
@@ -89,7 +90,21 @@ def _import_rules(rel: Path, tree: ast.AST, top: str) -> list[tuple[int, str]]:
         for name in names:
             if name.split(".")[0] in FORBIDDEN.get(top, ()):
                 out.append((node.lineno, f"imports {name.split('.')[0]} ({top}/ must not)"))
+        if not rel.as_posix().startswith(LAB + "/") and _names_lab(rel, node, names):
+            out.append((node.lineno, f"imports {LAB}/ (lab code is not installed: nothing in the package may)"))
     return out
+
+
+def _names_lab(rel: Path, node: ast.AST, names: list[str]) -> bool:
+    """Whether an import names infra.lab, absolutely or relatively from inside infra/."""
+    if any(n == "infra.lab" or n.startswith("infra.lab.") for n in names):
+        return True
+    if isinstance(node, ast.ImportFrom) and node.level and rel.parts[0] == "infra":
+        base = rel.parent.parts[:len(rel.parent.parts) - node.level + 1]
+        target = ".".join([*base, *(node.module.split(".") if node.module else [])])
+        return target == "infra.lab" or target.startswith("infra.lab.") or (
+            target == "infra" and any(a.name == "lab" for a in node.names))
+    return False
 
 
 def _env_rules(rel: Path, tree: ast.AST, parents: dict) -> list[tuple[int, str]]:
@@ -279,6 +294,11 @@ PLANTED = [
     ("storage/planted.py", "Q = 'quarantine/' + 'ab'\n", "names an object key"),
     ("workers/planted.py", "def f():\n    '''Reads log/ and versions/.'''\n    return f'{1}/log/'\n", None),
     ("storage/layout.py", "\nEXTRA_KEY = 'hints/extra'\n", None),
+    ("infra/planted.py", "from infra.lab.overhead import main\n", "imports infra/lab/"),
+    ("infra/planted.py", "from .lab import overhead\n", "imports infra/lab/"),
+    ("infra/planted.py", "from . import lab\n", "imports infra/lab/"),
+    ("infra/chaos/planted.py", "from ..lab.overhead import main\n", "imports infra/lab/"),
+    ("infra/lab/planted.py", "from .overhead import main\nfrom infra.lab import bench_cli\n", None),
 ]
 
 

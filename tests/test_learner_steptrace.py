@@ -1,5 +1,5 @@
 """The learner's step trace (workers/learner/steptrace.py) and the overhead benchmark's figures
-from it (infra/overhead.py): steps are classed by what they held, nothing is dropped silently."""
+from it (infra/lab/overhead.py): steps are classed by what they held, nothing is dropped silently."""
 from __future__ import annotations
 
 import gc
@@ -7,7 +7,7 @@ import gc
 import numpy as np
 import pytest
 
-from infra.overhead import WARMUP, compare, step_classes, summarise, tails
+from infra.lab.overhead import WARMUP, compare, step_classes, summarise, tails
 from workers.learner.steptrace import COLUMNS, StepParts, StepTrace
 
 from test_hardening_learner import make_run, start_learner, tiny_model, train_until
@@ -89,7 +89,7 @@ def test_compare_classes_steps_and_reports_tails_of_both_sides():
 
 
 def test_steal_share_per_core():
-    from infra.overhead import steal_share
+    from infra.lab.overhead import steal_share
     before = {"cpu0": [100, 0, 10, 880, 0, 0, 0, 10], "cpu1": [0] * 8}
     after = {"cpu0": [150, 0, 20, 900, 0, 0, 0, 30], "cpu1": [0] * 8}
     assert steal_share(before, after) == {"cpu0": round(20 / 100, 4), "cpu1": 0.0}

@@ -1,5 +1,5 @@
-"""The overhead ablation tool (infra/overhead_ablate.py) and the control's ablation options
-(infra/overhead_roles.py ``control``): what each variant turns on, and which steps are marked as
+"""The overhead ablation tool (infra/lab/overhead_ablate.py) and the control's ablation options
+(infra/lab/overhead_roles.py ``control``): what each variant turns on, and which steps are marked as
 having it. No timing is asserted here (timing claims live in the benchmark's output)."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from infra.overhead_ablate import parse_variant
-from infra.overhead_roles import control
+from infra.lab.overhead_ablate import parse_variant
+from infra.lab.overhead_roles import control
 
 
 def test_variant_words():

@@ -1,4 +1,4 @@
-"""``ddiloco benchmark --overhead`` runs end to end (infra/overhead.py): one sync-off control and one
+"""The lab's ``python -m infra.lab.overhead`` runs end to end (infra/lab/overhead.py): one sync-off control and one
 learner + syncer, with the sync agent, the runs under ``--store-root``; the figures are there and
 say what each step held. Timings are not asserted (docs/scale.md has them), only their shape."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 def test_overhead_benchmark_reports_both_sides_with_the_runs_under_store_root(tmp_path):
     """Separate processes, a small model given by --run-args (the control reads it from a created run)."""
     out, root, fig = tmp_path / "out", tmp_path / "stores", tmp_path / "fig.json"
-    done = subprocess.run([sys.executable, "-m", "workers.cli", "benchmark", "--overhead", "--steps", "60",
+    done = subprocess.run([sys.executable, "-m", "infra.lab.overhead", "--steps", "60",
                            "--repeats", "1", "--sync-process", "--store-root", str(root), "--out", str(out),
                            "--run-args", "--layers 1 --width 32", "--json", str(fig)],
                           env=dict(os.environ, OMP_NUM_THREADS="1"),
@@ -39,7 +39,7 @@ def test_overhead_benchmark_reports_both_sides_with_the_runs_under_store_root(tm
 @pytest.mark.timeout(240)
 def test_interleaved_overhead_takes_both_sides_from_one_learner_process(tmp_path):
     fig = tmp_path / "fig.json"
-    done = subprocess.run([sys.executable, "-m", "workers.cli", "benchmark", "--overhead", "--interleave",
+    done = subprocess.run([sys.executable, "-m", "infra.lab.overhead", "--interleave",
                            "--steps", "60", "--repeats", "1", "--sync-process", "--out", str(tmp_path / "out"),
                            "--json", str(fig)], env=dict(os.environ, OMP_NUM_THREADS="1"),
                           capture_output=True, text=True, timeout=220)

@@ -33,3 +33,15 @@ def test_ci_runs_exactly_the_readme_test_command():
           if line and not line.startswith("#")]
     assert ci[-1] == block, (ci[-1], block)
     assert "-c constraints.txt" in block
+
+
+def test_the_installed_package_holds_no_lab_code():
+    import setuptools
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    find = cfg["options.packages.find"]
+    lines = lambda key: [x.strip() for x in find.get(key, "").splitlines() if x.strip()]   # noqa: E731
+    packages = setuptools.find_packages(str(ROOT), include=lines("include"), exclude=lines("exclude"))
+    assert "infra" in packages and "workers.tools" in packages
+    assert not [p for p in packages if p == "infra.lab" or p.startswith("infra.lab.")], packages
+    assert (ROOT / "infra" / "lab" / "__init__.py").exists()      # the lab is there, in the checkout only

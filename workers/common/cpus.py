@@ -1,7 +1,7 @@
 """CPU sets as users write them (``0``, ``0,2``, ``1-3``), and pinning a process's threads to one.
 
 Used by ``ddiloco learner --agent-cpus`` (the sync agent's cores, workers/learner/agent_main.py)
-and by the overhead benchmark (infra/overhead_roles.py). Linux only where it pins
+and by the overhead benchmark (infra/lab/overhead_roles.py). Linux only where it pins
 (``os.sched_setaffinity``); parsing works everywhere.
 """
 from __future__ import annotations

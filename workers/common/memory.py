@@ -4,7 +4,7 @@ A syncer round at real sizes allocates hundreds of MB of fresh arrays (decoded d
 gradients, the merge's float64 direction, the new parameters and momentum) and frees them at the
 end of the round. glibc serves every block above its mmap threshold (at most 32 MiB) with its own
 ``mmap`` and returns it to the kernel on ``free``, so each round the kernel zeroes and maps those
-pages again: measured with ``ddiloco bench load`` at 100M parameters, more kernel CPU time than
+pages again: measured with ``python -m infra.lab.bench_cli load`` at 100M parameters, more kernel CPU time than
 the round's own arithmetic. ``keep_freed_memory`` tells glibc (``mallopt``) to serve large blocks
 from its heap (``M_MMAP_MAX = 0``), never to give the heap's free top back (``M_TRIM_THRESHOLD
 = -1``) and to use that one heap from every thread (``M_ARENA_MAX = 1``: a pool thread's large

@@ -36,7 +36,7 @@ from pipeline.codec import _MAGIC, _QMAX as QMAX, CodecConfig   # the codec's ow
 # Values per kernel call: bounds the temporaries (about 4 float32 copies of a chunk). An accelerator
 # wants few, large calls (each launches ~12 kernels from the training thread); the CPU wants chunks
 # whose temporaries are not fresh pages: 16M-value chunks took 145 ms per 16M int4 values, 1M 23 ms
-# (infra/bench_device_quant.py, docs/scale.md).
+# (infra/lab/bench_device_quant.py, docs/scale.md).
 CHUNK = 1 << 24
 CPU_CHUNK = 1 << 20
 

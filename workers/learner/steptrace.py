@@ -7,8 +7,8 @@ training thread only extracts and subtracts the fragment), applying arrived vers
 backward + optimizer (``compute``) - plus what happened in it: deltas handed over, versions
 applied, Python garbage collections that ran (any generation; counted through ``gc.callbacks``),
 and whether the step wrote a progress event. ``Learner.close`` writes them as one ``step-trace``
-event (columns, not rows, to keep it short), which ``ddiloco benchmark --overhead``
-(infra/overhead.py) reads to report the tails of each class of step.
+event (columns, not rows, to keep it short), which ``python -m infra.lab.overhead``
+(infra/lab/overhead.py) reads to report the tails of each class of step.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`ddiloco bench`: throughput of the codec (SPEC §6) and of the syncer's merge (SPEC §4) on this machine.
+"""`ddiloco benchmark codec|merge`: throughput of the codec (SPEC §6) and of the syncer's merge (SPEC §4) on this machine.
 
 Every figure is printed beside this machine's memcpy bandwidth, measured in the same run on the same
 size (``np.copyto``; for the merge, on the bytes of all its input deltas), so numbers from different
@@ -37,8 +37,8 @@ MB = 1e6
 # wall: elapsed time (what a caller waits); cpu: this process's CPU time, all its threads together
 # (on a machine shared with other work, the cost of one thread's work without the waiting)
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
-# all: codec and merge; scaling: workers/tools/bench_scaling.py; load: workers/tools/bench_load.py
-TARGETS = ("codec", "merge", "all", "scaling", "load", "versions")   # versions: workers/tools/bench_versions.py
+# all: codec and merge; the lab's targets (scaling, load, versions: infra/lab/bench_cli.py) use this config too
+TARGETS = ("codec", "merge", "all", "scaling", "load", "versions")
 KERNELS = ("c", "numpy")   # the codec's fused C kernels or its numpy path (same bytes; pipeline/kernels.py)
 
 
@@ -179,13 +179,13 @@ def bench_codec(cfg: BenchConfig, clock: Callable[[], float] = time.perf_counter
 
 
 def codec_with_kept_memory(argv: list[str]) -> dict:
-    """``bench codec`` rerun in a child process with ``--keep-memory`` (glibc's setting cannot be
+    """``benchmark codec`` rerun in a child process with ``--keep-memory`` (glibc's setting cannot be
     undone in this one): its codec results."""
     import subprocess
     import tempfile
     with tempfile.TemporaryDirectory(prefix="ddiloco-bench-") as d:
         out = os.path.join(d, "keep.json")
-        subprocess.run([sys.executable, "-m", "workers.cli", "bench", *argv, "--memory", "keep", "--json", out],
+        subprocess.run([sys.executable, "-m", "workers.cli", "benchmark", *argv, "--memory", "keep", "--json", out],
                        check=True, stdout=subprocess.DEVNULL)
         with open(out) as f:
             return json.load(f)["codec"]
@@ -291,8 +291,8 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def _child_argv(argv: list[str]) -> list[str]:
-    """``argv`` after ``bench`` without ``--memory``/``--json``/``--keep-memory`` (and their values)."""
-    argv = argv[argv.index("bench") + 1:] if "bench" in argv else argv
+    """``argv`` after ``benchmark`` without ``--memory``/``--json``/``--keep-memory`` (and their values)."""
+    argv = argv[argv.index("benchmark") + 1:] if "benchmark" in argv else argv
     out, skip = [], False
     for a in argv:
         if skip:
@@ -304,102 +304,75 @@ def _child_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("what", nargs="?", default="all", choices=TARGETS,
-                        help="all (default): codec and merge; scaling: encode/decode/fold at each thread count "
-                             "side by side (medians); load: a synthetic syncer round at large sizes; versions: "
-                             "finding and fetching new versions from storage, serial vs parallel")
-    parser.add_argument("--size-mb", type=float, default=64.0,
-                        help="fp32 MB for the codec bench (default 64: 16M values)")
-    parser.add_argument("--merge-mb", type=float, default=4.0, help="fp32 MB per delta for the merge bench")
-    parser.add_argument("--repeat", type=int, default=5, help="timed runs per figure; the best counts")
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--zstd-level", type=int, default=3, help="level for the zstd rows (0: none)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=_int_list, default=(1, 2),
-                        help="thread counts to measure, comma-separated (default 1,2), each pinned to as many cores")
-    parser.add_argument("--schemes", type=lambda s: tuple(s.split(",")), default=SCHEMES,
-                        help=f"codec schemes, comma-separated (default {','.join(SCHEMES)})")
-    parser.add_argument("--formats", type=_int_list, default=VERSIONS,
-                        help="codec: format versions to measure, comma-separated (default 1,2,3; 2: framed, zstd "
-                             "only where it pays; 3: 2 with an xxh3-128 checksum)")
-    parser.add_argument("--kernels", type=lambda s: tuple(s.split(",")), default=BenchConfig.kernels,
-                        help="codec: c (the fused C kernels, default where built), numpy, or c,numpy side by side")
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                        help="wall time (default) or this process's CPU time (1 thread on a busy machine)")
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    parser.add_argument("--params", type=int, default=100_000_000,
-                        help="load: values in the fragment (default 100M: about 5 GB of memory at M = 8)")
-    parser.add_argument("--deltas", type=int, default=8, help="load: deltas per round (M, default 8)")
-    parser.add_argument("--rounds", type=int, default=3, help="load: rounds per thread count (median)")
-    parser.add_argument("--version-dtype", choices=("fp32", "bf16"), default="fp32", help="load: versions' dtype")
-    parser.add_argument("--rtt-ms", type=float, default=20.0, help="versions: milliseconds each request waits")
-    parser.add_argument("--keep-memory", action="store_true",
-                        help="load, codec: keep freed memory in the process first (workers/common/memory.py), "
-                             "as a syncer process can, so decoded arrays reuse pages instead of fresh zeroed ones "
-                             "(--memory keep)")
-    parser.add_argument("--memory", choices=("default", "keep", "both"), default=None,
-                        help="codec: glibc's allocator as it is (default), kept freed memory (keep, as "
-                             "--keep-memory), or both: default here, then keep in a child process, rows side by side")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The codec and merge benchmarks' options (``ddiloco benchmark codec|merge``; the caller adds
+    ``--json``)."""
+    g = parser.add_argument_group("codec and merge (ddiloco benchmark codec|merge|throughput)")
+    g.add_argument("--size-mb", type=float, default=64.0, help="fp32 MB for the codec bench (default 64: 16M values)")
+    g.add_argument("--merge-mb", type=float, default=4.0, help="fp32 MB per delta for the merge bench")
+    g.add_argument("--repeat", type=int, default=5, help="timed runs per figure; the best counts")
+    g.add_argument("--block-size", type=int, default=64)
+    g.add_argument("--zstd-level", type=int, default=3, help="level for the zstd rows (0: none)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the benchmark's data")
+    g.add_argument("--threads", type=_int_list, default=(1, 2),
+                   help="thread counts to measure, comma-separated (default 1,2), each pinned to as many cores")
+    g.add_argument("--schemes", type=lambda s: tuple(s.split(",")), default=SCHEMES,
+                   help=f"codec schemes, comma-separated (default {','.join(SCHEMES)})")
+    g.add_argument("--formats", type=_int_list, default=VERSIONS,
+                   help="codec: format versions to measure, comma-separated (default 1,2,3; 2: framed, zstd "
+                        "only where it pays; 3: 2 with an xxh3-128 checksum)")
+    g.add_argument("--kernels", type=lambda s: tuple(s.split(",")), default=BenchConfig.kernels,
+                   help="codec: c (the fused C kernels, default where built), numpy, or c,numpy side by side")
+    g.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="wall time (default) or this process's CPU time (1 thread on a busy machine)")
+    g.add_argument("--keep-memory", action="store_true",
+                   help="codec: keep freed memory in the process first (workers/common/memory.py), as a syncer "
+                        "process can, so decoded arrays reuse pages instead of fresh zeroed ones (--memory keep)")
+    g.add_argument("--memory", choices=("default", "keep", "both"), default=None,
+                   help="codec: glibc's allocator as it is (default), kept freed memory (keep, as --keep-memory), "
+                        "or both: default here, then keep in a child process, rows side by side")
 
 
-def configure(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
-    """Measure codec and merge throughput on this machine, beside its memcpy bandwidth."""
-    _add_arguments(parser)
+def config_from(parser: argparse.ArgumentParser, args: argparse.Namespace, what: str) -> BenchConfig:
+    """The benchmark's config from ``add_arguments``' options (``parser.error`` on a refused value)."""
+    try:
+        return BenchConfig(what, args.size_mb, args.merge_mb, args.repeat, args.block_size, args.zstd_level,
+                           args.seed, args.threads, args.schemes, args.clock, args.formats, args.kernels)
+    except ValueError as exc:
+        parser.error(str(exc))
 
-    def handler(args: argparse.Namespace) -> int:
-        try:
-            cfg = BenchConfig(args.what, args.size_mb, args.merge_mb, args.repeat, args.block_size,
-                              args.zstd_level, args.seed, args.threads, args.schemes, args.clock, args.formats,
-                              args.kernels)
-        except ValueError as exc:
-            parser.error(str(exc))
-        memory = args.memory or ("keep" if args.keep_memory else "default")
-        if args.keep_memory and memory != "keep":
-            parser.error("--keep-memory is --memory keep")
-        if memory == "both" and cfg.what != "codec":
-            parser.error("--memory both: for the codec target only")
-        args.keep_memory = memory == "keep"
-        results: dict[str, Any] = {"config": dataclasses.asdict(cfg), "keep_memory": bool(args.keep_memory)}
-        if args.keep_memory:   # before anything allocates: the codec's outputs and the load's rounds
-            from workers.common.memory import keep_freed_memory
-            if not keep_freed_memory():
-                parser.error("--keep-memory: this platform's allocator does not take the setting (glibc only)")
-        if cfg.what == "load":
-            from workers.tools.bench_load import LoadConfig, bench_load, print_load
-            try:
-                load = LoadConfig(args.params, args.deltas, args.rounds, cfg.threads, "int4", cfg.block_size,
-                                  cfg.zstd_level, args.version_dtype, cfg.seed)
-            except ValueError as exc:
-                parser.error(str(exc))
-            results["load"] = bench_load(load, CLOCKS[cfg.clock])
-            results["load"]["keep_memory"] = bool(args.keep_memory)
-            print_load(results["load"])
-        if cfg.what == "versions":
-            import tempfile
-            from workers.tools.bench_versions import bench_versions, print_versions
-            if not 0 <= args.rtt_ms <= 10_000:
-                parser.error(f"--rtt-ms must lie in [0, 10000], got {args.rtt_ms}")
-            with tempfile.TemporaryDirectory(prefix="ddiloco-bench-versions-") as d:
-                results["versions"] = bench_versions(d + "/run", args.rtt_ms, repeat=cfg.repeat)
-            print_versions(results["versions"])
-        if cfg.what == "scaling":
-            from workers.tools.bench_scaling import bench_scaling, print_scaling
-            results["scaling"] = bench_scaling(cfg, CLOCKS[cfg.clock])
-            print_scaling(results["scaling"])
-        if cfg.what in ("codec", "all"):
-            results["codec"] = bench_codec(cfg, CLOCKS[cfg.clock])
-            for r in results["codec"]["rows"]:
-                r["memory"] = "keep" if args.keep_memory else "default"
-            if memory == "both":   # the child gets this run's arguments but --memory/--json
-                results["codec"]["rows"] += codec_with_kept_memory(_child_argv(sys.argv[1:]))["rows"]
-            _print_codec(results["codec"])
-        if cfg.what in ("merge", "all"):
-            results["merge"] = bench_merge(cfg, CLOCKS[cfg.clock])
-            _print_merge(results["merge"])
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=2)
-        return 0
 
-    return handler
+def keep_memory(parser: argparse.ArgumentParser, args: argparse.Namespace, what: str) -> str:
+    """``default``, ``keep`` or ``both`` from ``--memory``/``--keep-memory``; with keep, glibc keeps
+    freed memory from here on (set before anything allocates)."""
+    memory = args.memory or ("keep" if args.keep_memory else "default")
+    if args.keep_memory and memory != "keep":
+        parser.error("--keep-memory is --memory keep")
+    if memory == "both" and what != "codec":
+        parser.error("--memory both: for the codec target only")
+    if memory == "keep":
+        from workers.common.memory import keep_freed_memory
+        if not keep_freed_memory():
+            parser.error("--keep-memory: this platform's allocator does not take the setting (glibc only)")
+    return memory
+
+
+def run_bench(parser: argparse.ArgumentParser, args: argparse.Namespace, what: str) -> int:
+    """``ddiloco benchmark codec|merge|throughput`` (throughput: both): measure, print, write ``--json``."""
+    cfg = config_from(parser, args, {"throughput": "all"}.get(what, what))
+    memory = keep_memory(parser, args, cfg.what)
+    results: dict[str, Any] = {"config": dataclasses.asdict(cfg), "keep_memory": memory == "keep"}
+    if cfg.what in ("codec", "all"):
+        results["codec"] = bench_codec(cfg, CLOCKS[cfg.clock])
+        for r in results["codec"]["rows"]:
+            r["memory"] = "keep" if memory == "keep" else "default"
+        if memory == "both":   # the child gets this run's arguments but --memory/--json
+            results["codec"]["rows"] += codec_with_kept_memory(_child_argv(sys.argv[1:]))["rows"]
+        _print_codec(results["codec"])
+    if cfg.what in ("merge", "all"):
+        results["merge"] = bench_merge(cfg, CLOCKS[cfg.clock])
+        _print_merge(results["merge"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0

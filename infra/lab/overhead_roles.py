@@ -1,11 +1,11 @@
-"""The two processes `ddiloco benchmark --overhead` times (infra/overhead.py), one at a time.
+"""The two processes `python -m infra.lab.overhead` times (infra/lab/overhead.py), one at a time.
 
-``python -m infra.overhead_roles control --out F --steps N --seed S``: the *sync-off control*, the
+``python -m infra.lab.overhead_roles control --out F --steps N --seed S``: the *sync-off control*, the
 default job's model, data, optimizer and learning-rate schedule trained by a plain loop (no Learner,
 no threads), timed exactly as ``Learner.step`` times a step (zero_grad, forward, backward,
 optimizer step; the batch and the learning rate are set outside the timing in both).
 
-``python -m infra.overhead_roles --id l0 --store URI --log F ...`` (``LocalCluster.start_learner``'s
+``python -m infra.lab.overhead_roles --id l0 --store URI --log F ...`` (``LocalCluster.start_learner``'s
 flags): the *sync-on* learner, ``ddiloco learner`` (the same ``learner_process``) with
 ``LearnerConfig.trace_steps`` on, so its ``step-trace`` event says what each step held. It also
 logs ``thread-cpu``: the CPU seconds each of its threads (sender, receiver and their pools,
@@ -70,7 +70,7 @@ def control(out: str, steps: int, seed: int, cpus: set[int] | None, guard: str =
             neighbour: list[int] | None = None, block: int = 10, model_from: str | None = None) -> None:
     """The sync-off loop (module docstring); writes step times and per-step collection counts.
 
-    Ablation only (infra/overhead_ablate.py; ``ddiloco benchmark --overhead`` runs neither):
+    Ablation only (infra/lab/overhead_ablate.py; ``python -m infra.lab.overhead`` runs neither):
     ``guard`` "on" adds the learner's non-finite check (``float(loss)``, ``grads_finite``) between
     backward and the optimizer step as ``Learner.step`` does, "alternate" on every odd step;
     ``neighbour``: processes (pids) that are let run (SIGCONT) in alternate blocks of ``block`` steps
@@ -126,7 +126,7 @@ def control(out: str, steps: int, seed: int, cpus: set[int] | None, guard: str =
 
 
 def learner_ab(out: str, run: str, steps: int, cpus: set[int] | None, sync_process: bool) -> None:
-    """Ablation only (infra/overhead_ablate.py ``--ab learner``): the default job's model and
+    """Ablation only (infra/lab/overhead_ablate.py ``--ab learner``): the default job's model and
     optimizer on run ``run`` (unsigned, no syncer: no round ever opens, so every learner step is an
     "other" step), stepping through ``Learner.step`` on odd steps and through the plain loop
     (``control``'s body) on even ones, one process: the learner's own per-step cost, A/B inside
@@ -170,7 +170,7 @@ def learner_ab(out: str, run: str, steps: int, cpus: set[int] | None, sync_proce
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m infra.overhead_roles", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m infra.lab.overhead_roles", description=__doc__.splitlines()[0])
     for flag in ("--store", "--id", "--log", "--ingest", "--announce"):
         p.add_argument(flag, required=True)
     p.add_argument("--s3-endpoint", default=None)
@@ -183,7 +183,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-process", action="store_true", help="LearnerConfig.sync_process (workers/learner/agent.py)")
     p.add_argument("--agent-cpus", default=None, help="with --sync-process: cores of the sync agent process")
     p.add_argument("--interleave", action="store_true",
-                   help="a plain step before each learner step, one process (infra/overhead_interleave.py)")
+                   help="a plain step before each learner step, one process (infra/lab/overhead_interleave.py)")
     return p
 
 
@@ -214,7 +214,7 @@ def learner(argv: list[str]) -> int:
     config = LearnerConfig(keys=keys, trace_steps=True, sync_process=args.sync_process,
                            agent_cpus=parse_cpus(args.agent_cpus) if args.sync_process else None)
     if args.interleave:
-        from infra.overhead_interleave import interleaved
+        from infra.lab.overhead_interleave import interleaved
         stats = interleaved(store, args.id, bus, events, args.steps, config)
     else:
         stats = learner_process(store, args.id, 0, bus, events, steps=args.steps, stop=stop, config=config)
@@ -227,7 +227,7 @@ def learner(argv: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "learner-ab":
-        p = argparse.ArgumentParser(prog="python -m infra.overhead_roles learner-ab")
+        p = argparse.ArgumentParser(prog="python -m infra.lab.overhead_roles learner-ab")
         for flag in ("--out", "--run"):
             p.add_argument(flag, required=True)
         p.add_argument("--steps", type=int, required=True)
@@ -237,7 +237,7 @@ def main(argv: list[str]) -> int:
         learner_ab(a.out, a.run, a.steps, parse_cpus(a.cpus), a.sync_process)
         return 0
     if argv and argv[0] == "control":
-        p = argparse.ArgumentParser(prog="python -m infra.overhead_roles control")
+        p = argparse.ArgumentParser(prog="python -m infra.lab.overhead_roles control")
         p.add_argument("--out", required=True)
         p.add_argument("--steps", type=int, required=True)
         p.add_argument("--seed", type=int, default=0)

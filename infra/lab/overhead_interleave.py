@@ -1,4 +1,4 @@
-"""`ddiloco benchmark --overhead --interleave`: sync on / off as an A/B inside one learner process.
+"""`python -m infra.lab.overhead --interleave`: sync on / off as an A/B inside one learner process.
 
 Two separate processes running the same loop differ by up to +-4-5% on this machine (the control
 alone, 14 processes back to back: medians 11.89-13.21 ms; docs/scale.md "The other steps, taken
@@ -13,11 +13,11 @@ What it cannot see: the sync machinery is alive during the plain steps too (the 
 syncer on the other core, the learner's reader thread), so a cost that spills over into the next
 step (a neighbour's burst, a cache evicted) is charged to both sides; the separate-process
 benchmark keeps that in (a real sync stack on the other core cost the plain loop +0.26%, measured
-by infra/overhead_ablate.py ``--ab stack``). Both figures go in the docs. The learner's clock is
+by infra/lab/overhead_ablate.py ``--ab stack``). Both figures go in the docs. The learner's clock is
 its own steps: with a plain step between two of them, the syncer's global steps (and rounds) come
 at half the rate of all steps, one answer in four learner steps as in the plain benchmark.
 
-Run as ``python -m infra.overhead_roles ... --interleave`` (the traced learner's flags); writes an
+Run as ``python -m infra.lab.overhead_roles ... --interleave`` (the traced learner's flags); writes an
 ``ab-steps`` event: every step's seconds and whether it was a learner step, in order.
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ def interleaved(store, learner_id: str, bus, events, steps: int, config) -> dict
         t0 = time.monotonic()
         if i % 2:
             learner.step(lambda: model(x, y)[1], tokens=x.numel())
-        else:                                    # the control's body (infra/overhead_roles.py control)
+        else:                                    # the control's body (infra/lab/overhead_roles.py control)
             opt.zero_grad(set_to_none=True)
             model(x, y)[1].backward()
             opt.step()

@@ -1,4 +1,4 @@
-"""`ddiloco bench scaling`: how the codec and the fold scale with threads, measured side by side.
+"""`python -m infra.lab.bench_cli scaling`: how the codec and the fold scale with threads, measured side by side.
 
 For each operation (int4+zstd encode and decode of ``--size-mb`` of fp32 in each ``--formats``
 version, with the codec path in force: the C kernels where built; the whole

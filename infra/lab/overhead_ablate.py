@@ -1,7 +1,7 @@
 """Where a learner's "other" steps lose time to the control (issue 15; docs/scale.md, overhead).
 
-``ddiloco benchmark --overhead`` compares the learner (with a syncer) with a plain training loop.
-This tool takes the difference apart: it runs the sync-off control (infra/overhead_roles.py
+``python -m infra.lab.overhead`` compares the learner (with a syncer) with a plain training loop.
+This tool takes the difference apart: it runs the sync-off control (infra/lab/overhead_roles.py
 ``control``) in *variants*, one learner feature or one neighbour at a time, interleaved (each
 repeat runs every variant once, the order rotating between repeats) so that the machine's drift
 affects all alike, and reports each variant's median step time over the plain control's of the
@@ -21,7 +21,7 @@ same repeat. A variant is ``+``-joined words:
   (``--sync-process``), the learner paced (``--slow 2``: half its time computing) so that the
   syncer opens and merges rounds all along - the benchmark's neighbours plus some torch work.
 
-    python -m infra.overhead_ablate --variants plain,guard,spin30,mem30 --repeats 6 --steps 300
+    python -m infra.lab.overhead_ablate --variants plain,guard,spin30,mem30 --repeats 6 --steps 300
 
 Run it under the CPU lock (``flock /tmp/heavy.lock``). Timing claims live here, never in tests.
 """
@@ -87,7 +87,7 @@ def _start_neighbour(v: dict, args, work: Path) -> tuple[list, object]:
     """The variant's neighbour: (processes to stop, cluster or None)."""
     if v["load"] is not None:
         kind, duty = v["load"]
-        cmd = [sys.executable, "-m", "infra.overhead_ablate", "--load", kind, "--duty", str(duty),
+        cmd = [sys.executable, "-m", "infra.lab.overhead_ablate", "--load", kind, "--duty", str(duty),
                "--period", str(args.period)]
         proc = subprocess.Popen(["taskset", "-c", args.load_cpus, *cmd])
         return [proc], None
@@ -120,7 +120,7 @@ def run_variant(v: dict, args, out: Path) -> list[float]:
     procs, cluster = _start_neighbour(v, args, out.with_suffix(".run"))
     try:
         time.sleep(0.5)    # the neighbour is in its steady state before the first step
-        cmd = [sys.executable, "-m", "infra.overhead_roles", "control", "--out", str(out), "--steps",
+        cmd = [sys.executable, "-m", "infra.lab.overhead_roles", "control", "--out", str(out), "--steps",
                str(args.steps), "--seed", "0", "--cpus", args.cpus, *(["--guard", "on"] if v["guard"] else [])]
         subprocess.run(cmd, check=True, capture_output=True)
     finally:
@@ -149,7 +149,7 @@ def run_ab(word: str, args, out: Path) -> tuple[float, float]:
     pids = [p.pid for p in procs] if procs else cluster.ablate_pids if cluster is not None else []
     try:
         time.sleep(0.5)
-        cmd = [sys.executable, "-m", "infra.overhead_roles", "control", "--out", str(out), "--steps",
+        cmd = [sys.executable, "-m", "infra.lab.overhead_roles", "control", "--out", str(out), "--steps",
                str(args.steps), "--seed", "0", "--cpus", args.cpus, "--block", str(args.block),
                *(["--guard", "alternate"] if v["guard"] else []),
                *(["--neighbour", ",".join(map(str, pids))] if pids else [])]
@@ -165,7 +165,7 @@ def _learner_ab(sync_process: bool, args, out: Path) -> tuple[float, float]:
     shutil.rmtree(run, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "workers.cli", "run", "--create-only", "--insecure", "--out", str(run),
                     "--learners", "1", "--steps", str(args.steps), "--seed", "0"], check=True, capture_output=True)
-    subprocess.run([sys.executable, "-m", "infra.overhead_roles", "learner-ab", "--out", str(out), "--run",
+    subprocess.run([sys.executable, "-m", "infra.lab.overhead_roles", "learner-ab", "--out", str(out), "--run",
                     str(run / "store"), "--steps", str(args.steps), "--cpus", args.cpus,
                     *(["--sync-process"] if sync_process else [])], check=True, capture_output=True)
     return _ab_medians(out)
@@ -197,7 +197,7 @@ def main_ab(a) -> int:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m infra.overhead_ablate", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m infra.lab.overhead_ablate", description=__doc__.splitlines()[0])
     p.add_argument("--variants", default="plain,guard")
     p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--steps", type=int, default=300)

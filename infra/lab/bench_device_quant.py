@@ -1,7 +1,7 @@
 """Benchmark: the learner's torch quantisation kernels (workers/learner/device_quant.py) against the
 codec's C kernel (pipeline/kernels.py), on the CPU, side by side (issue 15, docs/scale.md).
 
-    flock /tmp/heavy.lock taskset -c 0 .venv/bin/python -m infra.bench_device_quant --values 16777216
+    flock /tmp/heavy.lock taskset -c 0 .venv/bin/python -m infra.lab.bench_device_quant --values 16777216
 
 Each repetition runs every path once, in alternating order; the report gives each path's median
 milliseconds and its ratio to the C kernel over the same repetitions. Paths:

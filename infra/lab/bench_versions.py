@@ -1,4 +1,4 @@
-"""`ddiloco bench versions`: how long a bucket-only learner takes to find and fetch new versions once
+"""`python -m infra.lab.bench_cli versions`: how long a bucket-only learner takes to find and fetch new versions once
 a poll sees them, the serial way (``VersionTracker.poll`` then one ``load`` after the other, as
 before issue 15) and the fast way (``poll_fast`` and the loads on a pool, workers/learner/receiver.py),
 side by side over one store whose every request waits ``--rtt-ms`` (an object store's round trip:

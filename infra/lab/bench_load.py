@@ -1,4 +1,4 @@
-"""`ddiloco bench load`: a synthetic syncer round at large sizes (issue 15), per thread count.
+"""`python -m infra.lab.bench_cli load`: a synthetic syncer round at large sizes (issue 15), per thread count.
 
 One fragment of ``params`` values in a few tensors of unequal size (like a transformer block's),
 ``deltas`` int4+zstd deltas from as many learners (half on the current version, half one version

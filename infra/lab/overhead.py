@@ -1,9 +1,12 @@
-"""`ddiloco benchmark --overhead`: a learner's step time with sync on / sync off (issue 15).
+"""`python -m infra.lab.overhead`: a learner's step time with sync on / sync off.
+
+Lab (issue 15's question: what does sync cost a learner's step?); written up in docs/scale.md
+"A learner's overhead", the figure in docs/results.md.
 
 Goal: sync on / off <= 1.03x (median) and p99 <= 1.1x the median, measured with no more busy
 processes than cores. Each repeat runs, **one after the other, never together**:
 
-* *off*: the sync-off control alone (infra/overhead_roles.py ``control``): the default job's model,
+* *off*: the sync-off control alone (infra/lab/overhead_roles.py ``control``): the default job's model,
   data and optimizer in a plain loop, one process, one torch thread;
 * *on*: one learner (the same ``learner_process`` as ``ddiloco learner``, with its step trace) and
   one syncer, on a fresh signed run with the same seed, shape and step count (``ddiloco run
@@ -17,11 +20,11 @@ classes (answer, version applied, garbage collection, other) are reported beside
 tail can be traced to what the step held. Timing claims live here, never in tests.
 
 Separate processes differ by +-4% on a 2-vCPU VM even when they run the same loop, so a 5-repeat
-median is good to about +-2%; infra/overhead_ablate.py times one learner feature or neighbour at a
+median is good to about +-2%; infra/lab/overhead_ablate.py times one learner feature or neighbour at a
 time inside one process instead (docs/scale.md, "The other steps, taken apart").
 
 ``--interleave`` instead takes both sides from one learner process, a plain step before each
-learner step (infra/overhead_interleave.py): free of that spread, but blind to what spills from a
+learner step (infra/lab/overhead_interleave.py): free of that spread, but blind to what spills from a
 learner step into the next (charged to both sides), so the docs give both figures.
 """
 from __future__ import annotations
@@ -114,7 +117,7 @@ def steal_share(before: dict, after: dict) -> dict[str, float]:
 
 
 def _control(out: Path, steps: int, seed: int, cpus: str | None, model_from: Path | None = None) -> dict:
-    cmd = [sys.executable, "-m", "infra.overhead_roles", "control", "--out", str(out), "--steps", str(steps),
+    cmd = [sys.executable, "-m", "infra.lab.overhead_roles", "control", "--out", str(out), "--steps", str(steps),
            "--seed", str(seed), *(["--cpus", cpus] if cpus else []),
            *(["--model-from", str(model_from)] if model_from else [])]
     res = subprocess.run(cmd, capture_output=True, text=True)
@@ -136,7 +139,7 @@ def _create(out: Path, steps: int, seed: int, run_args: list[str]) -> None:
 def _sync_on(out: Path, steps: int, seed: int, cpus_learner: str | None, cpus_syncer: str | None,
              sync_process: bool, interleave: bool = False, run_args: list[str] = ()) -> dict:
     """One learner and one syncer on a fresh signed run; the learner's step-trace and thread-cpu."""
-    from infra.overhead_roles import process_cpu
+    from infra.lab.overhead_roles import process_cpu
     from workers.common.cpus import parse_cpus, pin
     from workers.cluster import ClusterConfig, LocalCluster
     _create(out, steps, seed, list(run_args))     # a fresh run every repeat
@@ -150,7 +153,7 @@ def _sync_on(out: Path, steps: int, seed: int, cpus_learner: str | None, cpus_sy
                                        *(["--sync-process"] if sync_process else []),
                                        *(["--agent-cpus", cpus_syncer] if sync_process and cpus_syncer else []),
                                        *(["--interleave"] if interleave else [])],
-                              module="infra.overhead_roles")
+                              module="infra.lab.overhead_roles")
         deadline = time.monotonic() + 60 + steps * (2.0 if interleave else 1.0)
         while not cluster.learners_done():
             if time.monotonic() > deadline:
@@ -166,7 +169,7 @@ def _sync_on(out: Path, steps: int, seed: int, cpus_learner: str | None, cpus_sy
         raise SystemExit(f"no step-trace from the learner in {out}: {cluster.stderr('l0')}")
     cpu = next((e for e in events if e.get("event") == "thread-cpu"), {})
     if interleave:
-        from infra.overhead_interleave import split
+        from infra.lab.overhead_interleave import split
         ab = next((e for e in events if e.get("event") == "ab-steps"), None)
         if ab is None:
             raise SystemExit(f"no ab-steps from the interleaved learner in {out}: {cluster.stderr('l0')}")
@@ -193,7 +196,7 @@ def _repeat(args, r: int, out: Path, runs: Path, seed: int, run_args: list[str])
 
 
 def _interleaved_repeat(args, r: int, runs: Path, seed: int, run_args: list[str]) -> dict:
-    """One repeat of ``--interleave`` (infra/overhead_interleave.py): both sides from one process."""
+    """One repeat of ``--interleave`` (infra/lab/overhead_interleave.py): both sides from one process."""
     before = cpu_ticks()
     on = _sync_on(runs / f"on-{r}", args.steps, seed, args.cpus_learner, args.cpus_syncer, args.sync_process,
                   interleave=True, run_args=run_args)
@@ -274,3 +277,32 @@ def _line(r: int, f: dict) -> str:
             f"{off['p99_over_median']:.3f}; answer steps {c['answer']['n']} median "
             f"{(c['answer']['median_s'] or 0) * 1e3:.2f} ms, other {(c['other']['median_s'] or 0) * 1e3:.2f} ms; "
             f"background CPU {f['background_cpu_ms_per_answer']:.2f} ms per answer")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m infra.lab.overhead``: the options ``python -m infra.lab.overhead`` had."""
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m infra.lab.overhead", description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--out", default="runs/benchmark")
+    p.add_argument("--json", default=None, help="write the figures here too")
+    p.add_argument("--seeds", default="0", help="the first seed is the runs' seed")
+    p.add_argument("--run-args", default=None, metavar="FLAGS",
+                   help="more ddiloco run flags for the sync-on runs, e.g. a model's shape '--layers 4 --width 256' "
+                        "(the control trains the same model)")
+    p.add_argument("--repeats", type=int, default=4, help="alternating on/off pairs")
+    p.add_argument("--cpus-learner", default=None, help="cores of the learner and of the control (e.g. 0)")
+    p.add_argument("--cpus-syncer", default=None, help="cores of the syncer (e.g. 1)")
+    p.add_argument("--sync-process", action="store_true",
+                   help="the learner's sender and receiver in a child process (LearnerConfig.sync_process)")
+    p.add_argument("--interleave", action="store_true",
+                   help="sync on / off as an A/B inside one learner process, a plain step before each learner "
+                        "step (infra/lab/overhead_interleave.py)")
+    p.add_argument("--store-root", default=None, metavar="DIR",
+                   help="where the sync-on runs and their stores live (default: under --out); a directory on "
+                        "tmpfs (e.g. /dev/shm/x) takes the store's fsyncs off this machine's disk")
+    return run_overhead(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
