@@ -32,12 +32,13 @@ from .run_config import ALIASES, CHOICES, HELP, SKIP, RunConfig
 from workers.job.data import Corpus, evaluate
 from workers.common.events import EventLog, Tail, read_events
 from workers.job.job import dp_baseline
-from workers.tools.accounting import report_lines, traffic_report
+from workers.tools.accounting import traffic_report
 from workers.tools.cost import parse_prices
 from workers.tools.logview import stored_base, token_figures
 from workers.job.lockstep import OuterSettings, diloco_baseline
 from workers.tools.progress import Progress
 from workers.tools.report import plot_run
+from workers.tools.summary import summary_lines
 from workers.tools.utilisation import latency_steps, p50, utilisation
 
 
@@ -187,28 +188,28 @@ def _run_decoupled(args, cfg: RunConfig, out: Path, topology) -> int:
     init_loss = evaluate(model, corpus)
     events.emit("eval", tokens=0, loss=init_loss, versions={})
     progress = Progress(learners, steps, desc, plain=args.plain or not sys.stdout.isatty())
-    drained = _watch(cluster, progress, events, desc, corpus, roles.eval_every)
+    drained, interrupted = _watch(cluster, progress, events, desc, corpus, roles.eval_every)
     wall = time.time() - t_start
     final = _eval_global(store, desc, corpus)
     if final is not None:
         events.emit("eval", tokens=progress.total_tokens(), loss=final[0], versions=final[1])
     events.close()
     all_events = [e for f in sorted((out / "logs").glob("*.jsonl")) for e in read_events(f)]
-    summary = _summary(store_uri, desc, all_events, init_loss, final, wall, drained, cfg)
+    summary = _summary(store_uri, desc, all_events, init_loss, final, wall, drained, cfg, interrupted)
     summary.update(_rounds_figures(store, desc, all_events))
     summary.update(_log_figures(store, desc))
     summary["accounting"] = _accounting(all_events, desc, cfg.run.prices)
     if topology is not None:
         summary.update(topology.summary())
     _write_outputs(out, summary, all_events, args)
-    return 0 if summary["ok"] else 1
+    return 0 if summary["ok"] else 130 if interrupted else 1
 
 
 def _watch(cluster: LocalCluster, progress: Progress, events: EventLog, desc, corpus: Corpus,
-           eval_every: float) -> bool:
+           eval_every: float) -> tuple[bool, bool]:
     """Show progress and evaluate the global model every ``eval_every`` s until the learners
-    finish, then wait (bounded) for the syncer to commit what is left; stop every role. True if
-    the run drained (``LocalCluster.drain_status``)."""
+    finish, then wait (bounded) for the syncer to commit what is left; stop every role.
+    (drained: ``LocalCluster.drain_status`` ok, interrupted: Ctrl-C or SIGTERM stopped it)."""
     tails = {name: Tail(cluster.log_path(name)) for name in cluster.names()}
     # Ctrl-C / SIGINT stops the run even when it was started with SIGINT ignored (a background job
     # of a non-interactive shell inherits SIG_IGN, and Python then keeps it: the run ran on to its
@@ -220,7 +221,7 @@ def _watch(cluster: LocalCluster, progress: Progress, events: EventLog, desc, co
         for name, tail in tails.items():
             progress.update(name, tail.read(), cluster.life(name).popen.poll())
     next_eval = time.time() + eval_every
-    drained = False
+    drained = interrupted = False
     try:
         with progress:
             while not cluster.learners_done():
@@ -242,11 +243,12 @@ def _watch(cluster: LocalCluster, progress: Progress, events: EventLog, desc, co
             if not drained:
                 progress.note(f"not drained after the learners finished: {status}")
     except KeyboardInterrupt:
+        interrupted = True
         progress.note("interrupted: stopping processes")
     finally:
         cluster.stop()
         show()
-    return drained
+    return drained, interrupted
 
 
 def _eval_global(store: ObjectStore, desc, corpus: Corpus):
@@ -260,7 +262,7 @@ def _eval_global(store: ObjectStore, desc, corpus: Corpus):
     return loss, {str(k): v for k, v in versions.items()}
 
 
-def _summary(store_uri, desc, events, init_loss, final, wall, drained, cfg: RunConfig) -> dict:
+def _summary(store_uri, desc, events, init_loss, final, wall, drained, cfg: RunConfig, interrupted: bool) -> dict:
     commits = [e for e in events if e.get("event") == "commit"]
     done = {e["id"]: e for e in events if e.get("event") == "learner-stop"}
     versions = {}
@@ -277,8 +279,14 @@ def _summary(store_uri, desc, events, init_loss, final, wall, drained, cfg: RunC
     latencies = [e["latency_s"] for e in events if e.get("event") == "version-applied" and e.get("latency_s") is not None]
     final_loss = final[0] if final else None
     stop = next((e for e in reversed(events) if e.get("event") == "syncer-stop"), {})
+    problems = [p for p, bad in (("interrupted (Ctrl-C or SIGTERM)", interrupted),
+                                 ("the global model could not be evaluated", final is None),
+                                 ("the syncer did not commit everything before stopping", not drained),
+                                 (f"{cfg.run.learners - len(done)} of {cfg.run.learners} learner(s) did not finish",
+                                  len(done) != cfg.run.learners)) if bad]
     return {
-        "ok": bool(final is not None and drained and len(done) == cfg.run.learners),
+        "ok": not problems, "status": "interrupted" if interrupted else "ok" if not problems else "failed",
+        "problems": problems,
         "mode": "decoupled", "run_uri": store_uri, "run_id": desc.run_id, "learners": cfg.run.learners,
         # where `ddiloco replay OUT` reads the run (issue 26): a local store by its absolute path (the
         # summary may be read from another directory); a --wan run's topology replaces it with its copy
@@ -383,20 +391,7 @@ def _write_outputs(out: Path, summary: dict, events: list[dict], args) -> None:
         summary_plot = str(plot)
     except Exception as exc:  # a plotting failure must not hide the run's result
         summary_plot = f"(plot failed: {exc})"
-    keys = ("mode", "run_uri", "commits", "tokens_trained", "initial_eval_loss", "final_eval_loss",
-            "tokens_merged", "deltas_merged", "deltas_lost", "deltas_harmless", "deltas_spilled", "mean_round_size",
-            "utilisation", "version_latency_steps_p50", "publish_to_applied_p50_s", "wall_s")
-    print("\nsummary:")
-    for k in keys:
-        if k in summary:
-            v = summary[k]
-            print(f"  {k:<20} {v:.4f}" if isinstance(v, float) else f"  {k:<20} {v}")
-    if summary.get("accounting") and "error" not in summary["accounting"]:
-        print("\n".join(report_lines(summary["accounting"])))
-    print(f"  {'report':<20} {summary_plot}")
-    print(f"  {'summary':<20} {out / 'summary.json'}")
-    if summary.get("run_uri"):       # a decoupled run: verify it later from its output directory
-        print(f"  {'replay':<20} ddiloco replay {out}" + (" --regions" if summary.get("region_stores") else ""))
+    print("\n".join(summary_lines(summary, out, summary_plot)))
 
 
 def _run_baseline(args, cfg: RunConfig, out: Path) -> int:
@@ -410,7 +405,7 @@ def _run_baseline(args, cfg: RunConfig, out: Path) -> int:
                               outer_momentum=cfg.outer.momentum)
         res = diloco_baseline(cfg.model, cfg.job, learners, seed, events, outer)
     events.close()
-    summary = {"ok": True, "mode": mode, "run_uri": None, "learners": learners,
+    summary = {"ok": True, "status": "ok", "mode": mode, "run_uri": None, "learners": learners,
                "tokens_trained": res["tokens"], "initial_eval_loss": res["initial_eval_loss"],
                "final_eval_loss": res["final_eval_loss"], "wall_s": round(time.time() - t0, 2),
                "bytes_per_learner_per_step": res["bytes_per_learner_per_step"]}

@@ -234,9 +234,9 @@ def _size(n: float) -> str:
     return f"{n} GB"
 
 
-def report_lines(rep: dict[str, Any]) -> list[str]:
+def report_lines(rep: dict[str, Any], cost: bool = True) -> list[str]:
     """The report as text (``ddiloco run``, ``ddiloco log``): regions, links, learners, the cost
-    and the data-parallel comparison."""
+    (``cost``: False leaves it out, for a run on local directories) and the data-parallel comparison."""
     out = [f"accounting: {rep['span_s']:.1f} s of traffic, {rep['totals']['requests']:,} store requests, "
            f"{_size(rep['totals']['cross_region_bytes'])} across regions",
            f"  {'region':<10} {'PUT-class':>9} {'GET-class':>9} {'LIST':>6} {'DELETE':>6} {'written':>10} {'read':>10}"]
@@ -266,6 +266,8 @@ def report_lines(rep: dict[str, Any]) -> list[str]:
                    + (f" ({ratio['bf16']}x less than bf16 DP)" if ratio["bf16"] else "")
                    + f"; across regions {_size(mine['cross_region_bytes'])} per learner step"
                    + (f" ({cross['bf16']}x less)" if cross["bf16"] else ""))
+    if not cost:
+        return out
     c = rep["cost"]
     warn = " - default prices, unverified: check before budgeting" if c["unverified"] else ""
     out.append(f"  estimated monthly cost at this rate (x{c['scale']:,.0f}): ${c['monthly_usd']:,.2f} (PUT-class "
