@@ -157,6 +157,32 @@ def test_utilisation_recovers_only_when_merges_resume_at_the_old_level():
     assert not bad.ok and "undisturbed" in bad.detail
 
 
+def test_a_learner_faults_recovery_is_judged_against_the_other_learners_over_the_same_time():
+    """A burst of other work on a small machine lowers every learner's utilisation at once: after
+    l1's pause, a window where l0 is as low as l1 is the machine, not the fault; l1 alone low is."""
+    recs, evs = {}, {}
+    for name in ("l0", "l1"):
+        inputs, deltas = _healthy(name, steps=240)
+        recs[name], evs[name] = inputs, _events(name, 239, deltas)
+    marks = [{"t": 6.0, "who": "l1", "what": "pause", "detail": ""},
+             {"t": 8.0, "who": "l1", "what": "resume", "detail": ""}]
+    window = range(80 + 4 * H, 80 + 8 * H)         # l1's steps 4H..8H after its pause ended (step 80)
+
+    def run(thin: set[str]):
+        kept = [i for n, inputs in recs.items() for i in inputs
+                if not (n in thin and i.learner_step in window and i.seq % 3)]
+        records = [_merge(k, 0, i.round, i) for k, i in enumerate(sorted(kept, key=lambda i: i.learner_step))]
+        return progress.utilisation_recovers(_obs(records, evs, marks), H, 1)
+
+    assert run(set()).ok
+    alone = run({"l1"})                           # only the paused learner stays low: a slow recovery
+    assert not alone.ok and "l1/1" in alone.detail, alone.detail
+    both = run({"l0", "l1"})                      # both low over the same seconds: the machine
+    assert both.ok, both.detail
+    row = next(w for w in both.data["windows"] if w["life"] == "l1/1")
+    assert row["control_drop"] > 0.3
+
+
 def test_a_restarted_learners_fault_lasts_until_its_new_life_steps():
     """A restarted learner imports and loads for seconds before its first step, taking the CPU the
     others' versions need on a small machine: its fault ends at that step, not at the start mark."""

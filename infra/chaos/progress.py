@@ -331,6 +331,11 @@ def blind_windows(obs: Observation, after_repair_s: float = 10.0) -> list[tuple[
 # -- (c) -------------------------------------------------------------------------------------------
 
 def fault_windows(obs: Observation) -> list[tuple[float, float]]:
+    """(start, end) wall times of every fault (``targeted_faults`` without the targets)."""
+    return [(a, b) for a, b, _ in targeted_faults(obs)]
+
+
+def targeted_faults(obs: Observation) -> list[tuple[float, float, str]]:
     """(start, end) wall times of every fault the harness applied, from its timeline: a fault mark to
     the next repair mark of the same target (a kill without restart ends at the kill). A learner
     started again ends its fault at its new life's first step, not at the start mark: until then
@@ -341,7 +346,7 @@ def fault_windows(obs: Observation) -> list[tuple[float, float]]:
     for m in obs.marks:
         who, what = m["who"], m["what"]
         if what in INSTANT:
-            out.append((m["t"], m["t"]))
+            out.append((m["t"], m["t"], who))
         elif what.startswith(FAULTS) and what != "start":
             open_at.setdefault(who, m["t"])
         elif what.startswith(REPAIRS) and who in open_at:
@@ -349,9 +354,9 @@ def fault_windows(obs: Observation) -> list[tuple[float, float]]:
             if what in ("restart", "start"):      # a learner's new life: its first step (a syncer has none)
                 until = next((float(e["t"]) for e in obs.learner_events.get(who, ())
                               if e.get("event") == "step" and float(e["t"]) >= m["t"]), until)
-            out.append((open_at.pop(who), until))
+            out.append((open_at.pop(who), until, who))
     end = max((m["t"] for m in obs.marks), default=0.0)
-    out += [(t, end if not obs.marks else max(t, end)) for t in open_at.values()]
+    out += [(t, end if not obs.marks else max(t, end), who) for who, t in open_at.items()]
     return sorted(out)
 
 
@@ -366,61 +371,112 @@ def _step_at(life: Life, t: float) -> int | None:
     return int(s0 + (s1 - s0) * (t - t0) / max(t1 - t0, 1e-9))
 
 
+def _level(obs: Observation, life: Life, faults: Sequence[tuple[float, float]], H: int, fragments: int):
+    """(share(lo, hi), undisturbed level or None, last step that may start a window) of ``life``."""
+    per = [carried(obs.records, life.learner, life.incarnation, p) for p in range(fragments)]
+
+    def share(lo: int, hi: int) -> float:
+        return sum(_covered(sp, lo, hi) for sp in per) / (len(per) * (hi - lo + 1))
+
+    end = life.last_step - 2 * H          # the life's last 2H steps are its tail, not a level
+    disturbed = []
+    for a, b in faults:
+        sa, sb = _step_at(life, a), _step_at(life, b)
+        if sa is None and sb is None:
+            continue
+        disturbed.append((sa if sa is not None else 0, (sb if sb is not None else life.last_step) + 8 * H))
+    calm = [s for s in range(2 * H, max(end, 0)) if not any(x <= s <= y for x, y in disturbed)]
+    # the level before the first fault when there is enough of it: after faults the steady state
+    # may itself be the degradation to find (a learner whose every other answer is lost)
+    first = min((x for x, _ in disturbed), default=end)
+    if sum(1 for x in calm if x < first) >= 4 * H:
+        calm = [x for x in calm if x < first]
+    if len(calm) < 4 * H:
+        return share, None, end
+    return share, sum(share(x, x) for x in calm) / len(calm), end
+
+
+def _wall(life: Life, step: int) -> float | None:
+    """Wall time at which ``life`` took ``step`` (interpolated; None outside its step events)."""
+    pts = life.steps
+    if not pts or step < pts[0][1] or step > pts[-1][1]:
+        return None
+    k = bisect.bisect_left([s for _, s in pts], step)
+    if pts[k][1] == step or k == 0:
+        return pts[k][0]
+    (t0, s0), (t1, s1) = pts[k - 1], pts[k]
+    return t0 + (t1 - t0) * (step - s0) / max(s1 - s0, 1)
+
+
+def _control_drop(life: Life, window: tuple[int, int], levels: dict, every: Sequence[Life]) -> float | None:
+    """The mean drop below their own levels of the other learners' lives over the wall time of
+    ``life``'s steps ``window`` (None: no such life)."""
+    t0, t1 = _wall(life, window[0]), _wall(life, window[1])
+    if t0 is None or t1 is None:
+        return None
+    drops = []
+    for other in every:
+        if other.learner == life.learner:
+            continue
+        share, level, end = levels[id(other)]
+        lo, hi = _step_at(other, t0), _step_at(other, t1)
+        if level is None or lo is None or hi is None or hi <= lo or hi > end:
+            continue
+        drops.append(level - share(lo, hi))
+    return statistics.fmean(drops) if drops else None
+
+
 def utilisation_recovers(obs: Observation, H: int, fragments: int, tolerance: float = 0.10,
                          short: Sequence[tuple[float, float]] = ()) -> Check:
     """(c): a step's work on fragment p reaches the model only in a merged delta of p, so a life's
-    utilisation over some steps is the mean over fragments of the share of those steps carried."""
-    faults = fault_windows(obs)
+    utilisation over some steps is the mean over fragments of the share of those steps carried.
+
+    After a fault of one learner (paused, killed, slowed) the other learners are a control: over
+    the same wall-time window their utilisation moves with the machine (a burst of other work on a
+    small machine delays every version by steps), so each life's window is judged against its level
+    less the others' mean drop - the faulted learner's slow recovery still shows, as it alone is low
+    (a pause that stopped everyone's merges is (a) and (b)'s to catch). A fault of the syncer, the
+    store or the bus touches every learner and has no control."""
+    faults = targeted_faults(obs)
     if not faults:
         return Check("progress-recovery", True, "no fault in this run", {"faults": 0})
     # A syncer or store fault ends when merging can resume (the syncer recovered, the store's first
     # commit after it is up: ``blind_windows``), not at its repair mark (a restarted syncer still
     # imports and recovers for seconds).
     blind = blind_windows(obs)
-    faults = [(a, max([b] + [y for x, y in blind if x <= b <= y or a <= x <= b])) for a, b in faults]
+    faults = [(a, max([b] + [y for x, y in blind if x <= b <= y or a <= x <= b]), who) for a, b, who in faults]
     period = global_period(obs)
+    every = lives(obs)
+    levels = {id(life): _level(obs, life, [(a, b) for a, b, _ in faults], H, fragments) for life in every}
+    learners = {life.learner for life in every}
     problems, measured = [], []
-    for life in lives(obs):
-        per = [carried(obs.records, life.learner, life.incarnation, p) for p in range(fragments)]
-
-        def share(lo: int, hi: int) -> float:
-            return sum(_covered(sp, lo, hi) for sp in per) / (len(per) * (hi - lo + 1))
-
-        end = life.last_step - 2 * H          # the life's last 2H steps are its tail, not a level
-        disturbed = []
-        for a, b in faults:
-            sa, sb = _step_at(life, a), _step_at(life, b)
-            if sa is None and sb is None:
-                continue
-            disturbed.append((sa if sa is not None else 0, (sb if sb is not None else life.last_step) + 8 * H))
-        calm = [s for s in range(2 * H, max(end, 0)) if not any(x <= s <= y for x, y in disturbed)]
-        # the level before the first fault when there is enough of it: after faults the steady state
-        # may itself be the degradation to find (a learner whose every other answer is lost)
-        first = min((x for x, _ in disturbed), default=end)
-        if sum(1 for x in calm if x < first) >= 4 * H:
-            calm = [x for x in calm if x < first]
-        if len(calm) < 4 * H:
+    for life in every:
+        share, level, end = levels[id(life)]
+        if level is None:
             continue                            # no undisturbed stretch long enough to be a level
-        level = sum(share(x, x) for x in calm) / len(calm)
-        for a, b in faults:
+        for a, b, who in faults:
             sb = _step_at(life, b)
             if sb is None:
                 continue
             lo, hi = sb + 4 * H, sb + 8 * H - 1
             # another fault on, or recovering (its own 4H grace and 4H window), during this window
-            others = [(x, y + 8 * H * period) for x, y in faults if (x, y) != (a, b)]
+            others = [(x, y + 8 * H * period) for x, y, _ in faults if (x, y) != (a, b)]
             if hi > end or _during(life, (lo, hi), list(short) + others):
                 continue    # the life ended first, fewer than K trained, or another fault was on: no level to expect
             got = share(lo, hi)
+            drop = _control_drop(life, (lo, hi), levels, every) if who in learners else None
+            expect = level - max(drop or 0.0, 0.0)
             measured.append({"life": f"{life.learner}/{life.incarnation}", "fault_end_step": sb,
-                             "window": [lo, hi], "utilisation": round(got, 3), "undisturbed": round(level, 3)})
+                             "window": [lo, hi], "utilisation": round(got, 3), "undisturbed": round(level, 3),
+                             "control_drop": None if drop is None else round(drop, 3)})
             # A round loses a whole number of a learner's steps (answer to version), so a window's
             # share moves in quanta of 1/H as the learner's steps drift against the global clock
             # (seen: 5 of 6 steps carried per round for 60 steps, then 4 for 30, no fault between):
             # the tolerance is never finer than one step per round.
-            if got < level - max(tolerance, 1.0 / H):
+            if got < expect - max(tolerance, 1.0 / H):
                 problems.append(f"{life.learner}/{life.incarnation}: utilisation {got:.2f} over own steps {lo}..{hi} "
-                                f"(4H after the fault that ended at step {sb}) vs {level:.2f} undisturbed")
+                                f"(4H after the fault that ended at step {sb}) vs {level:.2f} undisturbed"
+                                + (f", {drop:.2f} lower for the other learners then" if drop else ""))
     detail = problems[0] if problems else (
         f"{len(measured)} post-fault windows, each within {max(tolerance, 1.0 / H):.2f} of its learner's undisturbed level"
         if measured else "no post-fault window inside a learner life (the run ended first)")
