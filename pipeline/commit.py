@@ -36,7 +36,8 @@ from .fold import (DropReason, ReplayMismatch, RoundInput, SyncerState, compare_
 from .guard import (NormGuardConfig, NormWindow, cap_limit, delta_norm, guard_config, mark_outliers, norms_agree,
                     window_values)
 from .merge import MapFn
-from .types import CommitRecord, RunDescriptor
+from .descriptor import RunDescriptor
+from .types import CommitRecord
 
 __all__ = ["CommitMeta", "Commit", "apply_commit", "verify_commit", "initial_window", "backfill_window",
            "window_after", "with_recorded_decisions", "PENDING_OVERFLOW", "BELOW_QUORUM", "RECORDED_REASONS"]

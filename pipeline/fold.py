@@ -35,7 +35,8 @@ from .errors import FormatError
 from .marks import MARKS_LINEAGE, MergedMarks, marks_from_body, prior_verdict
 from .merge import MapFn, merge_fragment, token_weights
 from .outer import nesterov_step
-from .types import CommitRecord, DeltaHeader, DroppedRecord, InputRecord, RunDescriptor
+from .descriptor import RunDescriptor
+from .types import CommitRecord, DeltaHeader, DroppedRecord, InputRecord
 
 __all__ = ["FragmentState", "SyncerState", "RoundInput", "FoldResult", "ReplayMismatch", "DropReason", "published",
            "initial_state", "fold", "fold_fence", "check_commit", "compare_records", "CHECKPOINT_KIND",

@@ -3,7 +3,7 @@
 Each has ``to_dict()`` (plain msgpack/JSON-able values) and ``from_dict()`` which validates and
 raises ``FormatError`` naming the bad field. Their byte encodings (envelope kinds and versions)
 live beside them so that one place owns each format; docs/formats.md describes them. The run
-descriptor is in pipeline/descriptor.py (re-exported here).
+descriptor is in pipeline/descriptor.py.
 """
 from __future__ import annotations
 
@@ -343,13 +343,3 @@ def _info_with_norms(info: dict[str, Any], norms: tuple[float, ...]) -> dict[str
     if "sig" in info:
         out["sig"] = info["sig"]
     return out
-
-
-def __getattr__(name: str) -> Any:
-    # The run descriptor composes the components' config sections (pipeline/descriptor.py), and
-    # those modules import this one: it is loaded on first use, so ``from pipeline.types import
-    # RunDescriptor`` keeps working.
-    if name == "RunDescriptor":
-        from .descriptor import RunDescriptor
-        return RunDescriptor
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

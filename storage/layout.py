@@ -37,7 +37,8 @@ from dataclasses import dataclass
 
 from pipeline.envelope import digest, pack_record, unpack_record
 from pipeline.errors import FormatError
-from pipeline.types import RunDescriptor, check_learner_id
+from pipeline.descriptor import RunDescriptor
+from pipeline.types import check_learner_id
 
 from .errors import AlreadyExists, NotFound
 from .store import ObjectStore

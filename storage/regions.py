@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pipeline.envelope import digest, pack_record, unpack_record
 from pipeline.errors import FormatError
 from pipeline.regions import REGION_NAME_RE, RegionSpec
-from pipeline.types import CommitRecord, RunDescriptor
+from pipeline.descriptor import RunDescriptor
+from pipeline.types import CommitRecord
 
 from .errors import AlreadyExists, NotFound
 from .layout import (DESCRIPTOR_KEY, FAILOVER_PREFIX, MEMBER_PREFIX, REGION_MARKER_KEY, VERSION_PREFIX, commit_key,

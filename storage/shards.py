@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from pipeline.errors import FormatError
-from pipeline.types import RunDescriptor
+from pipeline.descriptor import RunDescriptor
 
 from .layout import (SHARDED_PREFIXES, VERSION_PREFIX, check_shard, parse_version_key, shard_fragments, shard_key,
                      shard_prefix)

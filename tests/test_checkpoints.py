@@ -7,10 +7,10 @@ import pytest
 
 from conftest import make_commit
 from pipeline.errors import FormatError
-from pipeline.descriptor import VersionsConfig
+from pipeline.descriptor import RunDescriptor, VersionsConfig
 from pipeline.fragment import FragmentLayout
 from pipeline.schedule import ScheduleConfig
-from pipeline.types import DroppedRecord, RunDescriptor, TensorSpec
+from pipeline.types import DroppedRecord, TensorSpec
 from storage import layout
 from storage.checkpoints import (CheckpointPolicy, latest_checkpoint, list_checkpoints, read_checkpoint,
                                  write_checkpoint)

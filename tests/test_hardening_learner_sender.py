@@ -206,7 +206,8 @@ def _heard(bus, beats: list[dict]) -> bool:
 def _book():
     from pipeline.fragment import FragmentLayout
     from pipeline.schedule import ScheduleConfig
-    from pipeline.types import RunDescriptor, TensorSpec
+    from pipeline.descriptor import RunDescriptor
+    from pipeline.types import TensorSpec
     from workers.syncer.rounds import RoundBook
     desc = RunDescriptor(run_id="r", layout=FragmentLayout((TensorSpec("a", (2,)),), (("a",),)),
                          schedule=ScheduleConfig(4, (0,)))

@@ -15,7 +15,8 @@ from conftest import FlakyStore, make_commit
 from pipeline.errors import FormatError
 from pipeline.fragment import FragmentLayout
 from pipeline.schedule import ScheduleConfig
-from pipeline.types import RunDescriptor, TensorSpec
+from pipeline.descriptor import RunDescriptor
+from pipeline.types import TensorSpec
 from storage import layout
 from storage.errors import AlreadyExists, Conflict, Fenced, NotFound, Unavailable
 from storage.layout import commit_key, epoch_key, read_descriptor, write_descriptor

@@ -22,7 +22,8 @@ from pipeline.errors import FormatError
 from pipeline.fragment import FragmentLayout
 from pipeline.schedule import (CLOCK_KIND, CLOCK_VERSION, EXTRAPOLATE_MAX_S, MAX_PERIOD_S, MIN_PERIOD_S, ClockRecord,
                                RoundClock, ScheduleConfig)
-from pipeline.types import RunDescriptor, TensorSpec
+from pipeline.descriptor import RunDescriptor
+from pipeline.types import TensorSpec
 from storage.layout import CLOCK_KEY
 from storage.store import open_store
 from workers.syncer.rounds import DELTA_SPAN_S, PACE_FACTOR, RoundBook, bounded_period

@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.descriptor import migrate_v1
+from pipeline.descriptor import RunDescriptor, migrate_v1
 from pipeline.errors import FormatError
 from pipeline.fold import RoundInput, fold, initial_state
 from pipeline.policy import Pending, PolicyConfig, Timing, decide, late_deadline
 from pipeline.fragment import FragmentLayout
 from pipeline.merge import MergeConfig
 from pipeline.schedule import ClockRecord, RoundClock, ScheduleConfig, latest_round
-from pipeline.types import CommitRecord, DeltaHeader, InputRecord, RunDescriptor, TensorSpec
+from pipeline.types import CommitRecord, DeltaHeader, InputRecord, TensorSpec
 from workers.syncer.rounds import RoundBook
 from runhelpers import rounds_learner
 

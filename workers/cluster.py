@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from pipeline.types import RunDescriptor
+from pipeline.descriptor import RunDescriptor
 from storage.errors import StoreError
 from storage.layout import SPILL_PREFIX, parse_spill_key
 from storage.log import CommitLog

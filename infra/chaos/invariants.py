@@ -28,7 +28,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from pipeline.types import CommitRecord, RunDescriptor
+from pipeline.descriptor import RunDescriptor
+from pipeline.types import CommitRecord
 from storage.store import ObjectStore
 
 

@@ -33,7 +33,8 @@ import numpy as np
 
 from pipeline.codec import VERSION as CODEC_VERSION, CodecConfig, encode
 from pipeline.envelope import digest, pack_record, seal, unpack_record, unseal
-from pipeline.types import DeltaHeader, RunDescriptor
+from pipeline.descriptor import RunDescriptor
+from pipeline.types import DeltaHeader
 from storage.layout import spill_key
 from storage.store import ObjectStore
 from workers.bus.bus import BusConfig, LearnerLink, Message

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from pipeline.guard import NormGuardConfig
-from pipeline.types import RunDescriptor
+from pipeline.descriptor import RunDescriptor
 from storage.store import ObjectStore
 from workers.launch import RunSettings, create_run
 

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from pipeline.types import RunDescriptor
+from pipeline.descriptor import RunDescriptor
 from storage.layout import SPILL_PREFIX
 from workers.bus.bus import BusConfig
 from workers.common.events import EventLog

@@ -26,7 +26,8 @@ from pipeline.codec import decode, peek_meta
 from pipeline.envelope import digest
 from pipeline.errors import FormatError
 from pipeline.fold import RoundInput
-from pipeline.types import CommitRecord, DeltaHeader, RunDescriptor
+from pipeline.descriptor import RunDescriptor
+from pipeline.types import CommitRecord, DeltaHeader
 from storage.store import ObjectStore
 from workers.bus.keys import Roster
 from workers.bus.signing import delta_signature_ok, open_delta

@@ -37,7 +37,7 @@ import os
 import time
 from typing import Any, Callable, Mapping
 
-from pipeline.types import RunDescriptor
+from pipeline.descriptor import RunDescriptor
 from storage.accounting import CountingStore, StoreCounters
 from storage.store import ObjectStore
 from workers.bus.bus import BusCounters

@@ -20,7 +20,8 @@ import numpy as np
 from pipeline.checksum import tensor_digest
 from pipeline.codec import CodecConfig, MapFn, decode, encode
 from pipeline.errors import FormatError
-from pipeline.types import CommitRecord, RunDescriptor
+from pipeline.descriptor import RunDescriptor
+from pipeline.types import CommitRecord
 from storage.errors import NotFound, StoreError
 from storage.layout import HEAD_HINT_KEY, unpack_head_hint
 from storage.log import CommitLog

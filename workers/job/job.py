@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from pipeline.types import RunDescriptor
+from pipeline.descriptor import RunDescriptor
 from storage.store import ObjectStore
 from workers.bus.bus import BusConfig
 from workers.job.data import Corpus, DataConfig, evaluate

@@ -45,7 +45,8 @@ import numpy as np
 
 from pipeline.errors import FormatError
 from pipeline.fragment import extract
-from pipeline.types import DeltaHeader, RunDescriptor
+from pipeline.descriptor import RunDescriptor
+from pipeline.types import DeltaHeader
 from workers.bus.bus import BusConfig
 from workers.common.events import EventLog
 from workers.learner.agent_board import Board

@@ -30,7 +30,8 @@ import time
 from multiprocessing.connection import Connection
 
 from pipeline.errors import FormatError
-from pipeline.types import DeltaHeader, RunDescriptor
+from pipeline.descriptor import RunDescriptor
+from pipeline.types import DeltaHeader
 from storage.layout import shard_owner
 from workers.learner.agent_board import Board
 from workers.learner.agent_wire import Slots, unpack

@@ -46,7 +46,7 @@ from functools import partial
 from multiprocessing.connection import Connection, wait
 
 from pipeline.types import DeltaHeader
-from pipeline.types import RunDescriptor
+from pipeline.descriptor import RunDescriptor
 from storage.layout import read_descriptor
 from storage.store import open_store
 from workers.bus.bus import BusConfig, BusCounters, CurveKeys, drain_wake

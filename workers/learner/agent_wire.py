@@ -28,7 +28,7 @@ import msgpack
 import numpy as np
 
 from pipeline.errors import FormatError
-from pipeline.types import RunDescriptor
+from pipeline.descriptor import RunDescriptor
 
 WIRE_VERSION = 5      # 2: opened rounds, arrivals and freed slots moved to the board (agent_board.py);
                       # 3: a ``report`` frame (counters now), ``stats`` at most every 1 s instead of 0.25;

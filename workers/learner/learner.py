@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from pipeline.fragment import extract
-from pipeline.types import DeltaHeader, RunDescriptor, check_learner_id
+from pipeline.descriptor import RunDescriptor
+from pipeline.types import DeltaHeader, check_learner_id
 from storage.layout import read_descriptor
 from storage.log import claim_incarnation
 from storage.regions import learner_region_store

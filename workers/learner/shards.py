@@ -22,7 +22,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from pipeline.types import DeltaHeader, RunDescriptor
+from pipeline.descriptor import RunDescriptor
+from pipeline.types import DeltaHeader
 from storage.layout import shard_owner
 from storage.shards import owned_fragments, shard_stores
 from storage.store import ObjectStore

@@ -23,7 +23,8 @@ from pipeline.envelope import digest
 from pipeline.errors import FormatError
 from pipeline.fold import DropReason, RoundInput, SyncerState, merged_before
 from pipeline.guard import NormWindow
-from pipeline.types import CommitRecord, DeltaHeader, RunDescriptor
+from pipeline.descriptor import RunDescriptor
+from pipeline.types import CommitRecord, DeltaHeader
 from storage.checkpoints import write_checkpoint
 from storage.errors import AlreadyExists, Fenced, StoreError
 from storage.layout import commit_key, version_key

@@ -32,7 +32,8 @@ from typing import Callable, Mapping
 
 from pipeline.envelope import digest, pack_record, unpack_record
 from pipeline.errors import FormatError
-from pipeline.types import CommitRecord, RunDescriptor
+from pipeline.descriptor import RunDescriptor
+from pipeline.types import CommitRecord
 from storage.errors import AlreadyExists, NotFound, StoreError
 from storage.layout import FAILOVER_PREFIX, commit_key, failover_key, parse_failover_key
 from storage.log import CommitLog, current_epoch

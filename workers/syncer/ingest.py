@@ -26,7 +26,8 @@ from pipeline.commit import PENDING_OVERFLOW
 from pipeline.envelope import digest
 from pipeline.errors import FormatError
 from pipeline.fold import DropReason
-from pipeline.types import DeltaHeader, RunDescriptor
+from pipeline.descriptor import RunDescriptor
+from pipeline.types import DeltaHeader
 from storage.errors import AlreadyExists, NotFound, StoreError
 from storage.layout import SPILL_PREFIX, parse_spill_key, spill_key
 from storage.shards import owned_fragments

@@ -45,7 +45,8 @@ from pipeline.errors import FormatError
 from pipeline.commit import backfill_window, initial_window, window_after
 from pipeline.fold import FragmentState, SyncerState, fold_fence, published
 from pipeline.guard import NormWindow
-from pipeline.types import CommitRecord, RunDescriptor
+from pipeline.descriptor import RunDescriptor
+from pipeline.types import CommitRecord
 from storage.errors import NotFound, StoreError
 from storage.log import CommitLog
 from storage.store import ObjectStore

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from pipeline.errors import FormatError
-from pipeline.types import CommitRecord, RunDescriptor
+from pipeline.descriptor import RunDescriptor
+from pipeline.types import CommitRecord
 from storage.accounting import CountingStore
 from storage.errors import NotFound, StoreError
 from storage.layout import DESCRIPTOR_KEY, HEAD_HINT_KEY, commit_key, pack_head_hint

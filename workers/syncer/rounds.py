@@ -29,7 +29,7 @@ from typing import Sequence
 
 from pipeline.policy import Ewma
 from pipeline.schedule import ClockRecord, RoundClock, check_period, clamp_period
-from pipeline.types import RunDescriptor
+from pipeline.descriptor import RunDescriptor
 
 BURST_GAP_S = 0.25      # arrivals of one learner in one loop turn this close together: one burst
 DELTA_SPAN_S = 1.0      # a pace sample from deltas spans at least this long (two listings or more) ...

@@ -43,7 +43,8 @@ from pipeline.fold import DropReason, RoundInput, SyncerState, fold_fence
 from pipeline.policy import (Decision, Ewma, Pending, Timing, Verdict, decide, expire_late, late_answers,
                              late_deadline)
 from pipeline.schedule import ClockRecord
-from pipeline.types import CommitRecord, RunDescriptor
+from pipeline.descriptor import RunDescriptor
+from pipeline.types import CommitRecord
 from storage.errors import StoreError
 from storage.layout import CLOCK_KEY, read_descriptor
 from storage.log import CommitLog, claim_epoch

@@ -21,7 +21,8 @@ from typing import Sequence, TextIO
 import numpy as np
 
 from pipeline.errors import FormatError
-from pipeline.types import CommitRecord, RunDescriptor
+from pipeline.descriptor import RunDescriptor
+from pipeline.types import CommitRecord
 from storage.errors import NotFound, StoreError
 from storage.layout import commit_key
 from storage.log import CommitLog

@@ -24,7 +24,8 @@ from pipeline.commit import (PENDING_OVERFLOW, RECORDED_REASONS, Commit, backfil
 from pipeline.errors import FormatError
 from pipeline.fold import ReplayMismatch, SyncerState, initial_state
 from pipeline.guard import NormWindow
-from pipeline.types import CommitRecord, RunDescriptor
+from pipeline.descriptor import RunDescriptor
+from pipeline.types import CommitRecord
 from storage.checkpoints import latest_checkpoint
 from storage.errors import NotFound
 from storage.layout import commit_key

@@ -25,7 +25,8 @@ from pipeline.codec import decode
 from pipeline.commit import Commit
 from pipeline.errors import FormatError
 from pipeline.fold import ReplayMismatch, SyncerState
-from pipeline.types import CommitRecord, RunDescriptor
+from pipeline.descriptor import RunDescriptor
+from pipeline.types import CommitRecord
 from storage.checkpoints import list_checkpoints, read_checkpoint
 from storage.errors import NotFound, StoreError
 from storage.layout import (DESCRIPTOR_KEY, HEAD_HINT_KEY, RETENTION_KEY, read_descriptor, unpack_head_hint,
