@@ -1,7 +1,7 @@
 """One commit, decided in one place: the norm guard, the fold and the norm window (SPEC §4, §7).
 
 The live syncer (workers/syncer/syncer.py), its restart recovery (workers/syncer/recovery.py) and the replay tool
-(workers/tools/replay.py) all call :func:`apply_commit`, and nothing else decides what a round merges or
+(workers/common/refold.py) all call :func:`apply_commit`, and nothing else decides what a round merges or
 drops. Given the syncer state, the norm window (None when the run has no guard, pipeline/guard.py),
 a fragment, the round's inputs and the commit's metadata, it returns the next state, the next
 window, the commit record and the published values:

@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.checksum import tensor_digest
 from storage.log import CommitLog
-from workers.tools.replay import rebuild
+from workers.common.refold import rebuild
 from workers.common.versions import decode_version
 
 from conftest import use_s3_env

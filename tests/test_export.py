@@ -21,8 +21,8 @@ from workers.tools import export
 from workers.job.data import Corpus, evaluate
 from workers.job.job import job_from
 from workers.job.model import GPT
-from workers.tools.replay import rebuild
-from workers.tools.replay_verify import open_run
+from workers.common.refold import rebuild
+from workers.common.runs import open_run
 from runhelpers import finished_demo_run
 
 pytestmark = pytest.mark.timeout(240)

@@ -29,7 +29,7 @@ from storage.store import open_store
 from workers.bus.bus import Message
 from workers.launch import RunSettings, create_run
 from workers.learner.learner import Learner
-from workers.tools.replay import rebuild
+from workers.common.refold import rebuild
 from workers.syncer.syncer import Syncer, SyncerConfig
 
 pytestmark = pytest.mark.timeout(120)

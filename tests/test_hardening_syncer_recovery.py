@@ -21,7 +21,7 @@ from storage.log import CommitLog
 from storage.store import open_store
 from workers.bus.keys import KeyRing, ensure_identities
 from workers.launch import RunSettings, create_run
-from workers.tools.replay import rebuild
+from workers.common.refold import rebuild
 from workers.tools.replay_verify import replay_run
 from workers.bus.signing import commit_signature_ok, seal_delta
 from workers.syncer.syncer import Syncer, SyncerConfig

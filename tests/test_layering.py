@@ -56,6 +56,8 @@ SYNCER_MODULES = ("workers", "syncer")     # ... and files under workers/ whose 
 ENV_ALLOWED = {"storage/s3.py": "AWS_"}    # ... except these files, and only literal names with this prefix
 SEEDED_RNG = ("pipeline", "storage")       # packages where numpy randomness must be explicitly seeded
 RNG_TYPES = {"Generator"}                  # np.random attributes that may be named without a call
+ROLES = ("workers/learner", "workers/syncer", "workers/bus", "workers/common", "workers/job")   # ... never
+TOOLS = "workers.tools"                    # ... import the tools: replay, log, export use the roles, not back
 LAB = "infra/lab"                          # investigations: not installed, so nothing outside imports them
 KEY_OWNER = "storage/layout.py"
 KEY_STARTS = tuple(sorted(v for k, v in vars(layout).items()   # DESCRIPTOR_KEY, LOG_PREFIX, ...
@@ -90,9 +92,23 @@ def _import_rules(rel: Path, tree: ast.AST, top: str) -> list[tuple[int, str]]:
         for name in names:
             if name.split(".")[0] in FORBIDDEN.get(top, ()):
                 out.append((node.lineno, f"imports {name.split('.')[0]} ({top}/ must not)"))
+        if rel.as_posix().startswith(tuple(r + "/" for r in ROLES)) and _names_tools(rel, node, names):
+            out.append((node.lineno, f"imports {TOOLS} (the roles and what they share never import the tools)"))
         if not rel.as_posix().startswith(LAB + "/") and _names_lab(rel, node, names):
             out.append((node.lineno, f"imports {LAB}/ (lab code is not installed: nothing in the package may)"))
     return out
+
+
+def _names_tools(rel: Path, node: ast.AST, names: list[str]) -> bool:
+    """Whether an import names workers.tools, absolutely or relatively from inside workers/."""
+    if any(n == TOOLS or n.startswith(TOOLS + ".") for n in names):
+        return True
+    if isinstance(node, ast.ImportFrom) and node.level:
+        base = rel.parent.parts[:len(rel.parent.parts) - node.level + 1]
+        target = ".".join([*base, *(node.module.split(".") if node.module else [])])
+        return target == TOOLS or target.startswith(TOOLS + ".") or (
+            target == "workers" and any(a.name == "tools" for a in node.names))
+    return False
 
 
 def _names_lab(rel: Path, node: ast.AST, names: list[str]) -> bool:
@@ -299,6 +315,10 @@ PLANTED = [
     ("infra/planted.py", "from . import lab\n", "imports infra/lab/"),
     ("infra/chaos/planted.py", "from ..lab.overhead import main\n", "imports infra/lab/"),
     ("infra/lab/planted.py", "from .overhead import main\nfrom infra.lab import bench_cli\n", None),
+    ("workers/syncer/planted.py", "from workers.tools.replay_verify import replay_run\n", "imports workers.tools"),
+    ("workers/common/planted.py", "from ..tools import logview\n", "imports workers.tools"),
+    ("workers/learner/planted.py", "from .. import tools\n", "imports workers.tools"),
+    ("workers/tools/planted.py", "from workers.syncer.gc import configure\nfrom ..common import refold\n", None),
 ]
 
 

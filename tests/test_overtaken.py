@@ -31,7 +31,7 @@ from workers.bus.bus import Message
 from workers.launch import RunSettings, create_run
 from workers.syncer.syncer import Syncer, SyncerConfig
 from workers.tools.logview import LogTotals
-from workers.tools.replay import rebuild
+from workers.common.refold import rebuild
 from runhelpers import ManualClock
 
 pytestmark = pytest.mark.timeout(120)

@@ -28,7 +28,7 @@ from workers.bus.bus import Message
 from workers.launch import RunSettings, check_quorum, create_run
 from workers.syncer.syncer import Syncer, SyncerConfig
 from workers.tools.logview import token_figures
-from workers.tools.replay import rebuild
+from workers.common.refold import rebuild
 
 from runhelpers import ManualClock, TinyRun, last_step, wait_for
 

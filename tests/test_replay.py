@@ -34,8 +34,9 @@ from storage.log import CommitLog
 from storage.store import open_store
 from workers.tools import replay_cli
 from workers.bus.keys import SYNCER
-from workers.tools.replay import rebuild
-from workers.tools.replay_verify import open_run, replay_run
+from workers.common.refold import rebuild
+from workers.tools.replay_verify import replay_run
+from workers.common.runs import open_run
 from workers.common.versions import VERSION_KIND, encode_version, max_fragment_bytes
 
 from conftest import use_s3_env

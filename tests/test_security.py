@@ -38,7 +38,7 @@ from workers.bus.keys import (KeyRing, Roster, add_member, configure as keys_con
 from workers.launch import RunSettings, create_run
 from workers.learner.learner import Learner, LearnerConfig
 from workers.learner.receiver import Receiver
-from workers.tools.replay import rebuild
+from workers.common.refold import rebuild
 from workers.bus.signing import seal_delta
 from workers.syncer.syncer import Syncer
 from workers.common.versions import VersionTracker, decode_version, version_codec

@@ -215,7 +215,7 @@ def configure(parser: argparse.ArgumentParser):
 def gc_command(args, out: TextIO, err: TextIO) -> int:
     """Plan (and apply) retention; in a sharded run (issue 15) for each shard's partition on its
     own (storage/shards.py: a shard's plan sees only its log, checkpoints, inbox and versions)."""
-    from workers.tools.replay_verify import open_run     # never creates a mistyped local directory
+    from workers.common.runs import open_run     # never creates a mistyped local directory
     try:
         root, desc = open_run(args.run_uri, s3_endpoint=args.s3_endpoint)
         if args.keep_commits < 0:

@@ -40,7 +40,7 @@ from storage.log import CommitLog, current_epoch
 from storage.regions import RegionConflict, replicate_commit, replicate_static, store_region
 from storage.store import ObjectStore
 from workers.common.events import EventLog
-from workers.tools.replay import trusted_commits
+from workers.common.refold import trusted_commits
 
 __all__ = ["FAILOVER_KIND", "FAILOVER_VERSION", "HomeRegionError", "HomeConfig", "Failover", "pack_failover",
            "read_failover", "RegionView", "survey", "HomeStart", "start_home"]

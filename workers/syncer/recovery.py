@@ -2,7 +2,7 @@
 
 SPEC §7-8: the syncer restarts from the log and loses nothing that was committed. Recovery re-folds
 every commit after the newest usable checkpoint with the same code as replay (``Refolder`` in
-workers/tools/replay.py, which calls ``pipeline.commit.verify_commit``), so every restart is a replay
+workers/common/refold.py, which calls ``pipeline.commit.verify_commit``), so every restart is a replay
 check; the norm window it rebuilds is part of the result (``Recovery.window``). Unlike replay, which stops at the first
 problem (it must report, never repair), recovery *salvages* what it can and says so:
 
@@ -51,7 +51,7 @@ from storage.errors import NotFound, StoreError
 from storage.log import CommitLog
 from storage.store import ObjectStore
 from workers.bus.keys import Roster
-from workers.tools.replay import Refolder, ReplayStats, older_commits, origin_state, security_of
+from workers.common.refold import Refolder, ReplayStats, older_commits, origin_state, security_of
 from workers.bus.signing import Signer
 from workers.common.versions import VersionTracker, decode_version, encode_version
 

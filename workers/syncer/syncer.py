@@ -65,7 +65,7 @@ from workers.syncer.records import Held, PendingKey
 from workers.syncer.recovery import Recovery, recover_state, republish_damaged
 from workers.syncer.replicate import replication
 from workers.syncer.rounds import OpenRound, RoundBook
-from workers.tools.replay import trusted_commits
+from workers.common.refold import trusted_commits
 
 REJECTED_FLUSH = 16                   # rejected deltas of one fragment that force a drop commit
 

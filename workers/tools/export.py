@@ -28,7 +28,7 @@ from storage.layout import commit_key
 from storage.log import CommitLog
 from storage.shards import owned_fragments, shard_stores
 from storage.store import ObjectStore
-from workers.tools.replay_verify import open_run
+from workers.common.runs import open_run
 from workers.tools.replay_cli import EXIT_DAMAGED, EXIT_USAGE, add_location_args, pipe_safe
 from workers.common.versions import decode_version
 

@@ -33,7 +33,7 @@ from storage.log import CommitLog
 from storage.shards import shard_stores
 from workers.tools.accounting import default_event_dir, read_event_dir, report_lines, traffic_report
 from workers.tools.cost import parse_prices
-from workers.tools.replay_verify import open_run
+from workers.common.runs import open_run
 from workers.tools.replay_cli import EXIT_DAMAGED, EXIT_USAGE, add_location_args, pipe_safe
 
 

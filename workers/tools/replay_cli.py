@@ -2,7 +2,7 @@
 
 Recomputes every committed fragment version from the inputs the log names, with the same pure fold
 and code path the syncer's recovery uses (``workers.tools.replay_verify.replay_run`` over
-``workers.tools.replay.rebuild``), and checks each commit, each stored version and each checkpoint. Exit status: 0 verified, 1 a divergence (a recomputed value or decision differs from
+``workers.common.refold.rebuild``), and checks each commit, each stored version and each checkpoint. Exit status: 0 verified, 1 a divergence (a recomputed value or decision differs from
 the recorded one), 3 damage (a missing, truncated or altered object, a gap in the log), 2 bad
 arguments, no run at RUN_URI, or a ``--from`` before what retention kept (not damage: issue 26).
 Without ``--from``, replay starts after the horizon retention wrote (``hints/retention``) and says
@@ -27,8 +27,9 @@ from storage.layout import DELTA_PREFIX, SPILL_PREFIX, VERSION_PREFIX
 from storage.regions import open_region, verify_region
 from storage.shards import shard_stores
 from storage.store import open_store
-from workers.tools.replay import ReplayStats
-from workers.tools.replay_verify import log_bounds, open_run, replay_run, retention_horizon, run_output
+from workers.common.refold import ReplayStats
+from workers.tools.replay_verify import log_bounds, replay_run, retention_horizon
+from workers.common.runs import open_run, run_output
 
 EXIT_OK, EXIT_DIVERGED, EXIT_USAGE, EXIT_DAMAGED = 0, 1, 2, 3
 

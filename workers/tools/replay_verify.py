@@ -1,7 +1,7 @@
 """Verify a run bit for bit: what `ddiloco replay` does (SPEC §7 'Replay'; issue "Replay and
 inspection of a run's fragment log").
 
-:func:`replay_run` drives ``workers.tools.replay.rebuild`` — the very path the syncer's restart recovery
+:func:`replay_run` drives ``workers.common.refold.rebuild`` — the very path the syncer's restart recovery
 takes — from the nearest checkpoint before ``start`` (or the init commits), folding silently (every
 commit still checked) up to ``start``, then verifying ``start..end``: each commit is recomputed from
 its recorded inputs and compared with the record, norms included (``pipeline.commit.verify_commit``),
@@ -11,11 +11,8 @@ replay with an error naming the object, the commit and what is wrong.
 """
 from __future__ import annotations
 
-import json
-import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Mapping
 
 import numpy as np
@@ -29,49 +26,11 @@ from pipeline.descriptor import RunDescriptor
 from pipeline.types import CommitRecord
 from storage.checkpoints import list_checkpoints, read_checkpoint
 from storage.errors import NotFound, StoreError
-from storage.layout import (DESCRIPTOR_KEY, HEAD_HINT_KEY, RETENTION_KEY, read_descriptor, unpack_head_hint,
-                            unpack_retention_hint)
+from storage.layout import HEAD_HINT_KEY, RETENTION_KEY, unpack_head_hint, unpack_retention_hint
 from storage.log import CommitLog
-from storage.store import ObjectStore, open_store
-from workers.tools.replay import ReplayStats, rebuild
+from storage.store import ObjectStore
+from workers.common.refold import ReplayStats, rebuild
 from workers.common.versions import VERSION_KIND, decode_version, max_fragment_bytes
-
-
-def _local_path(uri: str) -> str | None:
-    """The directory a local run location names (a path or ``file://``), None for a remote one."""
-    return uri[len("file://"):] if uri.startswith("file://") else None if "://" in uri else uri
-
-
-def run_output(uri: str) -> dict | None:
-    """The summary of a ``ddiloco run`` output directory ``uri`` (``OUT/summary.json``, when ``uri``
-    is a local directory that holds no run itself), else None."""
-    local = _local_path(uri)
-    if local is None:
-        return None
-    out = Path(os.path.expanduser(local))
-    if (out / DESCRIPTOR_KEY).exists() or not (out / "summary.json").is_file():
-        return None
-    try:
-        summary = json.loads((out / "summary.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return summary if isinstance(summary, dict) else None
-
-
-def open_run(uri: str, *, s3_endpoint: str | None = None) -> tuple[ObjectStore, RunDescriptor]:
-    """The store and descriptor of the run at ``uri`` (a directory, a local mirror of an S3 run,
-    ``file://`` or ``s3://``, or a ``ddiloco run`` output directory: the run its summary names,
-    ``replay_uri`` - a ``--wan`` run's copy of its home store - or ``run_uri``; issue 26);
-    ``NotFound`` says when there is no run there."""
-    summary = run_output(uri)
-    if summary is not None and isinstance(summary.get("replay_uri") or summary.get("run_uri"), str):
-        uri = summary.get("replay_uri") or summary["run_uri"]
-    local = _local_path(uri)
-    if local is not None and not os.path.isdir(os.path.expanduser(local)):
-        # Opening a local store creates its directory: a mistyped path must not become an empty run.
-        raise NotFound(f"no run at {uri} (no such directory)", uri=uri)
-    store = open_store(uri, s3_endpoint=s3_endpoint)
-    return store, read_descriptor(store)
 
 
 @dataclass
