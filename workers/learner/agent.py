@@ -424,9 +424,10 @@ class SyncAgent(ChildRecovery):
 
 
 class AgentSender:
-    """The Learner's view of the child's Sender (the same methods it calls on ``Sender``)."""
+    """The Learner's view of the child's Sender: a ``DeltaSender`` (workers/learner/io.py)."""
 
     logs_deltas = True     # the child writes each delta's ``delta`` event when it takes it (sender.delta_made)
+    writes_difference = True   # the training thread subtracts straight into a shared slot
 
     def __init__(self, agent: SyncAgent):
         self.agent = agent
@@ -478,7 +479,7 @@ class AgentSender:
 
 
 class AgentReceiver:
-    """The Learner's view of the child's Receiver; ``stop`` ends the child."""
+    """The Learner's view of the child's Receiver (a ``VersionReceiver``); ``stop`` ends the child."""
 
     def __init__(self, agent: SyncAgent):
         self.agent = agent
@@ -513,7 +514,14 @@ class AgentReceiver:
                 raise
             return agent._opened[1]
 
-    def __getattr__(self, name: str):
-        if name in ("bytes_received", "errors", "refused", "failed", "awaited", "copy_misses", "copy_wait_s"):
-            return self.__dict__["agent"].stats.get("receiver", {}).get(name, 0 if name != "failed" else None)
-        raise AttributeError(name)
+    def _counter(self, name: str, default=0):
+        return self.agent.stats.get("receiver", {}).get(name, default)
+
+    # the child's receiver counters, from its last counters frame
+    failed = property(lambda self: self._counter("failed", None))
+    errors = property(lambda self: self._counter("errors"))
+    refused = property(lambda self: self._counter("refused"))
+    bytes_received = property(lambda self: self._counter("bytes_received"))
+    awaited = property(lambda self: self._counter("awaited"))
+    copy_misses = property(lambda self: self._counter("copy_misses"))
+    copy_wait_s = property(lambda self: self._counter("copy_wait_s", 0.0))

@@ -46,6 +46,7 @@ from workers.bus.bus import ZMQ, BusConfig, BusCounters, Transport
 from workers.common.events import EventLog
 from workers.bus.keys import KeyRing, Roster
 from workers.learner.device_quant import QMAX as _DEVICE_QMAX, quantise_delta
+from workers.learner.io import DeltaSender, VersionReceiver
 from workers.learner.nonfinite import NonFiniteGuard
 from workers.learner.receiver import Receiver
 from workers.learner.sender import Sender, SenderConfig, SenderStats, delta_made
@@ -139,8 +140,8 @@ class Learner:
         self._last_start: float | None = None
         self._window_gap = 0.0             # longest gap since the last step event
         self.loss_ewma: float | None = None
-        self.sender: Sender | None = None
-        self.receiver: Receiver | None = None
+        self.sender: DeltaSender | None = None        # this process's threads, per shard, or the sync agent
+        self.receiver: VersionReceiver | None = None
         self.applied = 0
         self.health = NonFiniteGuard()
         self.trace = StepTrace(config.stats_window) if config.trace_steps else None
@@ -448,19 +449,18 @@ class Learner:
                              self.c_tokens[p], max(self.step_count - 1, 0), round_id)
         self.seq += 1
         self._answered_steps[p] = header.c_steps
-        if not getattr(self.sender, "logs_deltas", False):   # the sync agent logs it, off this thread
+        if not self.sender.logs_deltas:   # the sync agent logs it, off this thread
             delta_made(self.events, header)
         if self._device_quantise:   # Δ quantised where θ lives; the sender waits for its bytes
             c = self.descriptor.codec
             self.sender.submit(header, quantise_delta(self._device_base(p, names), self.params, names, c.scheme,
                                                       c.block_size))
             return
-        direct = getattr(self.sender, "submit_difference", None)
-        if direct is not None and not self.descriptor.learner.keep_progress:
+        if self.sender.writes_difference and not self.descriptor.learner.keep_progress:
             held = self._fragment_params.get(p)
             if held is None:      # the same dict every answer: the agent keeps its views of it
                 held = self._fragment_params[p] = {n: self.params[n] for n in names}
-            direct(header, self.base[p], held)   # Δ straight into shared memory
+            self.sender.submit_difference(header, self.base[p], held)   # Δ straight into shared memory
             return
         current = extract(self.params, names)
         delta = {n: self.base[p][n] - current[n] for n in names}
@@ -517,8 +517,8 @@ class Learner:
             "versions_applied": self.applied, "receiver_errors": r.errors if r else 0,
             "versions_refused": r.refused if r else 0, "receiver_failed": r.failed if r else None,
             # announced commits not in this learner's store yet (its region's copy), reads that missed them
-            "versions_awaited": getattr(r, "awaited", 0), "copy_misses": getattr(r, "copy_misses", 0),
-            "copy_wait_s": round(getattr(r, "copy_wait_s", 0.0), 4),
+            "versions_awaited": r.awaited if r else 0, "copy_misses": r.copy_misses if r else 0,
+            "copy_wait_s": round(r.copy_wait_s, 4) if r else 0.0,
             "nonfinite_steps": self.health.skipped, "fragments_reloaded": self.health.reloads,
             "median_step_s": statistics.median(self.step_times) if self.step_times else 0.0,
             # tails over the same window (issue 15: p99 <= 1.1x the median with sync on)

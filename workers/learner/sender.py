@@ -43,6 +43,7 @@ from storage.layout import spill_key
 from storage.store import ObjectStore
 from workers.bus.bus import ZMQ, BusConfig, LearnerLink, Message, Transport, drain_wake
 from workers.common.events import EventLog
+from .io import no_difference
 
 DELTA_KIND = "delta"
 LEAVING_LINGER_S = 0.5   # how long a stopping learner's leaving heartbeat may take to go out
@@ -122,6 +123,12 @@ def delta_made(events: EventLog, header: DeltaHeader) -> None:
 
 
 class Sender:
+    """A ``DeltaSender`` (workers/learner/io.py) on threads of the learner's own process."""
+
+    logs_deltas = False          # the learner writes each delta's event
+    writes_difference = False    # takes computed deltas only
+    submit_difference = no_difference("Sender")
+
     def __init__(self, store: ObjectStore, codec: CodecConfig, cfg: SenderConfig, events: EventLog,
                  bus: BusConfig | None, identity: bytes, heartbeat: Callable[[], dict],
                  clock: Callable[[], float] = time.monotonic, curve=None, seal: Callable[[bytes], bytes] | None = None,

@@ -30,6 +30,7 @@ from storage.store import ObjectStore
 from workers.bus.bus import BusConfig
 from workers.common.versions import VersionTracker
 
+from .io import no_difference
 from .receiver import Arrival, Receiver
 from .sender import Sender, SenderStats
 
@@ -81,7 +82,11 @@ class ShardedTracker:
 
 
 class ShardedSender:
-    """One ``Sender`` per shard; a delta goes to its fragment's owner."""
+    """One ``Sender`` per shard; a delta goes to its fragment's owner (a ``DeltaSender``)."""
+
+    logs_deltas = False
+    writes_difference = False
+    submit_difference = no_difference("ShardedSender")
 
     def __init__(self, senders: Sequence[Sender]):
         self.senders = list(senders)
