@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from workers.common.events import read_events
+from workers.common.placement import Placement
 
 PATHS = (("bus", []), ("bucket-only", ["--no-bus"]))
 
@@ -67,9 +68,9 @@ def _finish(out: Path, proc: subprocess.Popen) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
-def region_learners(summary: dict, region: int = 1, regions: int = 2) -> list[str]:
-    """Learner ``l<m>`` runs in region r(m mod N) (workers/run.py)."""
-    return [lid for lid in summary["per_learner"] if int(lid[1:]) % regions == region]
+def region_learners(summary: dict, region: int = 1) -> list[str]:
+    """The learners a run placed in region ``r<region>`` (its summary's ``placement``)."""
+    return Placement.from_dict(summary["placement"]).in_region(f"r{region}")
 
 
 def _progress(out: Path, lid: str) -> list[tuple[float, int]]:

@@ -41,6 +41,7 @@ from workers.common.cpus import parse_cpus
 from workers.common.events import EventLog
 from workers.bus.keys import SYNCER, KeyRing, key_paths, load_identity, load_public
 from workers.common.metrics import add_metrics_args, start_metrics
+from workers.common.placement import default_shard
 from workers.common.traffic import SINGLE_REGION, SyncerTraffic, TrafficMeter, counted
 from workers.syncer.syncer import Syncer, SyncerConfig
 
@@ -315,11 +316,8 @@ def configure_learner(parser: argparse.ArgumentParser):
 
 
 def _shard(args) -> int:
-    """--shard, or the number in --id."""
-    if args.shard is not None:
-        return args.shard
-    digits = "".join(c for c in args.id if c.isdigit())
-    return int(digits) if digits else 0
+    """--shard, or the number in --id (workers/common/placement.py)."""
+    return args.shard if args.shard is not None else default_shard(args.id)
 
 
 def _torchrun_group(args):

@@ -29,6 +29,7 @@ from storage.store import ObjectStore, open_store
 from . import config
 from .cluster import ClusterConfig, LocalCluster, RoleExited, create_job_run, global_eval_loss
 from .run_config import ALIASES, CHOICES, HELP, SKIP, RunConfig
+from workers.common.placement import Placement, learner_names
 from workers.job.data import Corpus, evaluate
 from workers.common.events import EventLog, Tail, read_events
 from workers.job.job import dp_baseline
@@ -144,8 +145,9 @@ def _run_decoupled(args, cfg: RunConfig, out: Path, topology) -> int:
     store_uri = topology.store_uri if topology is not None else cfg.run.store or str(out / "store")
     store = open_store(store_uri, s3_endpoint=cfg.run.s3_endpoint)
     keydir = None if cfg.run.insecure else Path(cfg.run.keys or out / "keys")
-    names = [f"l{m}" for m in range(learners)]
+    names = learner_names(learners)
     regions = topology.regions if topology is not None else local_regions(cfg, store_uri, out)
+    placement = Placement.round_robin(names, [r.name for r in regions.regions] if regions is not None else [])
     desc, model = create_job_run(store, cfg.settings(regions), gcfg, cfg.run.seed, keydir, names)
     if args.create_only:
         print(f"created run {desc.run_id} at {store_uri}: {desc.num_fragments} fragments, "
@@ -178,13 +180,14 @@ def _run_decoupled(args, cfg: RunConfig, out: Path, topology) -> int:
     except (RoleExited, TimeoutError) as exc:
         cluster.stop()
         raise SystemExit(f"ddiloco run: the syncer did not come up: {exc}") from None
-    for m, lid in enumerate(names):
-        region = ["--region", f"r{m % cfg.run.regions}"] if desc.regions is not None else []
+    for lid in names:
+        region = ["--region", placement.region(lid)] if placement.region(lid) is not None else []
         slow = ["--slow", str(roles.slow)] if roles.slow != 1.0 else []
         slow += ["--pace", str(roles.pace)] if roles.pace is not None else []
         slow += ["--poll", str(roles.poll)] if roles.poll is not None else []
         slow += ["--sync-process"] if roles.sync_process else []
-        cluster.start_learner(lid, ["--shard", str(m), *region, *slow, *metrics_flags(roles.metrics_port, m + 1)])
+        cluster.start_learner(lid, ["--shard", str(placement.shard(lid)), *region, *slow,
+                                    *metrics_flags(roles.metrics_port, names.index(lid) + 1)])
     init_loss = evaluate(model, corpus)
     events.emit("eval", tokens=0, loss=init_loss, versions={})
     progress = Progress(learners, steps, desc, plain=args.plain or not sys.stdout.isatty())
@@ -196,6 +199,7 @@ def _run_decoupled(args, cfg: RunConfig, out: Path, topology) -> int:
     events.close()
     all_events = [e for f in sorted((out / "logs").glob("*.jsonl")) for e in read_events(f)]
     summary = _summary(store_uri, desc, all_events, init_loss, final, wall, drained, cfg, interrupted)
+    summary["placement"] = placement.to_dict()
     summary.update(_rounds_figures(store, desc, all_events))
     summary.update(_log_figures(store, desc))
     summary["accounting"] = _accounting(all_events, desc, cfg.run.prices)

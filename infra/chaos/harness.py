@@ -27,6 +27,7 @@ from storage.log import CommitLog
 from storage.store import ObjectStore, open_store
 from workers.cluster import (LEARNER_ROLE, SYNCER_ROLE, ClusterConfig, DrainStatus, Life, LocalCluster,
                              create_job_run, free_port)
+from workers.common.placement import Placement, learner_names
 from workers.job.job import JobSettings
 from workers.bus.keys import SYNCER, ensure_identities, key_paths
 from workers.launch import RunSettings
@@ -84,16 +85,19 @@ class RunSpec:
                 raise ValueError(f"slow factor{' of ' + lid if lid else ''} must be >= 1, got {f}")
 
     def learner_ids(self) -> list[str]:
-        return [f"l{m}" for m in range(self.learners)]
+        return learner_names(self.learners)
 
     def slow_of(self, lid: str) -> float:
         return dict(self.slow_by).get(lid, self.slow)
 
+    def placement(self) -> Placement:
+        """Where the run's learners live: round robin over the regions with storage "wan"."""
+        regions = [f"r{r}" for r in range(self.regions)] if self.storage == "wan" else []
+        return Placement.round_robin(self.learner_ids(), regions)
+
     def region_of(self, lid: str) -> str | None:
-        """Learner ``l<m>``'s region with storage "wan" (r(m mod regions)), else None."""
-        if self.storage != "wan":
-            return None
-        return f"r{int(''.join(c for c in lid if c.isdigit()) or 0) % self.regions}"
+        """Learner ``lid``'s region with storage "wan", else None."""
+        return self.placement().region(lid)
 
 
 @dataclass

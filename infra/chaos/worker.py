@@ -23,6 +23,7 @@ from storage.store import open_store
 from workers.bus.bus import BusConfig
 from workers.commands import learner_exit
 from workers.common.events import EventLog
+from workers.common.placement import default_shard
 from workers.job.job import Pace, learner_process
 from workers.bus.keys import SYNCER, KeyRing, key_paths, load_identity, load_public
 from workers.learner.learner import LearnerConfig
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     events = EventLog(args.log, "learner", args.id)
     cfg = LearnerConfig(sender=SenderConfig(ack_timeout_s=args.ack_timeout), poll_s=args.poll, keys=_keyring(args),
                         sync_process=args.sync_process)
-    shard = args.shard if args.shard is not None else int("".join(c for c in args.id if c.isdigit()) or 0)
+    shard = args.shard if args.shard is not None else default_shard(args.id)
     wait_for = args.wait_for
     stats = learner_process(store, args.id, shard, BusConfig(args.ingest, args.announce), events, steps=args.steps,
                             config=cfg, stop=stop.is_set, pace=pace, data_seed=args.data_seed,
