@@ -13,7 +13,7 @@ where it is a ratio:
    ``--mode diloco`` with the same H, and one learner alone (``--mode dp --learners 1``), as mean ±
    sample standard deviation over ``--seeds`` (reruns of one side spread by ~0.1: one run per
    side cannot tell them apart);
-5. rounds (issue "Rounds"): utilisation - the share of each learner's inner steps whose work
+5. rounds: utilisation - the share of each learner's inner steps whose work
    entered a committed version - the version latency in steps (answer -> applied) and the mean
    number of learners merged per round.
 ``codec``, ``merge`` and ``throughput`` (both) time the codec and the syncer's merge beside this
@@ -270,7 +270,7 @@ def _handle(parser: argparse.ArgumentParser, args) -> int:
     from workers.job.model import GPTConfig, build_model
     params = sum(p.numel() for p in build_model(GPTConfig(), 0).parameters())
     figures.update(bandwidth_figures(local, args.steps, params, args.learners))
-    # Rounds (issue "Rounds"): share of each learner's steps whose work entered a version, and how
+    # Rounds: share of each learner's steps whose work entered a version, and how
     # many steps pass between a learner's answer and the version that merged it.
     util = [u for u in (local.get("utilisation") or {}).values() if u is not None]
     lat = [v for v in (local.get("version_latency_steps_p50") or {}).values() if v is not None]

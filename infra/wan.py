@@ -1,5 +1,5 @@
 """A userspace WAN shaper: a byte-transparent TCP proxy with delay, jitter, a bandwidth cap, loss
-and partitions (issue 14; no netem on these machines). docs/regions.md says what it models; the
+and partitions (no netem on these machines). docs/regions.md says what it models; the
 link description (``LinkSpec``) and its parser live in infra/wan_link.py.
 
 ``WanProxy(target_host, target_port, up, down)`` listens on 127.0.0.1 only and forwards every

@@ -1,4 +1,4 @@
-"""The WAN shaper's link description (issue 14): ``LinkSpec``, parsed from strings such as
+"""The WAN shaper's link description: ``LinkSpec``, parsed from strings such as
 "rtt=100ms,bw=100mbit,jitter=5ms,loss=0.001", with errors that name the bad field. The proxy that
 applies it is infra/wan.py; docs/regions.md says what it models.
 """

@@ -63,7 +63,7 @@ class WanRun:
     def summary(self) -> dict:
         """The links' figures and, per other region, whether its copy matches the home log
         (``storage.regions.verify_region``, as ``ddiloco replay --regions``). The servers stop
-        with the run, so every region's store is also copied to ``OUT/stores/<region>`` (issue 26):
+        with the run, so every region's store is also copied to ``OUT/stores/<region>``:
         ``ddiloco replay OUT`` (``--regions`` too), ``log OUT`` and ``export OUT`` read the copies."""
         out = self.topology.summary()
         home = open_store(self.store_uri, create=False)

@@ -1,4 +1,4 @@
-"""Regions on one machine over an emulated WAN (issue 14; docs/regions.md "A run over the WAN").
+"""Regions on one machine over an emulated WAN (docs/regions.md "A run over the WAN").
 
 ``WanTopology`` brings up what ``ddiloco run --regions N --wan SPEC`` needs: one SeaweedFS server
 per region (infra/s3server.py, loopback only, bucket ``ddiloco-rK``), and a ``WanProxy`` (infra/wan.py)

@@ -9,7 +9,7 @@ zstd'd on ``map_fn`` or stored where zstd does not pay (pipeline/codec_frames.py
 version 2's body sealed with an xxh3-128 checksum instead of sha256 (sha256 was the largest cost
 left on one core, docs/scale.md). ``decode`` reads all three; ``encode`` writes ``CodecConfig.format`` (new runs 3).
 
-Speed (issue 15): vectorised kernels go through a tensor in steps of ``_STEP`` values whose
+Speed: vectorised kernels go through a tensor in steps of ``_STEP`` values whose
 temporaries stay in cache; steps form jobs of ``_JOB`` values that a caller may run on its threads
 (``map_fn``, e.g. ``ThreadPoolExecutor.map``: numpy releases the GIL). Version 1's zstd is the
 one-shot call used before issue 15: a blob's bytes are what they were, whatever ``map_fn``

@@ -1,4 +1,4 @@
-"""A framed tensor blob's body written and read without copying its frames (issue 15, docs/scale.md "The codec").
+"""A framed tensor blob's body written and read without copying its frames (docs/scale.md "The codec").
 
 ``msgpack.unpackb`` copies every bin into a new ``bytes``: for a version 2/3 body that is the whole
 compressed payload once more (8 MB per 16M int4 values), whose fresh pages cost page faults with

@@ -1,6 +1,6 @@
 """Checks of a tensor blob's body fields (pipeline/codec.py decodes; docs/formats.md "Tensor blobs").
 
-Split from pipeline/codec.py (issue 15, files < 600 lines): every field of a body is checked before
+Split from pipeline/codec.py (files < 600 lines): every field of a body is checked before
 it is used, and a problem raises ``FormatError`` naming it. ``v1_payload`` reads version 1's one
 zstd frame piece by piece so decoding jobs start while it decompresses.
 """

@@ -1,4 +1,4 @@
-"""Decoding into arrays the caller owns: ``codec.decode(..., out=...)`` (issue 15, docs/scale.md "The codec").
+"""Decoding into arrays the caller owns: ``codec.decode(..., out=...)`` (docs/scale.md "The codec").
 
 A learner applying a version already owns its parameters' buffers, and a syncer folding deltas can
 keep its per-delta arrays between rounds; decoding into them spares a fresh float32 output, whose

@@ -43,9 +43,9 @@ __all__ = ["CommitMeta", "Commit", "apply_commit", "verify_commit", "initial_win
            "window_after", "with_recorded_decisions", "PENDING_OVERFLOW", "BELOW_QUORUM", "RECORDED_REASONS"]
 
 # Drop reasons replay takes from the commit record rather than recomputing: what the live syncer
-# decided about the *set* of a round (issue 11 item 5), not about a delta's bytes.
+# decided about the *set* of a round, not about a delta's bytes.
 PENDING_OVERFLOW = "pending-overflow"
-BELOW_QUORUM = "below-quorum"          # late answers of fewer than K learners, expired (issue 25)
+BELOW_QUORUM = "below-quorum"          # late answers of fewer than K learners, expired
 RECORDED_REASONS = frozenset({PENDING_OVERFLOW, BELOW_QUORUM})
 _END = object()
 
@@ -127,7 +127,7 @@ def apply_commit(state: SyncerState, window: NormWindow | None, descriptor: RunD
 
     ``map_fn`` runs the guard's norms and the fold's jobs (e.g. ``ThreadPoolExecutor.map`` of a
     pool the caller owns; default ``map``, on this thread): the commit is the same bit for bit
-    whatever runs them (issue 15)."""
+    whatever runs them."""
     _check_window(descriptor, window)
     if not 0 <= fragment < len(state.fragments):
         raise ValueError(f"fragment {fragment} out of range for a state of {len(state.fragments)} fragments")
@@ -179,7 +179,7 @@ def backfill_window(window: NormWindow, older: Iterable[CommitRecord | None]) ->
 def with_recorded_decisions(record: CommitRecord, inputs: Sequence[RoundInput]) -> list[RoundInput]:
     """Inputs in record order (merged, then dropped), with the drops that only the live syncer could
     decide taken from the record (``RECORDED_REASONS``): which deltas a round contains is the
-    syncer's choice, not a function of the bytes (issue 11 item 5)."""
+    syncer's choice, not a function of the bytes."""
     out = list(inputs)
     for k, d in enumerate(record.dropped):
         i = len(record.inputs) + k

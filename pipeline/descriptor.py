@@ -14,21 +14,21 @@ policy.quorum: ...``); unknown sections and fields are refused (a setting a read
 could change the math, so it is never ignored). Version 1 documents (flat fields, sections inside
 ``extra``) are migrated in memory by ``migrate_v1``; their bytes stay as they are on storage.
 
-Format v3 (issue 14) is v2 plus the ``regions`` section (the run topology). It is written only by
+Format v3 is v2 plus the ``regions`` section (the run topology). It is written only by
 runs that have one: a single-region run still writes v2, byte for byte as before, and a reader of
 v2 only refuses a v3 document (unknown version) instead of silently training in the wrong region.
 
-Format v5 (issue 26, what runs write now): the same sections, plus ``features`` = {reader, writer}:
+Format v5 (what runs write now): the same sections, plus ``features`` = {reader, writer}:
 the optional parts v3 and v4 made document versions of, by name (``RunDescriptor.features``), so a
 reader refuses a run by the name of what it lacks. v2-v4 documents keep their meaning and bytes.
 
-Format v4 (issue 15, docs/scale.md "Sharded syncer") adds ``syncers``: the number N >= 2 of syncer
+Format v4 (docs/scale.md "Sharded syncer") adds ``syncers``: the number N >= 2 of syncer
 shards; shard i owns the fragments p with p % N == i, each with its own epochs and log (storage/
 layout.py ``shard_store``). Written only by sharded runs (N = 1 writes v2/v3 as before), so every
 tool knows the topology from the run alone and an older reader refuses a sharded run instead of
 reading one shard's log as the whole run. A v4 document may also carry ``regions``.
 
-``codec.format`` (issue 15, docs/formats.md "Run descriptor"): the tensor blob format version
+``codec.format`` (docs/formats.md "Run descriptor"): the tensor blob format version
 (pipeline/codec.py) every writer of the run's deltas and versions uses. Written only when it is not
 1, so every descriptor written before it keeps its exact bytes and means 1 (the format those runs
 wrote); new runs (workers/launch.py ``RunSettings``) write 3. No document version changes with it:
@@ -36,10 +36,10 @@ readers of v2..v4 refuse unknown fields, so a reader that does not know ``codec.
 such a run by name instead of writing another format into it; an explicit ``format: 1`` is
 refused (a document has one spelling per meaning, so rewriting it gives its bytes back).
 
-``versions.marks`` (issue 25, pipeline/marks.py): the exactly-once rule, by the same pattern -
+``versions.marks`` (pipeline/marks.py): the exactly-once rule, by the same pattern -
 written only when it is not 1, so older descriptors keep their bytes and their rule; new runs write 2.
 
-``guard.version`` (issue 25, pipeline/guard.py): 3 = per-step norms and round agreement, written by
+``guard.version`` (pipeline/guard.py): 3 = per-step norms and round agreement, written by
 new runs; versions 1 and 2 keep their rules. A version-3 map has the fields of a version-2 one, so no
 document version changes; a reader that knows only 1 and 2 refuses it by name (``guard.version``).
 """

@@ -25,7 +25,7 @@ def digest(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-CHECKSUMS = ("sha256", "xxh3-128")   # xxh3-128: ~40x faster on big bodies (issue 15; docs/formats.md)
+CHECKSUMS = ("sha256", "xxh3-128")   # xxh3-128: ~40x faster on big bodies (docs/formats.md)
 
 
 def _hasher(algorithm: str) -> Any:

@@ -44,7 +44,7 @@ __all__ = ["FragmentState", "SyncerState", "RoundInput", "FoldResult", "ReplayMi
 
 CHECKPOINT_KIND = "syncer-checkpoint"
 NON_FINITE_RESULT = "non-finite-result"   # the merged step overflowed: the round's survivors are dropped
-CHECKPOINT_VERSION = 2      # v2: + merged marks (issue 25); states without marks still write v1
+CHECKPOINT_VERSION = 2      # v2: + merged marks; states without marks still write v1
 CHECKPOINT_READS = (1, 2)
 
 
@@ -89,7 +89,7 @@ def _outer_gradients(current: Mapping[str, np.ndarray], bases: Sequence[Mapping[
     ``(current - base) + Delta`` in float64, rounded to float32. Against the current version
     (``base is current``) that is Delta itself, up to the sign of zeros, which neither RDA nor the
     weighted mean can see (they square and add to +0.0), so Delta is used as it is. The stale ones
-    are computed in jobs of ``_GRAD_JOB`` values run by ``map_fn`` (issue 15): every value alone,
+    are computed in jobs of ``_GRAD_JOB`` values run by ``map_fn``: every value alone,
     so the result is the same bits whatever runs them."""
     grads: list[dict[str, np.ndarray]] = []
     jobs: list[tuple] = []
@@ -127,7 +127,7 @@ class SyncerState:
     high_water: list[dict[str, tuple[int, int]]]   # per fragment: learner -> newest merged (incarnation, seq)
     last_seq: int                                   # seq of the last commit folded (-1 before any)
     run_id: str = ""                                # checked against the descriptor when a checkpoint loads
-    marks: list[MergedMarks] | None = None          # per fragment (issue 25); None: rule 1 runs
+    marks: list[MergedMarks] | None = None          # per fragment; None: rule 1 runs
 
     def to_bytes(self) -> bytes:
         """The checkpoint blob: envelope kind ``syncer-checkpoint`` v2 with merged marks, v1 (the
@@ -344,7 +344,7 @@ def _prior_reason(h: DeltaHeader, mark: Sequence[int] | None, marks: MergedMarks
     if legacy:
         return "duplicate" if mark is not None and h.order <= tuple(mark) else ""
     # Below the mark with an older incarnation: a newer life of this learner id was merged - this
-    # life restarted since, or two processes run under one id (issue 11 item 13): stale-incarnation.
+    # life restarted since, or two processes run under one id: stale-incarnation.
     category, detail = prior_verdict(h.learner, h.incarnation, h.seq, h.base_version, mark, marks, fs.history)
     return str(DropReason(category, detail)) if category else ""
 
@@ -362,7 +362,7 @@ def _fragment_marks(state: SyncerState, descriptor: RunDescriptor, fragment: int
 def merged_before(state: SyncerState, descriptor: RunDescriptor, h: DeltaHeader) -> str:
     """Why the merged history rules ``h`` out ("" = it may count toward a quorum): the fold's own
     rule, and ``base-too-old`` for a delta below its learner's mark whose base left the history
-    (it can never merge). The syncer's ingest asks this (issue 25): an overtaken answer counts."""
+    (it can never merge). The syncer's ingest asks this: an overtaken answer counts."""
     fs, mark = state.fragments[h.fragment], state.high_water[h.fragment].get(h.learner)
     prior = _prior_reason(h, mark, _fragment_marks(state, descriptor, h.fragment), fs,
                           descriptor.schedule.driver == "learner")
@@ -482,7 +482,7 @@ def fold(state: SyncerState, descriptor: RunDescriptor, fragment: int, inputs: S
                                      map_fn=map_fn)
     if not all((map_fn or map)(_finite, [a for d in (params, momentum) for a in d.values()])):
         # Finite inputs whose merge overflows float32 (only without the norm guard, which caps
-        # them): recorded, never published, never raised (issue 11 item 1).
+        # them): recorded, never published, never raised.
         every = dropped + [_dropped(i, NON_FINITE_RESULT) for i in survivors]
         return drop_commit(sorted(every, key=lambda d: (d.learner, d.delta_id, d.key)))
     params = {n: _sealed(a) for n, a in params.items()}       # fresh from nesterov_step: no copies

@@ -1,4 +1,4 @@
-"""Norm guard: drop a delta whose norm is far out of line (issue "Security", issue 11 item 2, issue 25).
+"""Norm guard: drop a delta whose norm is far out of line (issue 11 item 2, issue 25).
 
 On by default for new runs (``create_run`` writes the descriptor's ``guard`` section, a
 NormGuardConfig: ``{"factor": F, "window": W, "min_history": N, "cap": C, "enabled": E, "version": V}``;
@@ -42,7 +42,7 @@ norms the syncer *recorded* in earlier merge commits (``CommitRecord.norms``, th
 each merged input, in record order, in every version; a version-3 window divides each by the
 square root of that input's recorded ``c_steps``, one correctly rounded IEEE division, so replay
 and recovery rebuild the same bits; pipeline/commit.py keeps the window); the cap from the state
-before the commit; and every norm is bit-stable whatever the BLAS thread count (issue 11 item 3):
+before the commit; and every norm is bit-stable whatever the BLAS thread count:
 float32 values are squared exactly in float64, summed per fixed chunk of ``CHUNK`` values with
 numpy's pairwise sum (never ``np.dot``/BLAS, whose blocking depends on its thread count), and the
 chunk sums are added with ``math.fsum`` (correctly rounded, so independent of order).
@@ -62,7 +62,7 @@ if TYPE_CHECKING:      # annotations only: the descriptor imports NormGuardConfi
 
 OUTLIER = "norm-outlier"
 GUARD_MAP_VERSION = 2     # the dataclass default: hand-built configs, the rules of every run before issue 25
-PER_STEP_VERSION = 3      # per-step norms and round agreement (issue 25)
+PER_STEP_VERSION = 3      # per-step norms and round agreement
 NEW_RUN_VERSION = PER_STEP_VERSION   # what create_run writes (workers/launch.py)
 MAP_VERSIONS = (1, GUARD_MAP_VERSION, PER_STEP_VERSION)
 CHUNK = 1 << 16           # values per pairwise-summed chunk (fixed: part of the replayed format)

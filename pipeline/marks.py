@@ -36,7 +36,7 @@ from .errors import FormatError
 __all__ = ["MergedMarks", "prior_verdict", "marks_from_body", "MARKS_ISSUE_11", "MARKS_LINEAGE"]
 
 MARKS_ISSUE_11 = 1   # one high-water mark per learner and fragment (what a descriptor without the field means)
-MARKS_LINEAGE = 2    # plus merged marks per lineage (issue 25)
+MARKS_LINEAGE = 2    # plus merged marks per lineage
 
 Lineage = tuple[str, int, int]   # (learner, incarnation, base_version)
 
@@ -130,7 +130,7 @@ def prior_verdict(learner: str, incarnation: int, seq: int, base: int, mark: Ite
     if order > mark:
         return "", ""
     stale = ("stale-incarnation", f"incarnation {mark[0]} of {learner} was merged since")
-    if marks is None:                                           # rule 1 (issue 11)
+    if marks is None:                                           # rule 1
         return stale if incarnation < mark[0] else ("duplicate", "")
     merged = marks.seqs.get((learner, incarnation, base))
     if merged is not None and seq <= merged:
@@ -143,4 +143,4 @@ def prior_verdict(learner: str, incarnation: int, seq: int, base: int, mark: Ite
     if floor is not None and order <= floor and base in retained:
         return "unaccounted", (f"at or below {learner}'s recovery floor {list(floor)}: a restart adopted commits "
                                "it could not re-fold, so whether it was merged is unknown")
-    return "", ""                                               # never merged: overtaken (issue 25)
+    return "", ""                                               # never merged: overtaken

@@ -230,7 +230,7 @@ def late_deadline(oldest_arrival: float, step_time_s: float, sync_every: int) ->
 
 
 def late_answers(pending: Sequence[Pending], round_id: int | None) -> list[Pending]:
-    """The answers to a round that was closed or replaced (issue 25): every pending delta when the
+    """The answers to a round that was closed or replaced: every pending delta when the
     fragment has no open round (``round_id`` None), else those to an earlier round. An answer to
     the open round is merely below its quorum: it is never late, and never expires on its own -
     it becomes late when its round is replaced (workers/syncer/rounds.py), so it waits at most

@@ -1,4 +1,4 @@
-"""The run topology (issue 14, docs/regions.md "Topology"): the regions of a run and where each
+"""The run topology (docs/regions.md "Topology"): the regions of a run and where each
 keeps its store.
 
 A run has one *home* region - the syncer and the authoritative commit log live in its store - and

@@ -9,7 +9,7 @@ Learners hear an opening over ZeroMQ, or compute it from the :class:`ClockRecord
 in storage (bucket-only learners, other regions): ``round_at`` gives the round of p open at a wall
 time. Both are pure and deterministic here; the caller supplies the time and the step period.
 
-Bounds (issue 25): a period lies in [MIN_PERIOD_S, MAX_PERIOD_S] - the clock ticks at most 1000 times
+Bounds: a period lies in [MIN_PERIOD_S, MAX_PERIOD_S] - the clock ticks at most 1000 times
 a second, whatever a pace measurement says - and a clock record predicts rounds for at most
 EXTRAPOLATE_MAX_S past its own time: a live syncer rewrites it every <= 10 s, so an older one
 belongs to a syncer that is gone, and rounds extrapolated from it would only be guesses.
@@ -56,7 +56,7 @@ class ScheduleConfig:
 
 def check_period(period_s: float, what: str = "clock period") -> float:
     """``period_s`` if it is a finite number in [MIN_PERIOD_S, MAX_PERIOD_S]; ValueError naming
-    ``what`` otherwise (issue 25)."""
+    ``what`` otherwise."""
     if not (isinstance(period_s, (int, float)) and not isinstance(period_s, bool) and math.isfinite(period_s)
             and MIN_PERIOD_S <= period_s <= MAX_PERIOD_S):
         raise ValueError(f"{what} must be a finite number of seconds in [{MIN_PERIOD_S:g}, {MAX_PERIOD_S:g}], "

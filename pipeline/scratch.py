@@ -1,4 +1,4 @@
-"""Reusable scratch buffers for the codec's intermediates (issue 15, docs/scale.md "The codec").
+"""Reusable scratch buffers for the codec's intermediates (docs/scale.md "The codec").
 
 A tensor blob's raw payload and its compressed frames are only intermediates of an encode or a
 decode. Allocated fresh per call, their pages come back from the kernel zeroed on many calls with
@@ -10,7 +10,7 @@ No locks and no thread-locals (pipeline/ imports no threading: tests/test_layeri
 and ``list.append`` are atomic, so concurrent callers never get the same buffer. A buffer's
 contents are whatever its last user left: callers write every byte they read.
 
-What the pool keeps is bounded (issue 15, the 100M-parameter load test): at most ``KEEP`` buffers,
+What the pool keeps is bounded (the 100M-parameter load test): at most ``KEEP`` buffers,
 none larger than ``MAX_KEPT`` bytes and ``KEEP_BYTES`` bytes in all (192 MiB of address space;
 pages only where a caller wrote). A larger request (a syncer's fp32 version: 400 MB of raw payload
 and as much zstd output per 100M values) gets a buffer of its own that is freed after the block:

@@ -225,14 +225,14 @@ class CommitRecord:
     # always mirrors this field, so the bytes written and old records read are unchanged.
     norms: tuple[float, ...] | None = None
     # The map this record was read from, exactly as decoded from its stored bytes (None for a record
-    # built in memory). Signatures are checked over it, never over a re-encoding (issue 26): a field
+    # built in memory). Signatures are checked over it, never over a re-encoding: a field
     # added to ``to_dict`` later (``round``, 488cdb7) otherwise changed the bytes an old signature
     # covered and every old signed run was refused as forged. Not an init argument, so that
     # ``dataclasses.replace`` - a changed record - never carries the old map along.
     stored: dict[str, Any] | None = field(default=None, init=False, compare=False, repr=False)
 
     KIND = "commit"
-    # v1: ``round`` (the record's and each input's) optional, absent before 488cdb7; v2 (issue 26):
+    # v1: ``round`` (the record's and each input's) optional, absent before 488cdb7; v2:
     # ``round`` always present. Readers take both (docs/formats.md "commit").
     VERSION = 2
     READS = (1, 2)

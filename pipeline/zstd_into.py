@@ -1,4 +1,4 @@
-"""zstd straight into buffers the codec owns (issue 15, docs/scale.md "The codec").
+"""zstd straight into buffers the codec owns (docs/scale.md "The codec").
 
 python-zstandard's C backend returns a new ``bytes`` per call: a tensor blob's frames cost a fresh
 ~1 MiB output each, and with glibc's default allocator those pages come back from the kernel

@@ -1,4 +1,4 @@
-"""Request and byte accounting for an object store: ``CountingStore(inner)`` (issue 14).
+"""Request and byte accounting for an object store: ``CountingStore(inner)``.
 
 A transparent ``ObjectStore`` wrapper that counts what the calls through it would cost on S3,
 thread-safe, read with ``snapshot()`` (a frozen ``StoreCounters``; subtract two for an interval,

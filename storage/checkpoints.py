@@ -90,7 +90,7 @@ def latest_checkpoint(store: ObjectStore, at_or_before: int | None = None,
     """The newest valid checkpoint with seq ``<= at_or_before`` (any, if None): ``(seq, payload)``,
     or ``None`` when there is none (recovery then folds from the start). Every damaged one passed
     over is logged and, when ``skipped`` is given, appended to it: falling back to an older
-    checkpoint is never silent (issue 11 item 10; the syncer reports them as events)."""
+    checkpoint is never silent (the syncer reports them as events)."""
     for seq in reversed(list_checkpoints(store)):
         if at_or_before is not None and seq > at_or_before:
             continue

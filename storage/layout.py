@@ -48,7 +48,7 @@ EPOCH_PREFIX = "epochs/"
 LOG_PREFIX = "log/"
 HEAD_HINT_KEY = "hints/log-head"
 CLOCK_KEY = "hints/round-clock"     # pipeline/schedule.py ClockRecord: where rounds stand (advisory)
-RETENTION_KEY = "hints/retention"   # the newest retention horizon: replay starts after it (issue 26)
+RETENTION_KEY = "hints/retention"   # the newest retention horizon: replay starts after it
 VERSION_PREFIX = "versions/"
 DELTA_PREFIX = "deltas/"
 SPILL_PREFIX = "spill/"
@@ -143,7 +143,7 @@ def incarnation_prefix(learner: str) -> str:
 
 
 def incarnation_key(learner: str, incarnation: int) -> str:
-    """Claim of one life of a learner id: whoever creates it owns the incarnation (issue 11 item 13)."""
+    """Claim of one life of a learner id: whoever creates it owns the incarnation."""
     return incarnation_prefix(learner) + "i" + _num(incarnation, INCARNATION_DIGITS, "incarnation")
 
 
@@ -161,7 +161,7 @@ def quarantine_key(checksum: str) -> str:
 
 
 def failover_key(epoch: int) -> str:
-    """The record of the region failover whose fence claimed ``epoch`` (issue 25)."""
+    """The record of the region failover whose fence claimed ``epoch``."""
     return FAILOVER_PREFIX + _num(epoch, EPOCH_DIGITS, "epoch")
 
 
@@ -310,7 +310,7 @@ def unpack_head_hint(blob: bytes, what: str | None = None) -> int:
 
 
 def pack_retention_hint(horizon: int, kept_checkpoints: list[int]) -> bytes:
-    """The retention horizon (issue 26): what the commits up to it named may be deleted, so a
+    """The retention horizon: what the commits up to it named may be deleted, so a
     replay starts at the checkpoint ``horizon``. Written before the deletions it allows."""
     return pack_record(RETENTION_KIND, RETENTION_VERSION, {"horizon": horizon, "kept_checkpoints": kept_checkpoints})
 

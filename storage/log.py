@@ -152,7 +152,7 @@ class CommitLog:
     def gaps(self, upto: int) -> list[int]:
         """Seqs ``<= upto`` that have no commit object although a later one exists (one LIST of
         the whole log, paged). A deleted or lost commit makes replay before it impossible; recovery
-        reports every gap loudly rather than appending silently after it (issue 11 item 10)."""
+        reports every gap loudly rather than appending silently after it."""
         missing: list[int] = []
         expected, after = 0, None
         while expected <= upto:
@@ -353,7 +353,7 @@ INCARNATION_KIND, INCARNATION_VERSION = "learner-incarnation", 1
 
 def claim_incarnation(store: ObjectStore, learner: str, *, floor: int = 1, retry: RetryPolicy = RetryPolicy(),
                       sleep: Callable[[float], None] = time.sleep, max_races: int = 64) -> int:
-    """Claim a new incarnation of ``learner`` from storage, never from a clock (issue 11 item 13).
+    """Claim a new incarnation of ``learner`` from storage, never from a clock.
 
     The incarnation is one above every life claimed before (and at least ``floor``: a run whose
     learners once took wall-clock incarnations passes the newest one it merged, plus one), created

@@ -1,4 +1,4 @@
-"""Per-region stores of a run (issue 14, docs/regions.md "Topology"): opening them, copying the
+"""Per-region stores of a run (docs/regions.md "Topology"): opening them, copying the
 authoritative log's objects from the home store to another region's, and checking a copy.
 
 A region's copy holds the same keys (storage/layout.py) with the same bytes as the home store:
@@ -150,7 +150,7 @@ def seed_region(home: ObjectStore, dst: ObjectStore, region: str | None = None) 
     """Copy a newly created run (descriptor, members, the init commits and version 0) from ``home``
     to region store ``dst``, so that its learners can start before the syncer does; the syncer's
     replicator goes on from the region's log tail. ``region``: its name, written in ``dst``'s
-    region marker (issue 25). Returns bytes written."""
+    region marker. Returns bytes written."""
     n = replicate_static(home, dst)
     if region is not None:
         n += mark_region(dst, region, home.get(DESCRIPTOR_KEY))
@@ -161,7 +161,7 @@ def seed_region(home: ObjectStore, dst: ObjectStore, region: str | None = None) 
     return n
 
 
-# -- which region's copy a store is (issue 25) ---------------------------------------------------------
+# -- which region's copy a store is ---------------------------------------------------------
 
 def pack_marker(region: str, descriptor_blob: bytes) -> bytes:
     """The region marker of ``region``'s copy of the run whose descriptor bytes are
@@ -220,7 +220,7 @@ class StoreRegion:
 
 
 def store_region(store: ObjectStore, desc: RunDescriptor) -> StoreRegion:
-    """Which region's copy of run ``desc`` ``store`` is (issue 25): its marker's region, else the
+    """Which region's copy of run ``desc`` ``store`` is: its marker's region, else the
     region whose descriptor entry names this store's location, else the home region (a run
     created before markers, or a store reached by another URI)."""
     if desc.regions is None:

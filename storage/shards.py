@@ -1,4 +1,4 @@
-"""One syncer shard's view of a sharded run (issue 15; docs/storage.md "Sharded runs").
+"""One syncer shard's view of a sharded run (docs/storage.md "Sharded runs").
 
 A run whose descriptor says ``syncers`` N >= 2 has N syncer shards; shard i owns the fragments
 p with ``p % N == i`` (storage/layout.py ``shard_owner``). Each shard has its own epochs, commit

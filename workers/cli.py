@@ -88,7 +88,7 @@ EXIT_ERROR = 1
 
 
 def explain(exc: BaseException) -> str | None:
-    """``error: <cause> — <fix>`` for the errors a user can act on (issue 11 item 15); None for
+    """``error: <cause> — <fix>`` for the errors a user can act on; None for
     anything else (a bug: its traceback is kept). ``DDILOCO_DEBUG=1`` shows tracebacks always."""
     from pipeline.errors import FormatError
     from storage.errors import BadLocation, Fenced, NotFound, StoreError, Unavailable

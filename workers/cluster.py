@@ -80,7 +80,7 @@ class ClusterConfig:
     s3_endpoint: str | None = None
     env: Mapping[str, str] | None = None
     learner_nice: int = 0
-    syncers: int = 1                   # syncer shards (issue 15): own endpoints each, learners get all of them
+    syncers: int = 1                   # syncer shards: own endpoints each, learners get all of them
     stop_timeout_s: float = 20.0
     kill_timeout_s: float = 10.0
     poll_s: float = 0.1

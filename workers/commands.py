@@ -4,7 +4,7 @@ Both take the run's location (``--store``: a directory or s3://bucket/prefix) an
 endpoints. The syncer binds them (``tcp://0.0.0.0:5555`` to accept other hosts); learners connect
 to the address the syncer can be reached at. SIGTERM/SIGINT stop either cleanly.
 
-Keys (issue "Security", docs/security.md): a signed run's roles need their secret key file —
+Keys (docs/security.md): a signed run's roles need their secret key file —
 ``--key PATH`` (and for learners ``--syncer-key PATH``, the syncer's public ``.key`` file they
 pin), or ``--keys DIR`` holding ``<id>.key_secret`` and ``syncer.key``. Secrets are only ever
 read from files, never from the command line. A role follows the run's own mode (fixed when it
@@ -17,7 +17,7 @@ created; a store that does not answer, a missing run, bad keys are one ``error: 
 (workers/cli.py ``explain``); a learner that could not make every delta durable says how many it
 lost and why, and exits 4.
 
-Metrics (issue 17): ``--metrics-port N`` (0: any free port) serves Prometheus metrics of either role
+Metrics: ``--metrics-port N`` (0: any free port) serves Prometheus metrics of either role
 at ``http://127.0.0.1:N/metrics`` (``--metrics-host`` to bind elsewhere); workers/common/metrics.py.
 """
 from __future__ import annotations

@@ -63,16 +63,16 @@ class RunSettings:
     grace_cap_s: float = 0.0
     retain_versions: int = 16
     mixing_alpha: float = 0.0
-    keep_progress: bool = False        # learners keep their steps since the answer (issue "Rounds")
+    keep_progress: bool = False        # learners keep their steps since the answer
     seed: int = 0
     run_id: str = ""
     norm_guard: NormGuardConfig | None = None     # None: the default guard, on (pipeline/guard.py); off: enabled=False
     model: dict[str, Any] = field(default_factory=dict)
     job: dict[str, Any] | None = None  # the default job's settings (workers/job/job.py JobSettings.to_dict())
     extra: dict[str, Any] = field(default_factory=dict)   # free-form notes, never read
-    regions: RegionsConfig | None = None   # the run topology (issue 14); None: one region, this store
-    syncers: int = 1                   # syncer shards (issue 15): shard i owns fragments p % syncers == i
-    marks: int = MARKS_LINEAGE         # exactly-once rule (issue 25, pipeline/marks.py); 1: the issue-11 rule
+    regions: RegionsConfig | None = None   # the run topology; None: one region, this store
+    syncers: int = 1                   # syncer shards: shard i owns fragments p % syncers == i
+    marks: int = MARKS_LINEAGE         # exactly-once rule (pipeline/marks.py); 1: the issue-11 rule
 
     def __post_init__(self) -> None:
         if {"security", "norm_guard", "job"} & set(self.extra):
@@ -102,12 +102,12 @@ class RunSettings:
             outer=OuterConfig(self.outer_lr, self.outer_momentum),
             learner=LearnerRules(self.mixing_alpha, self.keep_progress),
             # Always recorded, so replay knows the run's guard (issue 11 item 2: on unless turned off).
-            # (version 3: per-step norms and round agreement, issue 25; old runs keep the map they wrote)
+            # (version 3: per-step norms and round agreement,old runs keep the map they wrote)
             guard=self.norm_guard if self.norm_guard is not None else NormGuardConfig(version=NEW_RUN_VERSION))
 
 
 def check_quorum(quorum: int, learners: int) -> None:
-    """Refuse a quorum K that the ``learners`` (M) a launcher starts can never meet (issue 25): K
+    """Refuse a quorum K that the ``learners`` (M) a launcher starts can never meet: K
     is a minimum (SPEC §4), so with K > M no round would ever close and no learner's work would
     reach the model. ``ValueError`` naming both numbers."""
     for name, v in (("quorum K", quorum), ("learners M", learners)):
@@ -122,7 +122,7 @@ def create_run(store: ObjectStore, init: Mapping[str, np.ndarray], settings: Run
                embedding_tensors: tuple[str, ...] | None = None, *, syncer: Identity | None = None,
                learners: Sequence[PublicIdentity] = ()) -> RunDescriptor:
     """Write the descriptor, version 0 of every fragment, and one ``init`` commit per fragment;
-    in a run with regions, copy them to every other region's store (issue 14).
+    in a run with regions, copy them to every other region's store.
 
     ``syncer`` (its identity, secret included: it signs version 0) makes the run signed, listing
     ``learners``' public keys; more learners can join later (workers/bus/keys.py ``add_member``)."""
@@ -152,5 +152,5 @@ def create_run(store: ObjectStore, init: Mapping[str, np.ndarray], settings: Run
             log.append(sign_commit(rec, signer, desc.run_id) if signer is not None else rec)
     if desc.regions is not None:   # every region holds the run before any of its learners starts
         for spec in desc.regions.others:
-            seed_region(store, open_region(spec, create=True), spec.name)   # its region marker (issue 25)
+            seed_region(store, open_region(spec, create=True), spec.name)   # its region marker
     return desc

@@ -7,7 +7,7 @@ directory (or S3), shows live progress, evaluates the global model from storage 
 writes a summary (``--summary PATH`` JSON) and a report with plots. ``--mode dp`` runs the
 lock-step data-parallel baseline with the same model, data order and token budget instead.
 
-Secure by default (issue "Security", docs/security.md): it creates an identity for the syncer and
+Secure by default (docs/security.md): it creates an identity for the syncer and
 every learner in ``OUT/keys`` (``--keys DIR``; secrets 0600), lists their public keys in a signed
 run, and hands each process the path of its own secret key file. ``--insecure`` runs without
 CURVE or signatures, and says so in the log and the summary.
@@ -292,7 +292,7 @@ def _summary(store_uri, desc, events, init_loss, final, wall, drained, cfg: RunC
         "ok": not problems, "status": "interrupted" if interrupted else "ok" if not problems else "failed",
         "problems": problems,
         "mode": "decoupled", "run_uri": store_uri, "run_id": desc.run_id, "learners": cfg.run.learners,
-        # where `ddiloco replay OUT` reads the run (issue 26): a local store by its absolute path (the
+        # where `ddiloco replay OUT` reads the run: a local store by its absolute path (the
         # summary may be read from another directory); a --wan run's topology replaces it with its copy
         "replay_uri": store_uri if "://" in store_uri else str(Path(store_uri).resolve()),
         "commits": len(commits), "merge_commits": sum(c.get("kind") == "merge" for c in commits),

@@ -1,4 +1,4 @@
-"""The real-process fault campaign (issue 25): random, seeded fault schedules on real runs.
+"""The real-process fault campaign: random, seeded fault schedules on real runs.
 
 ``ddiloco chaos campaign --real --runs N --seed S`` draws N schedules, each 1-4 faults over the
 fault kinds the harness has on a plain local run - learner kill (+ restart), learner pause,

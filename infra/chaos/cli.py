@@ -6,8 +6,8 @@ held; the report is ``OUT/report.json`` and ``OUT/timeline.png``. ``--events PAT
 failures from a failure event log (the simulator's ``--events`` output; ``--time-scale`` maps its
 seconds onto the local run). ``ddiloco chaos experiment NAME`` runs one of the experiments
 (heterogeneous speeds, compute scavenging, goodput under failures; docs/chaos.md).
-``ddiloco chaos campaign [--runs N] [--seed S] [--sim|--real]`` runs a seeded random fault campaign
-(issue 25): ``--sim`` (the default) the deterministic simulation (infra/faultsim, docs/faultsim.md;
+``ddiloco chaos campaign [--runs N] [--seed S] [--sim|--real]`` runs a seeded random fault campaign:
+``--sim`` (the default) the deterministic simulation (infra/faultsim, docs/faultsim.md;
 ``--jobs``, ``--schedule``), ``--real`` real processes (infra/chaos/campaign_real.py; ``--only I``).
 Exit status 0 only if every schedule kept every invariant; each failure prints the command that
 replays it.

@@ -7,7 +7,7 @@ builds the syncer with the very handler of ``ddiloco syncer`` (workers/commands.
 append a ``merge`` commit - when the round's inputs and its version object are already stored -
 logs ``fault-injected`` and exits with ``os._exit(137)``, like a SIGKILL between the data and the
 commit that names it (SPEC §7: data before the commit). The production syncer reads no fault
-setting at all (issue 12); this wrapper is the only way in.
+setting at all; this wrapper is the only way in.
 """
 from __future__ import annotations
 

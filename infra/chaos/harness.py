@@ -1,4 +1,4 @@
-"""A local run driven as real processes, with the levers chaos needs (issue "Chaos engineering").
+"""A local run driven as real processes, with the levers chaos needs.
 
 ``ChaosRun`` creates a run (the tiny or the default model, keys for the syncer and every learner,
 a signed run), starts the syncer and learners as ``ddiloco syncer`` / ``ddiloco learner`` processes
@@ -68,7 +68,7 @@ class RunSpec:
     retain_bytes: str = "auto"         # the syncer's --retain-bytes (its default; "none": the commit rule only)
     lr: float = 3e-3
     grace_gamma: float = 0.5           # 0: no grace window (the round closes as soon as K report)
-    keep_progress: bool = False        # learners keep their steps since the answer (issue "Rounds")
+    keep_progress: bool = False        # learners keep their steps since the answer
     shards: int | None = None          # data shards of the job (default: learners)
 
     def __post_init__(self) -> None:

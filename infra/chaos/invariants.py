@@ -1,4 +1,4 @@
-"""The invariants checked after every chaos scenario (issue "Chaos engineering"; SPEC §7-8).
+"""The invariants checked after every chaos scenario (SPEC §7-8).
 
 Each check is a function of what a run left behind (its commit log, the processes' event logs and
 the harness's timeline of faults, gathered in ``Observation``) and returns a ``Check``: a name,

@@ -1,4 +1,4 @@
-"""Progress invariants (issue 25; SPEC §11 "Progress"): not whether the books balance, but whether every
+"""Progress invariants (SPEC §11 "Progress"): not whether the books balance, but whether every
 live learner's work keeps reaching the model. The bookkeeping checks (invariants.py) passed while a
 restarted syncer's runaway clock made every learner stop answering; these do not.
 

@@ -1,4 +1,4 @@
-"""The real syncer and the real learners as simulated processes (issue 25; docs/faultsim.md).
+"""The real syncer and the real learners as simulated processes (docs/faultsim.md).
 
 No logic of theirs is copied here: a :class:`SimSyncer` owns a ``workers.syncer.Syncer`` built
 with the simulation's clocks, an inline ``io`` executor and the in-memory store, recovers it

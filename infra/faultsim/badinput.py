@@ -1,4 +1,4 @@
-"""Bad input for the simulation (issue 25; docs/faultsim.md): objects planted in the spill inbox that
+"""Bad input for the simulation (docs/faultsim.md): objects planted in the spill inbox that
 no honest learner wrote. Each must be refused at ingest (a ``delta-rejected`` event naming its key)
 and never merged; the syncer must keep committing the learners' deltas after it.
 

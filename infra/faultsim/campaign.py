@@ -1,4 +1,4 @@
-"""The simulated fault campaign (issue 25; docs/faultsim.md): ``ddiloco chaos campaign --sim``.
+"""The simulated fault campaign (docs/faultsim.md): ``ddiloco chaos campaign --sim``.
 
 Run ``i`` of a campaign with seed ``S`` is the run of seed ``S + i``: its world and fault schedule
 are drawn from that seed alone (world.py), so a failing run replays with

@@ -1,4 +1,4 @@
-"""The invariants every simulated run is judged by (issue 25; SPEC §11; docs/faultsim.md).
+"""The invariants every simulated run is judged by (SPEC §11; docs/faultsim.md).
 
 The same checks as the real-process campaign, on the same kind of evidence: the run's commit log
 and every component's event records, gathered into an ``infra.chaos.invariants.Observation``

@@ -1,4 +1,4 @@
-"""Simulated time for the fault simulation (issue 25; docs/faultsim.md): one event queue, simulated
+"""Simulated time for the fault simulation (docs/faultsim.md): one event queue, simulated
 processes and threads, and an executor that runs work inline.
 
 Everything runs on the caller's one thread. A *process* (:class:`Proc`) is what a fault kills or

@@ -1,4 +1,4 @@
-"""Fault schedules for the simulation (issue 25; docs/faultsim.md): what happens when, drawn from a
+"""Fault schedules for the simulation (docs/faultsim.md): what happens when, drawn from a
 seed or written by hand, with a one-line text form that replays it (``--schedule``).
 
 A :class:`Fault` is ``kind[:target]@at[+duration][xparam]``; a schedule joins faults with ``,``::

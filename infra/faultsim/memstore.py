@@ -1,4 +1,4 @@
-"""An in-memory ``ObjectStore`` on simulated time, with injected faults (issue 25; docs/faultsim.md).
+"""An in-memory ``ObjectStore`` on simulated time, with injected faults (docs/faultsim.md).
 
 The contract is storage/store.py's (the S3 semantics every backend keeps): ``put_if_absent`` is
 atomic create-if-absent (``AlreadyExists``), ``put`` overwrites, ``list`` returns keys in byte

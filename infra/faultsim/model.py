@@ -1,4 +1,4 @@
-"""The simulation's tiny job (issue 25; docs/faultsim.md): a 2-layer MLP of 212 parameters learning a
+"""The simulation's tiny job (docs/faultsim.md): a 2-layer MLP of 212 parameters learning a
 fixed random linear map, and the run it trains (descriptor, version 0, init commits) created in the
 in-memory store with the real launcher code (workers/launch.py ``create_run``).
 

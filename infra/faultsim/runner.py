@@ -1,4 +1,4 @@
-"""One simulated run (issue 25; docs/faultsim.md): the world, its fault schedule, the real syncer and
+"""One simulated run (docs/faultsim.md): the world, its fault schedule, the real syncer and
 learners on simulated time, and what they left behind.
 
 :func:`simulate` creates the run in a fresh :class:`~infra.faultsim.memstore.MemoryStore`, starts a

@@ -1,4 +1,4 @@
-"""The ZeroMQ bus on simulated time (issue 25; docs/faultsim.md "The bus").
+"""The ZeroMQ bus on simulated time (docs/faultsim.md "The bus").
 
 A :class:`SimNet` is one run's network: the syncer's ROUTER + PUB (:class:`SimSyncerBus`), each
 learner's DEALER (:class:`SimLink`) and SUB (:class:`SimListener`), built through

@@ -1,4 +1,4 @@
-"""What one simulated run is (issue 25; docs/faultsim.md): the world - learners, their speeds, K, H,
+"""What one simulated run is (docs/faultsim.md): the world - learners, their speeds, K, H,
 P, how long they train - and its fault schedule, both a pure function of the seed.
 
 :func:`draw` gives ``(SimConfig, faults)`` for a seed: K is 1 (65%), 2 or 3 (3 learners), each learner's
@@ -101,7 +101,7 @@ def draw_world(seed: int, **overrides) -> SimConfig:
     # One world in four waits longer for an ack than a fragment's rounds are apart (8 s against
     # H x step_s = 6 s: a slow link's setting), so each answer of a lineage supersedes the sent,
     # unacked one before its wait ends - the case where a restarted wait kept a blackholed learner
-    # from spilling until the syncer was given up for dead (issue 25, chaos bus-blackhole).
+    # from spilling until the syncer was given up for dead (chaos bus-blackhole).
     drawn["ack_timeout_s"] = 8.0 if rng.random() < 0.25 else 2.0
     drawn.update(overrides)
     return SimConfig(**drawn)

@@ -1,5 +1,5 @@
 """Simulated vs real: the simulator's Decoupled DiLoCo goodput and uptime for one failure event
-log, against what real learners driven by the same log measured (issue 16; docs/simulator.md).
+log, against what real learners driven by the same log measured (docs/simulator.md).
 
     ddiloco simulate ... --events sim.events --events-stop-at-end   # predict, and write the log
     ddiloco chaos event-log --events sim.events --time-scale S --steps N --slow F --out OUT

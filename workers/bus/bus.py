@@ -7,14 +7,14 @@ frame 0 a sealed ``bus`` record, frame 1 an optional blob. Receivers enforce a b
 Nothing here is needed for correctness: storage is the truth, the bus only makes things faster.
 Sockets are not thread-safe: each socket object belongs to exactly one thread.
 
-Security (issue "Security", docs/security.md): with ``CurveKeys`` every socket uses CURVE
+Security (docs/security.md): with ``CurveKeys`` every socket uses CURVE
 (encryption + authentication). The syncer's sockets are CURVE servers and run a ZAP authenticator
 (``zmq.auth.thread.ThreadAuthenticator``) that admits only client keys the ``authorize`` callback
 maps to a learner id; libzmq then stamps each message with that id (``User-Id``), which becomes
 ``Message.peer``. Learners pin the syncer's public key. Learner-side sockets only ever receive
 small records, so their size limit is the head limit.
 
-Accounting (issue 14, docs/regions.md "Request and byte accounting"): every socket adds the
+Accounting (docs/regions.md "Request and byte accounting"): every socket adds the
 messages and frame bytes it sends and receives to ``BusConfig.counters`` (a ``BusCounters``; a
 private one when None), so a process can report its bus traffic per link.
 """

@@ -1,4 +1,4 @@
-"""Signatures on everything that can change the model (issue "Security", docs/security.md).
+"""Signatures on everything that can change the model (docs/security.md).
 
 Ed25519 (RFC 8032, via ``cryptography``): a learner signs every delta it writes or sends; the
 syncer signs every fragment version, commit record, checkpoint and membership record it makes.

@@ -1,4 +1,4 @@
-"""Bounded running figures for long-lived processes (issue 11 item 6): a syncer or learner that
+"""Bounded running figures for long-lived processes: a syncer or learner that
 runs for weeks must not keep one list entry per commit or step.
 
 ``RunningMean`` takes the place of a list that was only ever appended to and averaged: it keeps

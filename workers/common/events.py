@@ -2,7 +2,7 @@
 ``event`` and fields). The launcher tails them for live progress and the summary; users grep them.
 Thread-safe; each line is flushed so a killed process leaves a readable log. Never log secrets.
 
-``v`` is the line format's version (issue 26; docs/formats.md "Event logs"): 1. Lines written
+``v`` is the line format's version (docs/formats.md "Event logs"): 1. Lines written
 before it existed have none and read as version 1; readers skip a line of a version they do not
 know rather than guess at its fields (an event's own fields may carry their own version, as the
 ``accounting`` event's ``format`` does).

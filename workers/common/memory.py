@@ -1,4 +1,4 @@
-"""Keep freed memory in the process, for the syncer's large per-round arrays (issue 15, docs/scale.md).
+"""Keep freed memory in the process, for the syncer's large per-round arrays (docs/scale.md).
 
 A syncer round at real sizes allocates hundreds of MB of fresh arrays (decoded deltas, outer
 gradients, the merge's float64 direction, the new parameters and momentum) and frees them at the

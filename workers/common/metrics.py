@@ -1,4 +1,4 @@
-"""Prometheus metrics for the syncer and the learners (issue 17): opt-in with ``--metrics-port N``.
+"""Prometheus metrics for the syncer and the learners: opt-in with ``--metrics-port N``.
 
 A ``Metrics`` follows what its process already reports: it subscribes to the process's
 ``EventLog`` (workers/common/events.py) and turns each event into counters, gauges and histograms, so the

@@ -4,7 +4,7 @@ Only versions named by a commit are ever used (a version blob without a commit i
 crashed syncer). A version blob is a codec blob of kind ``version`` whose meta names its fragment,
 version, seq and epoch; its values' digest must equal the commit's ``output_checksum``.
 
-In a signed run (issue "Security") a version is used only if its commit carries the syncer's
+In a signed run a version is used only if its commit carries the syncer's
 signature and the blob's ``meta["sig"]`` signs (fragment, version, seq, epoch, value digest) with
 the same key (workers/bus/signing.py): a forged or altered version is refused here, which is the one
 path learners, the evaluator, export and replay all read versions through.

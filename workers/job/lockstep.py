@@ -1,4 +1,4 @@
-"""In-process baselines for the quality comparisons (issue "Rounds"): lock-step DiLoCo, and an
+"""In-process baselines for the quality comparisons: lock-step DiLoCo, and an
 idealised model of syncer-driven rounds used to sweep the demo job's defaults.
 
 Both run M replicas of the default job's GPT in one process on the same data streams as the real

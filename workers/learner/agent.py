@@ -1,4 +1,4 @@
-"""A learner's sync agent (issue 15): its sender and receiver in a child process.
+"""A learner's sync agent: its sender and receiver in a child process.
 
 ``LearnerConfig.sync_process`` (``ddiloco learner --sync-process``) moves everything the learner's
 background threads do - encoding, sealing and sending deltas, spilling, heartbeats, listening for
@@ -26,7 +26,7 @@ requests and bus bytes are in the learner's ``accounting`` events (``SyncAgent.t
 its ``TrafficMeter``). The child gets the run descriptor in its ``config`` frame, so it starts
 without storage (a replacement may start during an outage).
 
-Faults (issue 25): the learner outlives its agent. When the child dies, a new one replaces it and
+Faults: the learner outlives its agent. When the child dies, a new one replaces it and
 the deltas that died with it are answered again or logged as lost (workers/learner/agent_child.py:
 the child process, its replacement and the recovery). This file holds the agent's setup
 (``AgentSetup``, ``agent_for``), the ``SyncAgent`` (its reader thread and the training thread's
@@ -76,7 +76,7 @@ class AgentSetup:
     forward_events: bool = False              # the learner's log has listeners (metrics): send them the child's
     curve: tuple[str, str, str] | None = dataclasses.field(default=None, repr=False)
     sign_secret: str | None = dataclasses.field(default=None, repr=False)
-    drain_s: float = 30.0                     # LearnerConfig.drain_s: how long an orphaned child drains (issue 25)
+    drain_s: float = 30.0                     # LearnerConfig.drain_s: how long an orphaned child drains
 
     def __post_init__(self) -> None:
         if not isinstance(self.drain_s, (int, float)) or isinstance(self.drain_s, bool) or not self.drain_s >= 0:
@@ -106,7 +106,7 @@ def agent_for(learner, d: RunDescriptor, cursor: int | list[int], known: dict[in
 
 def _answer_again(learner, lost: DeltaHeader) -> bool:
     """Answer ``lost``'s round again from the parameters now, when they still hold its steps (the
-    same base version, no fewer steps): the delta died with the sync agent (issue 25). False: a
+    same base version, no fewer steps): the delta died with the sync agent. False: a
     version of its fragment was applied since, and its steps with it."""
     p = lost.fragment
     if learner.base_version.get(p) != lost.base_version or learner.c_steps[p] < max(lost.c_steps, 1):
@@ -176,7 +176,7 @@ class SyncAgent(ChildRecovery):
     @property
     def stats(self) -> dict:
         """The counters in the shape of a ``stats`` frame: the newest child's plus the dead ones'
-        and the deltas this side superseded or lost (issue 25)."""
+        and the deltas this side superseded or lost."""
         live = self._live.stats
         if not self.retired and not any(self.own.values()):
             return live
@@ -315,7 +315,7 @@ class SyncAgent(ChildRecovery):
         slot = None if self.queued else self._free_slot()
         if slot is None:         # every slot in flight: hold the newest of its lineage (flush_queued)
             old = self.queued.pop((header.fragment, header.base_version), None)
-            if old is not None:  # it never reached the child: logged here, as made and superseded (issue 25)
+            if old is not None:  # it never reached the child: logged here, as made and superseded
                 delta_made(self.events, old[0])
                 self._forget(old[0], "delta-superseded")
             self.queued[(header.fragment, header.base_version)] = (header, values)
@@ -463,7 +463,7 @@ class AgentSender:
         deadline = time.monotonic() + timeout_s
         asked = -1.0
         while time.monotonic() < deadline:
-            self.agent.flush_queued()         # and moves to a replacement child (issue 25)
+            self.agent.flush_queued()         # and moves to a replacement child
             if self.agent.undelivered() == 0:
                 return True
             if self.failed is not None:

@@ -1,4 +1,4 @@
-"""The sync agent's board (issue 15): what the agent tells the learner, in shared memory, no frames.
+"""The sync agent's board: what the agent tells the learner, in shared memory, no frames.
 
 A frame from the agent wakes the learner's reader thread, which then takes the GIL from the
 training thread in the middle of a step: measured at ~0.1-0.16 ms of training time per frame,
@@ -51,7 +51,7 @@ import numpy as np
 from pipeline.errors import FormatError
 from workers.learner.agent_wire import unmap
 
-BOARD_VERSION = 2   # 2 (issue 25): the settled ring after the done records
+BOARD_VERSION = 2   # 2: the settled ring after the done records
 SETTLED_RING = 1024   # settled deltas a dead agent's board still names (more than its reports can lag behind)
 MAGIC = 0x4452_4442_4F41_5244   # "DDLBOARD"-ish, a fixed 8-byte tag
 RETRIES = 100          # reads of a record whose seq is stable but whose crc fails: then it is damaged

@@ -1,4 +1,4 @@
-"""A learner's sync agent, its child process and its replacement (issue 25; workers/learner/agent.py).
+"""A learner's sync agent, its child process and its replacement (workers/learner/agent.py).
 
 ``_Child`` is one agent process (workers/learner/agent_main.py) and what it shares with the
 learner: its socket, its slots (workers/learner/agent_wire.py) and its board
@@ -45,7 +45,7 @@ LOST_REASON = "sync agent died"
 
 class _Child:
     """One agent process and what it shares with the learner: its socket, slots and board. A
-    replacement (issue 25) gets fresh ones: the dead child may have died writing any of them."""
+    replacement gets fresh ones: the dead child may have died writing any of them."""
 
     def __init__(self, d: RunDescriptor, version_slots: int, life: int):
         self.life = life
@@ -122,7 +122,7 @@ class ChildRecovery:
         return False
 
     def _respawn(self, dead: _Child) -> _Child | None:
-        """A new child in place of ``dead`` (issue 25), once it is ready; None when none may or
+        """A new child in place of ``dead``, once it is ready; None when none may or
         could be started (``failed`` says why)."""
         code = _exit_code(dead.proc)
         healthy = dead.settled > 0 or time.monotonic() - dead.ready_at >= RESPAWN_HEALTHY_S
@@ -183,7 +183,7 @@ class ChildRecovery:
 
     # -- the training thread: moving to the replacement ------------------------------------------
     def swap_if_replaced(self) -> None:
-        """Move to the child the reader thread started in place of a dead one (issue 25): hand it
+        """Move to the child the reader thread started in place of a dead one: hand it
         the deltas the dead one never copied out (still in the old slots), forget the ones its
         board says it settled (its last reports may be missing) and recover the rest (``_recover``).
         Reading the dead board's settled ring costs ~2 ms, once per fault."""

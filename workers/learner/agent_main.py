@@ -1,4 +1,4 @@
-"""The sync agent's process (issue 15; workers/learner/agent.py starts it): a learner's sender and
+"""The sync agent's process (workers/learner/agent.py starts it): a learner's sender and
 receiver, unchanged, in a process of their own, so that their Python (encoding, sealing, the bus,
 loading and verifying versions) never holds the training process's GIL.
 
@@ -27,7 +27,7 @@ learner). The first frame on ``--conn`` is ``config`` (workers/learner/agent.py
 Events go to the learner's own log (appended line by line, with the learner's role and id), each
 delta's ``delta`` event too (written here when the delta is taken from its slot, not by the learner).
 
-Orphaned (issue 25): when the channel ends without ``stop`` (EOF: the learner died or closed it),
+Orphaned: when the channel ends without ``stop`` (EOF: the learner died or closed it),
 the frames it sent before are all handled first - each delta it handed over is taken from its
 slot - and then what this process holds is made durable (acked, or spilled after the Sender's
 ack timeout; at once without a bus) within ``drain_s`` before it exits: ``sync-agent-orphaned``
@@ -181,7 +181,7 @@ class Agent:
         return self.orphan()
 
     def orphan(self) -> int:
-        """The learner is gone (issue 25): every frame it sent was handled, so every delta it
+        """The learner is gone: every frame it sent was handled, so every delta it
         handed over is in the Sender; make them durable within ``drain_s``, then stop. 0 if all are."""
         self.orphaned = True
         self.events.emit("sync-agent-orphaned", held=self.sender.undelivered(), drain_s=self.drain_s)

@@ -1,4 +1,4 @@
-"""The learner <-> sync-agent channel (issue 15; workers/learner/agent.py): frames and shared slots.
+"""The learner <-> sync-agent channel (workers/learner/agent.py): frames and shared slots.
 
 Both ends of one learner, on one host: the training process and the child process that runs its
 sender and receiver. Two things cross:
@@ -32,9 +32,9 @@ from pipeline.descriptor import RunDescriptor
 
 WIRE_VERSION = 5      # 2: opened rounds, arrivals and freed slots moved to the board (agent_board.py);
                       # 3: a ``report`` frame (counters now), ``stats`` at most every 1 s instead of 0.25;
-                      # 4 (issue 25): ``stats`` name the deltas settled since the last (``settled``), so a
+                      # 4: ``stats`` name the deltas settled since the last (``settled``), so a
                       # killed agent's learner knows which it still held; ``config`` has ``drain_s``, ``life``;
-                      # 5 (issue 25): ``config`` carries the run descriptor (``descriptor``: its envelope
+                      # 5: ``config`` carries the run descriptor (``descriptor``: its envelope
                       # bytes), so a child starts without a GET (a replacement during an S3 outage)
 ALIGN = 64
 

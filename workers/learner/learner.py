@@ -114,7 +114,7 @@ class Learner:
         self.traffic: TrafficMeter | None = None
         self.events = events or EventLog(None, "learner", learner_id)
         # Later lives of the same learner id order after earlier ones: start() claims the next
-        # incarnation from storage (create-if-absent), never from a clock (issue 11 item 13).
+        # incarnation from storage (create-if-absent), never from a clock.
         self.incarnation: int | None = incarnation
         self.clock, self.wall, self.sleep = clock, wall, sleep   # injected: its sender and receiver use them too
         self.params = dict(model.named_parameters())
@@ -132,7 +132,7 @@ class Learner:
         self.c_steps: list[int] = []
         self.c_tokens: list[int] = []
         self.tokens = 0
-        # Bounded (issue 11 item 6): recent windows plus running aggregates, never per-step lists.
+        # Bounded: recent windows plus running aggregates, never per-step lists.
         self.step_times: deque[float] = deque(maxlen=config.stats_window)
         self.gaps: deque[float] = deque(maxlen=config.stats_window)   # between consecutive step() starts
         self._max_gap = 0.0
@@ -161,10 +161,10 @@ class Learner:
             raise ValueError(f"run {d.run_id} was created before syncer-driven rounds (driver {d.schedule.driver!r}): "
                              "its log still replays, but learners of this version cannot train it; create a new run")
         self._check_model(d)
-        agent = self.cfg.sync_process                  # sync off the training process's GIL (issue 15)
+        agent = self.cfg.sync_process                  # sync off the training process's GIL
         self._device_quantise = self._use_device_quantise(d, agent)   # refused before anything is claimed
         curve, seal = self._security(d)
-        tracker = learner_tracker(self.store, d)    # the run's log, or every syncer shard's (issue 15)
+        tracker = learner_tracker(self.store, d)    # the run's log, or every syncer shard's
         # its own: the receiver's belongs to its thread (sharded runs: no older-version fallback yet)
         self.health.tracker = VersionTracker(self.store, d) if d.syncers == 1 else None
         values, versions = tracker.load_all()
@@ -230,7 +230,7 @@ class Learner:
         self.close()
 
     def _use_device_quantise(self, d: RunDescriptor, agent: bool) -> bool:
-        """Whether answers quantise on the model's device (issue 15): int4/int8 runs without
+        """Whether answers quantise on the model's device: int4/int8 runs without
         keep_progress, in threads mode; "auto" only when a parameter is not on the CPU."""
         mode = self.cfg.device_quantise
         able = d.codec.scheme in DEVICE_SCHEMES and not d.learner.keep_progress and not agent
@@ -405,7 +405,7 @@ class Learner:
 
     def _owes(self, p: int, opened: tuple[int, int]) -> bool:
         """Whether round ``opened`` = (syncer epoch, round) of fragment ``p`` still wants this
-        learner's answer (issue 25): not when it answered that round (its last ANSWERS_KEPT rounds
+        learner's answer: not when it answered that round (its last ANSWERS_KEPT rounds
         of p are remembered: never twice), nor for an older syncer epoch than its last answer's;
         otherwise yes - also a round below the last one answered in the same epoch, which is the
         syncer's real round replacing one the receiver had extrapolated from the storage clock
@@ -500,7 +500,7 @@ class Learner:
                 "loss": self.loss_ewma if self.loss_ewma is not None else -1.0}
 
     def stats(self) -> dict:
-        """Totals, and recent figures over bounded windows (issue 11 item 6). ``evicted``,
+        """Totals, and recent figures over bounded windows. ``evicted``,
         ``undelivered``, ``spill_errors``/``last_error`` say whether work was lost and why
         (item 11); ``receiver_failed`` whether versions stopped arriving (item 12)."""
         s = self.sender.stats if self.sender else SenderStats()

@@ -1,4 +1,4 @@
-"""``torchrun`` for a learner group on one host whose every listener is on 127.0.0.1 (issue 17).
+"""``torchrun`` for a learner group on one host whose every listener is on 127.0.0.1.
 
     python -m workers.learner.localrun --nproc-per-node 2 -m workers.cli learner --store ... --id l0
 

@@ -1,4 +1,4 @@
-"""A learner whose model turns non-finite keeps training (issue 11 item 2; SPEC §3, §8).
+"""A learner whose model turns non-finite keeps training (SPEC §3, §8).
 
 A step whose loss or gradients are not finite is *skipped*: the optimizer does not step (so the
 inner optimizer state never sees a NaN), nothing is counted, and a ``nonfinite-step`` event says

@@ -17,7 +17,7 @@ from a bogus clock, 30288 where the syncer was at 3600, silenced every real one)
 In a signed run a version whose commit or blob lacks the syncer's valid signature is refused
 (``VersionTracker.load``): logged as ``version-refused`` with the reason, counted, never applied.
 
-Health (issue 11 item 12): a commit whose version could not be loaded (storage failing) is
+Health: a commit whose version could not be loaded (storage failing) is
 retried until it loads or a newer commit supersedes it, never skipped; a failure that lasts
 (``FAIL_AFTER`` polls), a refused version or a crash of this thread shows in ``failed`` (and the
 learner's stats) and as a ``receiver-stuck`` event, so versions never silently stop arriving.
@@ -56,7 +56,7 @@ class Arrival:
 
 FAIL_AFTER = 3            # failed polls in a row before the receiver reports itself failed
 FETCH_THREADS = 8         # parallel GETs of commits and versions
-# Round announcements heard this recently make the storage clock unnecessary. 1 s, not 3 (issue 25):
+# Round announcements heard this recently make the storage clock unnecessary. 1 s, not 3:
 # with the bus blackholed a learner heard no round for 3 s, answered nothing, and one that reached
 # the end of its budget meanwhile lost its last 152 steps (fault campaign, seed 0 schedule 2). Runs
 # whose rounds are rarer than this read the clock once per poll (one GET), which agrees with the bus.
@@ -183,7 +183,7 @@ class Receiver:
     def _open(self, epoch, fragment, rnd, guess: bool = False) -> None:
         """Fragment ``fragment``'s round ``rnd`` of syncer ``epoch`` is open: announced, or (``guess``)
         computed from the clock record in storage. It replaces the opening held when it is newer,
-        or when the held one is a guess of the same epoch (issue 25, module docstring)."""
+        or when the held one is a guess of the same epoch (module docstring)."""
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in (epoch, fragment, rnd)):
             return
         if fragment not in self.known or rnd < 0:
@@ -215,7 +215,7 @@ class Receiver:
 
     def _run(self) -> None:
         listener = self.transport.listener(self.bus_cfg, curve=self.curve) if self.bus_cfg is not None else None
-        # GETs of commits and versions run on this pool (issue 15): one round trip for many objects
+        # GETs of commits and versions run on this pool: one round trip for many objects
         pool = ThreadPoolExecutor(self.fetch_threads, thread_name_prefix="receiver-fetch")
         self._map = pool.map
         next_poll = 0.0
@@ -247,7 +247,7 @@ class Receiver:
         """Read the commits after the cursor and load the newest version of each fragment they
         name. A version that could not be loaded because storage failed is *not* passed by: its
         commit is kept and retried every poll until it loads or a newer commit of the fragment
-        supersedes it (issue 11 item 12). One that fails its checks is refused (never applied)
+        supersedes it. One that fails its checks is refused (never applied)
         and the fragment is reported failed until a newer version loads. Finding the commits costs
         one GET when nothing is new (``VersionTracker.poll_fast``); new commits and their versions
         are fetched in parallel on the receiver's pool."""
@@ -345,7 +345,7 @@ class Receiver:
         self.last_error = text
         self.events.emit("receiver-error", error=text)
 
-    # -- health (issue 11 item 12): a learner must never silently stop getting versions ------------
+    # -- health: a learner must never silently stop getting versions ------------
     @property
     def failed(self) -> str | None:
         """Why versions are not arriving, once a failure has lasted ``FAIL_AFTER`` polls in a row

@@ -5,7 +5,7 @@ after writing it to the inbox) or written by us to the spill location. The train
 ever calls ``submit``, which never blocks and never does I/O; everything else happens on this
 thread, which also owns the DEALER socket and sends heartbeats.
 
-Bounded memory (issue 11 item 4): however slow or dead storage and the syncer are, what this
+Bounded memory: however slow or dead storage and the syncer are, what this
 sender holds is bounded. ``submit`` (and the thread taking new deltas) supersedes: a newer delta of
 the same fragment *and the same base version* replaces an older one that is not durable yet - never
 sent, or sent and not acked (a learner's delta is cumulative
@@ -18,7 +18,7 @@ another base is never superseded: its progress is not in any newer delta.
 A delta that cannot be encoded (non-finite values, issue 11 item 2) is dropped with a
 ``delta-dropped`` event; it never stops this thread. A spill that fails (store down, disk full)
 is retried with backoff; failures are reported as ``spill-failed`` events (the 1st, 2nd, 4th ...
-in a row) and in ``stats.spill_errors`` / ``stats.last_error`` (issue 11 item 11).
+in a row) and in ``stats.spill_errors`` / ``stats.last_error``.
 
 In a signed run ``seal`` wraps every encoded delta in the learner's signature (workers/bus/signing.py)
 before it is sent or spilled, so the stored object verifies itself wherever it ends up.
@@ -59,7 +59,7 @@ class SenderConfig:
     max_retry_s: float = 2.0         # longest pause between spill retries (15 s kept deltas unspilled up to
                                      # 12 s after the store was back, issue 25: a PUT every 2 s costs nothing)
     bus_enabled: bool = True
-    encode_threads: int = 1          # threads encoding one delta (issue 15): 1 encodes on the sender thread
+    encode_threads: int = 1          # threads encoding one delta: 1 encodes on the sender thread
 
     def __post_init__(self) -> None:
         if self.ack_timeout_s <= 0 or self.heartbeat_s <= 0 or self.retry_s <= 0:
@@ -367,7 +367,7 @@ class Sender:
         and if the old one reaches the syncer after all it is merged like any late answer. Beyond
         the bounds the oldest never-sent pending delta is evicted (lost work).
 
-        Why sent ones too (issue 25): while the store was down the syncer could not make bus deltas
+        Why sent ones too: while the store was down the syncer could not make bus deltas
         durable, so nothing was acked, spills failed, and the 16 held unacked deltas of a few
         lineages filled the bound; every new answer was then *evicted* - 46 deltas, all of a learner's
         work for the rest of its run - although each one held the progress of those it could have

@@ -1,4 +1,4 @@
-"""A learner in a sharded run (issue 15; docs/protocol.md "Sharded syncer"): one sender and one
+"""A learner in a sharded run (docs/protocol.md "Sharded syncer"): one sender and one
 receiver per syncer shard, behind the interface the learner already uses.
 
 Shard i of N owns the fragments p with ``p % N == i`` (storage/layout.py ``shard_owner``), so

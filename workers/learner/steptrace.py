@@ -1,4 +1,4 @@
-"""Per-step records of a learner's training loop, to find where slow steps come from (issue 15).
+"""Per-step records of a learner's training loop, to find where slow steps come from.
 
 ``LearnerConfig.trace_steps`` turns it on (off by default: it costs a few clock reads and one
 tuple per step). For each of the last ``stats_window`` steps it keeps the step's wall time and

@@ -50,7 +50,7 @@ class CommitStats:
     merged: int = 0
     dropped: int = 0
     drops: Counter = field(default_factory=Counter)   # recorded drops by category (in commits)
-    # running aggregates, not one entry per commit (issue 11 item 6)
+    # running aggregates, not one entry per commit
     grace_waits: RunningMean = field(default_factory=RunningMean)
     round_sizes: RunningMean = field(default_factory=RunningMean)   # learners merged per commit
 
@@ -166,7 +166,7 @@ class Committer:
 
     def publish(self, rec: CommitRecord) -> None:
         """Tell the learners about a new version (SPEC §4), write the log's head hint in the
-        background and note the commit for replication to other regions (issue 14)."""
+        background and note the commit for replication to other regions."""
         if rec.kind == "merge":
             self.announce(Message("version", {"seq": rec.seq, "fragment": rec.fragment, "version": rec.version,
                                               "key": rec.output_key, "checksum": rec.output_checksum,
@@ -193,7 +193,7 @@ class Committer:
             self.events.emit("store-error", op="checkpoint", error=str(exc))
 
     def check_fenced(self) -> None:
-        """An idle syncer learns that a newer epoch took over from the log's tail (issue 11 item 8):
+        """An idle syncer learns that a newer epoch took over from the log's tail:
         an active one learns it from its next append; an idle one would otherwise run forever."""
         try:
             self.log.check_fenced()

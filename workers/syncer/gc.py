@@ -1,4 +1,4 @@
-"""Retention: the store does not grow without bound (issue 11 item 7; SPEC §7, docs/storage.md).
+"""Retention: the store does not grow without bound (SPEC §7, docs/storage.md).
 
 Two users of ``storage.retention`` (which decides what may go, and why):
 
@@ -213,7 +213,7 @@ def configure(parser: argparse.ArgumentParser):
 
 
 def gc_command(args, out: TextIO, err: TextIO) -> int:
-    """Plan (and apply) retention; in a sharded run (issue 15) for each shard's partition on its
+    """Plan (and apply) retention; in a sharded run for each shard's partition on its
     own (storage/shards.py: a shard's plan sees only its log, checkpoints, inbox and versions)."""
     from workers.common.runs import open_run     # never creates a mistyped local directory
     try:

@@ -50,11 +50,11 @@ class IngestStats:
     rejections: Counter = dataclasses.field(default_factory=Counter)   # Refusal -> count (never in a commit)
     from_bus: int = 0
     from_spill: int = 0
-    evicted: int = 0               # dropped "pending-overflow" while a quorum was not met (issue 11 item 5)
+    evicted: int = 0               # dropped "pending-overflow" while a quorum was not met
 
 
 class Ingest:
-    """``inboxes``: every region's store whose inbox is read (issue 14; None: ``store`` alone).
+    """``inboxes``: every region's store whose inbox is read (None: ``store`` alone).
     ``wake_members``: called when an inbox holds a delta of an unlisted learner (the membership
     records are re-read soon). ``io``: runs the inbox clean-up after a commit. ``merged_before``:
     the fold's verdict on a delta below its learner's mark (``Committer.merged_before``; None: every
@@ -78,7 +78,7 @@ class Ingest:
         self.max_delta = max_delta_bytes(descriptor)
         self.bus: SyncerBus | None = None
         self.pending: list[dict[PendingKey, Held]] = [{} for _ in range(descriptor.num_fragments)]
-        self.owned = frozenset(owned_fragments(store, descriptor))   # a syncer shard's fragments (issue 15)
+        self.owned = frozenset(owned_fragments(store, descriptor))   # a syncer shard's fragments
         self.bad: set[str] = set()          # inbox keys refused: never read again
         self.unknown: set[str] = set()      # refused for an unlisted learner: read again when members join
         self.since_commit: Counter = Counter()   # Refusal -> count since the last commit, for its info
@@ -238,7 +238,7 @@ class Ingest:
         # quorum and goes to the next commit, whose fold records why ("duplicate", "superseded: ...",
         # "stale-incarnation", "unaccounted: ...", "base-too-old"): a copy alone proves nothing, and
         # nothing vanishes unrecorded. An answer overtaken by its learner's newer merged one was
-        # never merged: it counts (issue 25).
+        # never merged: it counts.
         held = Held(header, blob, inbox, self.clock(), source, opened, hold=BELOW_HIGH_WATER if below else None)
         pend = self.pending[header.fragment]
         if held.candidate and hw is not None and header.order == tuple(hw):
@@ -267,7 +267,7 @@ class Ingest:
         return self.merged_before is None or bool(self.merged_before(header))
 
     def _bound_pending(self, p: int) -> dict[PendingKey, Held]:
-        """Keep at most ``max_pending`` candidates of fragment ``p`` (issue 11 item 5): while its
+        """Keep at most ``max_pending`` candidates of fragment ``p``: while its
         quorum is not met they would pile up without bound. The excess - superseded deltas first (an
         older delta of the same learner life on the same base, whose progress a newer one holds),
         then the oldest arrivals - is dropped with reason ``pending-overflow: ...`` in the next commit
@@ -300,7 +300,7 @@ class Ingest:
 
     # -- the spill inboxes ---------------------------------------------------------------------------
     def poll_inboxes(self) -> None:
-        """Every region's inbox (issue 14; just the home store's in a single-region run). A region
+        """Every region's inbox (just the home store's in a single-region run). A region
         that fails is reported and skipped: the others are still read. Keys are compared across
         regions: the same spill key in two regions is the same delta id (learner/incarnation/seq)."""
         known = {h.inbox_key for pend in self.pending for h in pend.values()} | self.bad

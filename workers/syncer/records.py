@@ -25,7 +25,7 @@ from storage.store import ObjectStore
 from workers.common.deltas import Opened
 
 # Held out of the quorum because the merged history rules it out - below its learner's high-water
-# mark (issue 11 item 13) and, in runs with merged marks, not an overtaken answer (issue 25): the
+# mark and, in runs with merged marks, not an overtaken answer: the
 # fold records the real reason ("duplicate", "superseded: ...", "stale-incarnation", "unaccounted: ..."
 # or "base-too-old") in the next commit.
 BELOW_HIGH_WATER = DropReason("below-high-water")

@@ -199,7 +199,7 @@ class _Salvage:
 
 
 def _adopted_marks(state: SyncerState, rec: CommitRecord, history: dict) -> list | None:
-    """The merged marks after adopting ``rec`` (issue 25; None in rule-1 runs): its inputs marked,
+    """The merged marks after adopting ``rec`` (None in rule-1 runs): its inputs marked,
     bases outside ``history`` pruned, and the floor raised to the record's high-water marks,
     because the commits before it may have merged what the marks do not show."""
     if state.marks is None:
@@ -243,7 +243,7 @@ def republish_damaged(store: ObjectStore, descriptor: RunDescriptor, state: Sync
                       signer: Signer | None) -> list[str]:
     """Rewrite the newest version object of every fragment that is missing or damaged, from the
     recovered state, when the state holds exactly the values its commit names (same digest): new
-    learners load it again (issue 11 item 10). Returns one note per object repaired or not."""
+    learners load it again. Returns one note per object repaired or not."""
     tracker = VersionTracker(store, descriptor)
     try:
         newest = tracker.latest()

@@ -1,4 +1,4 @@
-"""Reading another region's spill inbox off the syncer's loop (issue 14, docs/regions.md "Ingest").
+"""Reading another region's spill inbox off the syncer's loop (docs/regions.md "Ingest").
 
 Why: every request to a remote region's store crosses the link. Read on the loop, one delta at a
 time (HEAD, then GET), a backlog of N spilled deltas held commits for N x ~2.5 round trips (10 s

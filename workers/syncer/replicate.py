@@ -19,7 +19,7 @@ it). Each region has its own thread and pool, so a region that hangs (a partitio
 connections) or fails never delays a commit or another region. Advisory objects (the round
 clock, the head hint) are latest-wins slots, written by one job at a time, off the records' path.
 
-Why the tail is compared before resuming (issue 25): a syncer started on a region's copy wrote its
+Why the tail is compared before resuming: a syncer started on a region's copy wrote its
 own commits there (a fork). Resuming from that tail spliced home's later commits onto the fork,
 silently. A region's cursor now starts only after its tail record is home's bytes
 (``storage.regions.agreed_tail``); otherwise the region is in ``RegionConflict``: reported at every
@@ -234,7 +234,7 @@ class Replicator:
             if not r.visited:
                 r.bytes += self._visit(r)
             r.static_at = now
-        if r.next is None:   # resume where the region's own copy ends, if it ends in home's log (issue 25)
+        if r.next is None:   # resume where the region's own copy ends, if it ends in home's log
             r.next = agreed_tail(self.home, r.store, r.name) + 1
         with self._lock:
             latest, epoch = self._latest, self._epoch
@@ -267,7 +267,7 @@ class Replicator:
 
     def _visit(self, r: _Region) -> int:
         """Once per region and life: its region marker (which region's copy it is) and the failover
-        records home holds (issue 25, workers/syncer/home.py). Returns bytes written."""
+        records home holds (workers/syncer/home.py). Returns bytes written."""
         n = mark_region(r.store, r.name, self.home.get(DESCRIPTOR_KEY)) + replicate_failovers(self.home, r.store)
         r.visited = True
         return n

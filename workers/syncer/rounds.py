@@ -3,7 +3,7 @@ every fragment, and the pace of the live learners that drives them.
 
 The syncer owns one; everything runs on its loop thread. Pure decisions live in
 pipeline/schedule.py (the clock) and pipeline/policy.py (when a round closes); this part keeps the
-state between calls and measures the learners' pace (issue 25, docs/protocol.md "Rounds"):
+state between calls and measures the learners' pace (docs/protocol.md "Rounds"):
 
 * from heartbeats (``step_time_s`` = a learner's own step-to-step period): while a learner's
   heartbeats come, they alone set its pace;
@@ -78,7 +78,7 @@ class _Pace:
 
 
 def bounded_period(base_s: float, sample_s: float) -> float:
-    """A learner's delta period after one more sample (issue 25): the sample, within the clock's
+    """A learner's delta period after one more sample: the sample, within the clock's
     bounds and within PACE_FACTOR of the previous value ``base_s`` (0: none), averaged with it."""
     sample_s = clamp_period(sample_s)
     if base_s <= 0:
@@ -99,7 +99,7 @@ class RoundBook:
         self.learners: dict[str, _Pace] = {}
         self.period = Ewma(0.2)
         self.published: ClockRecord | None = None
-        # A syncer shard opens rounds only for its own fragments (issue 15); its clock still
+        # A syncer shard opens rounds only for its own fragments; its clock still
         # counts every global step, so each shard's round ids are the run's global steps.
         self.owned = frozenset(range(descriptor.num_fragments) if owned is None else owned)
         # (fragment, round) -> when it opened, the last few per fragment: an answer's lag is
@@ -110,7 +110,7 @@ class RoundBook:
     # -- the learners' pace ----------------------------------------------------------------------
     def heartbeat(self, learner: str, period_s: float, now: float) -> None:
         """A heartbeat: a sign of life and, with ``period_s`` > 0, the learner's own measured
-        period, which sets its pace while heartbeats come (issue 25)."""
+        period, which sets its pace while heartbeats come."""
         pace = self.learners.setdefault(learner, _Pace(now))
         pace.heard = now
         if period_s > 0:
@@ -194,7 +194,7 @@ class RoundBook:
 
     def resume_pace(self, clock: ClockRecord | None) -> bool:
         """Start from the pace an earlier syncer of this run published (its round clock in storage)
-        instead of ``initial_step_s`` (issue 25): a restarted or second syncer otherwise ticks at the
+        instead of ``initial_step_s``: a restarted or second syncer otherwise ticks at the
         initial 0.1 s until its first heartbeats, 5x slow at 20 ms steps, and a fragment waited
         1-2 s (30 steps) for its next round after every restart. Only a record of this schedule
         counts; the first measurement replaces it as any sample does. True when it was taken."""

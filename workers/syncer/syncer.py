@@ -17,7 +17,7 @@ inputs persisted under their permanent ``delta_key``, and a refused append (``Fe
 syncer because a newer epoch owns the run. Restart recovery goes through ``recovery.recover_state``
 (the replay code, salvaging damage).
 
-Hostile input (issue "Security", docs/security.md): in a signed run the bus is CURVE-encrypted and
+Hostile input (docs/security.md): in a signed run the bus is CURVE-encrypted and
 admits only listed learners (ZAP), each message's claimed learner must be its authenticated peer,
 and every delta's signature is judged from its bytes (workers/common/deltas.py). A delta that fails
 (``bad-signature``, ``unsigned``, ``dtype-mismatch``, ``norm-outlier``, and the fold's own reasons)
@@ -83,9 +83,9 @@ class SyncerConfig:
     retention: RetentionConfig = RetentionConfig()   # after each checkpoint (workers/syncer/gc.py, docs/storage.md)
     initial_step_s: float = 0.1        # the global clock's pace before any learner's was measured
     fence_check_s: float = 1.0         # how often an idle syncer checks whether it was fenced (item 8)
-    max_pending: int = 64              # candidate deltas held per fragment (issue 11 item 5)
-    shard: int | None = None           # a sharded run's shard this syncer is (issue 15; None: unsharded)
-    threads: int = 1                   # compute pool for decode, guard, fold, version encode (issue 15)
+    max_pending: int = 64              # candidate deltas held per fragment
+    shard: int | None = None           # a sharded run's shard this syncer is (None: unsharded)
+    threads: int = 1                   # compute pool for decode, guard, fold, version encode
 
     def __post_init__(self) -> None:
         for name in ("spill_poll_s", "heartbeat_s", "live_timeout_s", "retry_s", "max_retry_s", "members_poll_s",
@@ -114,8 +114,8 @@ class SyncerStats:
     drops: Counter = field(default_factory=Counter)        # recorded drops by reason (in commits)
     from_bus: int = 0
     from_spill: int = 0
-    evicted: int = 0           # dropped "pending-overflow" while a quorum was not met (issue 11 item 5)
-    # running aggregates, not one entry per commit (issue 11 item 6)
+    evicted: int = 0           # dropped "pending-overflow" while a quorum was not met
+    # running aggregates, not one entry per commit
     grace_waits: RunningMean = field(default_factory=RunningMean)
     round_sizes: RunningMean = field(default_factory=RunningMean)   # learners counted per commit
 
@@ -167,7 +167,7 @@ class Syncer:
         self.io = io if io is not None else ThreadPoolExecutor(max_workers=8, thread_name_prefix="syncer-io")
         self.retention = SyncerRetention(self.store, cfg.retention, self.events, self.io, wall=self.wall,
                                          sizes=self.sizes)
-        # A round's arithmetic on a pool of its own (issue 15): bit-identical at any thread count
+        # A round's arithmetic on a pool of its own: bit-identical at any thread count
         # (tests/test_threads.py), so it is a pure speed setting that replay never needs to know.
         self.compute = ThreadPoolExecutor(cfg.threads, thread_name_prefix="syncer-compute") if cfg.threads > 1 else None
         self.map_fn = self.compute.map if self.compute is not None else map
@@ -219,7 +219,7 @@ class Syncer:
     # -- start-up --------------------------------------------------------------------------------
     def recover(self, failover_from: str | None = None) -> None:
         """Refuse a store that is not the run's home region's, unless ``failover_from`` names the
-        home region this one takes over from (issue 25, workers/syncer/home.py); prove the store
+        home region this one takes over from (workers/syncer/home.py); prove the store
         enforces create-if-absent (fencing depends on it), rebuild the state from
         the log *read-only* (issue 11 item 9: a rebuild that fails leaves the old syncer running),
         then claim a new epoch with a signed fence (item 14), fold whatever an older syncer committed
@@ -456,7 +456,7 @@ class Syncer:
         return False
 
     def _watch_quorum(self, timing: Timing) -> None:
-        """A standalone syncer cannot know M (issue 25): once K has exceeded the number of learners
+        """A standalone syncer cannot know M: once K has exceeded the number of learners
         it ever heard of for two round periods, say so (``quorum-unreachable``, again whenever that
         number changes): no round can close until more learners answer."""
         heard, k = len(self.rounds.learners), self.policy.quorum
@@ -500,7 +500,7 @@ class Syncer:
         return round_input(h.blob, h.stored_key, self.descriptor, self.roster, opened)
 
     def _below_quorum(self, p: int, decision: Decision) -> str:
-        """The recorded reason of ``decision.dropped`` (issue 25), naming K and the learners that had work."""
+        """The recorded reason of ``decision.dropped``, naming K and the learners that had work."""
         working = {h.header.learner for h in self.pending[p].values()
                    if h.candidate and h.header.c_steps > 0 and h.header.c_tokens > 0}
         return str(DropReason(BELOW_QUORUM, f"K={self.policy.quorum}, {len(working)} learner(s) answered "
@@ -515,7 +515,7 @@ class Syncer:
     def merge(self, p: int, keys: Sequence[PendingKey], decision: Decision) -> None:
         """Commit fragment ``p``'s round of the pending deltas ``keys`` as ``decision`` decided it
         (the policy is ``close_rounds``'s; tests call this directly). A merge of fewer than K
-        distinct learners is never committed (issue 25): when the fold drops answers (norm outliers,
+        distinct learners is never committed: when the fold drops answers (norm outliers,
         stale bases ...) and leaves fewer, only its drops are committed, and the survivors' learners'
         deltas stay pending for this round (still open) or a later one."""
         t0 = self.clock()

@@ -1,5 +1,5 @@
 """The object-storage price table, a monthly cost estimate from the store counters, and what a
-data-parallel all-reduce would move (issue 14; docs/regions.md "The price table").
+data-parallel all-reduce would move (docs/regions.md "The price table").
 
 Here, not in infra/, because ``ddiloco run`` and ``ddiloco log`` report the estimate and workers/
 never imports infra/ (infra/prices.py re-exports this module for older callers).

@@ -1,4 +1,4 @@
-"""`ddiloco dashboard RUN_URI`: a live page for a running or finished run (issue 17).
+"""`ddiloco dashboard RUN_URI`: a live page for a running or finished run.
 
 One static page (workers/tools/dashboard.html: HTML, CSS and a little vanilla JS, nothing fetched
 from any other host) polls ``/api/state``, the JSON of ``workers.tools.dashboard_state.RunView``:

@@ -1,4 +1,4 @@
-"""What a run looks like right now, for `ddiloco dashboard` (issue 17): learners, fragments,
+"""What a run looks like right now, for `ddiloco dashboard`: learners, fragments,
 syncer, held-out loss and regions, built from the run's commit log (SPEC §7) and the processes'
 JSONL event logs (workers/common/events.py) and nothing else.
 

@@ -36,7 +36,7 @@ FORMATS = ("torch", "safetensors")
 # safetensors metadata (str -> str): "format" is the key other tools read ("pt": torch tensors);
 # every other key is ours, under "ddiloco.", versioned by EXPORT_METADATA_VERSION (docs/formats.md).
 # v1: commit_seq, and for a sharded run commit_seq -1 plus shard_seqs (added under v1: readers
-# dropped it); v2 (issue 26): shard_seqs always (one seq per syncer shard; [commit_seq] unsharded).
+# dropped it); v2: shard_seqs always (one seq per syncer shard; [commit_seq] unsharded).
 EXPORT_METADATA_VERSION = 2
 EXPORT_METADATA_READS = (1, 2)
 META_PREFIX = "ddiloco."
@@ -70,7 +70,7 @@ def model_at(store: ObjectStore, descriptor: RunDescriptor, seq: int | Sequence[
     """All tensors (float32, descriptor order) as they stood after commit ``seq``, and the commit
     of each fragment's version. ``cache`` (by version key) avoids decoding a version twice.
 
-    A sharded run (issue 15) has one log per syncer shard and no single commit order: its point is
+    A sharded run has one log per syncer shard and no single commit order: its point is
     one seq per shard (``resolve_seq``), and fragment p's version is the newest its owner (shard
     p % N) committed at or before that shard's seq (docs/formats.md "Export of a sharded run")."""
     seqs = [seq] if isinstance(seq, int) else list(seq)

@@ -9,7 +9,7 @@ and harmless drops (duplicates, superseded deltas) are told apart from lost work
 ``--json`` prints JSON Lines instead: ``{"type": "commit", ...CommitRecord.to_dict()}`` per commit,
 then one ``{"type": "totals", ...}`` (docs/replay.md).
 
-Traffic (issue 14): ``--accounting`` reads the run's event logs (``--events DIR``, which implies
+Traffic: ``--accounting`` reads the run's event logs (``--events DIR``, which implies
 it; by default ``OUT/logs`` next to a run stored in ``OUT/store``, ``ddiloco run``'s layout) and
 prints after the totals the requests and bytes per region, link, learner and outer step, the
 estimated monthly cost (``--prices``) and the data-parallel comparison
@@ -39,7 +39,7 @@ from workers.tools.replay_cli import EXIT_DAMAGED, EXIT_USAGE, add_location_args
 
 HARMLESS = ("duplicate", "superseded")   # another copy, or a newer delta of the same lineage, carried the work
 # Every other reason is lost work: ``stale-incarnation``, ``base-too-old`` ... An overtaken answer
-# (below its learner's mark, never merged) is merged in runs with merged marks (issue 25), and
+# (below its learner's mark, never merged) is merged in runs with merged marks, and
 # ``superseded: seq S of its lineage was merged`` names a merged delta of an earlier commit.
 
 
@@ -64,7 +64,7 @@ class LearnerTotals:
 class LogTotals:
     """Sums over the commits shown (``learner``: count only that learner's deltas).
 
-    Tokens (issue 11 item 16): a delta's ``c_tokens`` counts every token since the learner last
+    Tokens: a delta's ``c_tokens`` counts every token since the learner last
     received a version of the fragment, so consecutive deltas on one base repeat each other's
     tokens and summing them over-counts (a 102k-token run showed 401k merged). Here the deltas of
     one learner life, fragment and base form a *lineage*; the tokens that entered the model are
@@ -315,7 +315,7 @@ def log_command(args, out: TextIO, err: TextIO) -> int:
 
 def _records(store, descriptor, start: int, end: int | None, shard: int | None, out: TextIO,
              as_json: bool) -> Iterator[CommitRecord]:
-    """The commits to show: ``start..end`` of the run's log; in a sharded run (issue 15) of every
+    """The commits to show: ``start..end`` of the run's log; in a sharded run of every
     shard's log in shard order (or ``shard``'s alone), each with a header line, the shared init
     commits once (their totals count each commit once)."""
     stores = shard_stores(store, descriptor)

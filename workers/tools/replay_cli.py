@@ -172,7 +172,7 @@ def configure(parser: argparse.ArgumentParser):
 def verify_regions(store, descriptor, tail: int, out: TextIO, err: TextIO,
                    copies: dict[str, str] | None = None) -> bool:
     """Each non-home region's copy against the authoritative log (commits 0..``tail``), by sha256
-    of every object (issue 14); one line per region. True if every copy matches. ``copies``: region
+    of every object; one line per region. True if every copy matches. ``copies``: region
     name -> a local copy of its store to read instead (a ``--wan`` run's ``OUT/stores``, issue 26)."""
     if descriptor.regions is None:
         print("regions: this run has one region (no regions section): nothing to compare", file=out)
@@ -229,7 +229,7 @@ def replay_command(args, out: TextIO, err: TextIO) -> int:
 
 def _replay_log(store, descriptor, args, out: TextIO, err: TextIO) -> int:
     """Verify one commit log (the run's, or one shard's). By default from the retention horizon on
-    when retention removed what older commits named (issue 26): a plain replay of a healthy run
+    when retention removed what older commits named: a plain replay of a healthy run
     after retention verifies, and says where it started."""
     horizon = retention_horizon(store)
     try:

@@ -257,7 +257,7 @@ def _compare_checkpoint(store: ObjectStore, descriptor: RunDescriptor, seq: int,
         raise FormatError(f"{what} is damaged: {exc}") from None
     if payload == state.to_bytes():
         return                      # the common case: the same bytes
-    # Otherwise compare what the checkpoint holds, not how it is encoded (issue 26): a checkpoint
+    # Otherwise compare what the checkpoint holds, not how it is encoded: a checkpoint
     # written by an older version (another envelope version, another field order) that holds the
     # recomputed state exactly is a match; only a difference in content is a mismatch.
     saved = SyncerState.from_bytes(payload, descriptor, what=what)
