@@ -158,8 +158,8 @@ def test_bad_wan_settings_are_refused_naming_the_field(regions, wan, error):
 @pytest.mark.parametrize("flags, error", [(["--wan", "rtt=1ms"], "--wan needs --regions N >= 2"),
                                           (["--regions", "2", "--wan", "bw=10mb"], "field 'bw'"),
                                           (["--regions", "2", "--wan", "rtt=1ms", "--store", "x"], "leave out --store"),
-                                          (["--spill-poll", "0"], "--spill-poll must be > 0"),
-                                          (["--pace", "0.4", "--slow", "2"], "takes no --slow")])
+                                          (["--spill-poll", "0"], "roles.spill_poll must be > 0"),
+                                          (["--pace", "0.4", "--slow", "2"], "takes no roles.slow")])
 def test_ddiloco_run_refuses_wan_flags_it_cannot_honour(tmp_path, capsys, flags, error):
     from workers import cli
     assert cli.main(["run", "--out", str(tmp_path / "out"), "--plain", *flags]) == 2

@@ -106,15 +106,16 @@ class Roles:
 
     def __post_init__(self) -> None:
         if not self.slow >= 1.0:
-            raise ValueError(f"slow must be >= 1, got {self.slow}")
+            raise ValueError(f"roles.slow must be >= 1, got {self.slow}")
         if self.pace is not None and (not self.pace > 0 or self.slow != 1.0):
-            raise ValueError(f"pace must be > 0 seconds and takes no slow, got pace {self.pace}, slow {self.slow}")
+            raise ValueError(f"roles.pace must be > 0 seconds and takes no roles.slow, got pace {self.pace}, "
+                             f"slow {self.slow}")
         for name in ("poll", "spill_poll"):
             value = getattr(self, name)
             if value is not None and not value > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {value}")
+                raise ValueError(f"roles.{name} must be > 0 seconds, got {value}")
         if not self.eval_every > 0:
-            raise ValueError(f"eval_every must be > 0 seconds, got {self.eval_every}")
+            raise ValueError(f"roles.eval_every must be > 0 seconds, got {self.eval_every}")
 
 
 @dataclass(frozen=True)
