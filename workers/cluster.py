@@ -5,7 +5,7 @@
 
 - picks free loopback ports for the bus (``free_port``) and spawns each role as
   ``python -m workers.cli syncer|learner ...`` (or another module with the same flags, such as the
-  chaos worker or the fault-injecting syncer wrapper), every process in its own session with one
+  the fault-injecting syncer wrapper), every process in its own session with one
   OMP/MKL thread and its events in ``OUT/logs/<name>.jsonl`` (a restart appends to the same file);
 - knows when a role is ready from its own event log (``syncer-recovered`` / ``syncer-bus``,
   ``learner-start``), never from a sleep;
@@ -251,7 +251,7 @@ class LocalCluster:
     def start_learner(self, lid: str, extra: Sequence[str] = (), module: str = "workers.cli",
                       endpoints: tuple[str, str] | None = None, bus: bool | None = None) -> Life:
         """A learner ``lid`` connecting to the cluster's endpoints (or ``endpoints``: a relay, a dead
-        address); ``module`` may be another learner with the same flags (infra/chaos/worker.py)."""
+        address); ``module`` may be another role with the same flags (infra/chaos/faulty_syncer.py)."""
         ingest, announce = endpoints or (None, None)
         sub = ["learner"] if module == "workers.cli" else []
         argv = [*sub, "--id", lid, *self.key_args(lid), *self.bus_args(bus, ingest, announce), *extra]

@@ -245,8 +245,14 @@ def configure_learner(parser: argparse.ArgumentParser):
     parser.add_argument("--steps", type=int, default=None, help="inner steps (default: the run's)")
     parser.add_argument("--slow", type=float, default=1.0, help="stretch every step by this factor (>= 1)")
     parser.add_argument("--pace", type=float, default=None, metavar="SECONDS",
-                        help="instead: pad every step to this many seconds (a learner that owns its accelerator: "
-                             "its speed does not follow a shared machine's load; benchmarks)")
+                        help="instead: pad every step to this many seconds, times --slow (a learner that owns its "
+                             "accelerator: its speed does not follow a shared machine's load; benchmarks, chaos)")
+    parser.add_argument("--jitter", type=float, default=0.0,
+                        help="with --pace: the std of each step's time factor, a normal draw clipped at 0.5 (< 0.5)")
+    parser.add_argument("--jitter-seed", type=int, default=0, help="with --pace: the seed of those draws")
+    parser.add_argument("--wait-for", metavar="FILE", default=None,
+                        help="load the model, then wait for this file to exist before joining (a spare machine)")
+    parser.add_argument("--data-seed", type=int, default=None, help="the batch order's seed (default: the run's)")
     parser.add_argument("--ack-timeout", type=float, default=2.0, help="seconds before an unacked delta spills")
     parser.add_argument("--poll", type=float, default=0.5, help="seconds between storage polls for versions")
     parser.add_argument("--syncer-key", metavar="PATH", default=None,
@@ -280,10 +286,13 @@ def configure_learner(parser: argparse.ArgumentParser):
         from workers.learner.sender import SenderConfig
         if args.slow < 1.0:
             raise SystemExit(f"--slow must be >= 1, got {args.slow}")
-        if args.pace is not None and (not args.pace > 0 or args.slow != 1.0):
-            raise SystemExit(f"--pace must be > 0 seconds and takes no --slow, got --pace {args.pace}")
         from workers.job.job import Pace
-        pace = Pace(args.pace) if args.pace is not None else None
+        if args.pace is None and (args.jitter or args.jitter_seed):
+            raise SystemExit("--jitter and --jitter-seed need --pace")
+        try:
+            pace = Pace(args.pace, args.slow, args.jitter, args.jitter_seed) if args.pace is not None else None
+        except ValueError as exc:
+            raise SystemExit(f"--pace: {exc}") from None
         try:
             agent_cpus = parse_cpus(args.agent_cpus)
         except ValueError as exc:
@@ -303,11 +312,16 @@ def configure_learner(parser: argparse.ArgumentParser):
         cfg = LearnerConfig(sender=SenderConfig(ack_timeout_s=args.ack_timeout), poll_s=args.poll, keys=keys,
                             sync_process=args.sync_process, agent_cpus=agent_cpus)
         try:
-            stats = learner_process(store, args.id, shard, _bus(args), events, steps=args.steps, slow=args.slow,
-                                    config=cfg, stop=flag.is_set, group=group, pace=pace)
+            wait_for = args.wait_for
+            stats = learner_process(store, args.id, shard, _bus(args), events, steps=args.steps,
+                                    slow=args.slow if pace is None else 1.0, config=cfg, stop=flag.is_set,
+                                    group=group, pace=pace, data_seed=args.data_seed,
+                                    join_when=(lambda: os.path.exists(wait_for)) if wait_for else None)
         finally:
             if metrics is not None:
                 metrics.close()
+        if not stats.get("joined", True):     # stopped before joining: a spare machine never used
+            return 0
         events.emit("learner-done", **stats)
         if args.log:
             print(json.dumps(stats))

@@ -1,7 +1,7 @@
 """The chaos experiments (issue "Chaos engineering"; the paper's §5 heterogeneity, scavenging and
 goodput studies), scaled to one small machine: ``ddiloco chaos experiment NAME``.
 
-Every learner is a paced ``infra.chaos.worker`` (each step padded to a set duration), so speeds
+Every learner is a paced ``ddiloco learner --pace`` (each step padded to a set duration), so speeds
 are controlled quantities even when the machine is shared; decoupled numbers are measured on real
 processes. The data-parallel baselines cannot be measured on one 2-core machine (their speed-up
 needs real parallel hardware), so their wall time and uptime are *modelled* from the same schedule

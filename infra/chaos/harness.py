@@ -2,7 +2,7 @@
 
 ``ChaosRun`` creates a run (the tiny or the default model, keys for the syncer and every learner,
 a signed run), starts the syncer and learners as ``ddiloco syncer`` / ``ddiloco learner`` processes
-(or ``infra.chaos.worker`` for paced learners in the experiments), and can kill (SIGKILL), pause
+(paced with ``--pace`` in the experiments), and can kill (SIGKILL), pause
 (SIGSTOP/SIGCONT), restart and terminate them, stop and restart the S3 server (SeaweedFS, when the
 run lives on S3), and blackhole the ZeroMQ path: learners reach the syncer only through two TCP
 relays (``proxy.py``). Every lever is written to ``timeline`` with its wall-clock time, so the
@@ -58,7 +58,7 @@ class RunSpec:
     storage: str = "local"             # "local" | "s3" (a SeaweedFS server owned by the run) | "wan" (below)
     regions: int = 2                   # storage "wan": a SeaweedFS server per region, learner m in r(m mod N),
     wan: str = "rtt=100ms,bw=100mbit"  # and this link on every cross-region path (infra/wan_topology.py)
-    pace_s: float | None = None        # every learner paced to this step time (infra.chaos.worker; slow applies)
+    pace_s: float | None = None        # every learner paced to this step time (ddiloco learner --pace; slow applies)
     sync_process: bool = False         # learners run their sync agent in a child process (--sync-process)
     model: str = "tiny"
     seed: int = 0
@@ -225,10 +225,9 @@ class ChaosRun:
     def start_learner(self, lid: str, steps: int | None = None, slow: float | None = None, shard: int | None = None,
                       pace_s: float | None = None, jitter: float = 0.0, seed: int = 0,
                       wait_for: Path | None = None, data_seed: int | None = None) -> Life:
-        """A learner process, connected through the relays. With ``pace_s`` it is
-        ``infra.chaos.worker`` (each step lasts ``pace_s * slow``, times a random factor of std
-        ``jitter``; ``wait_for``: it loads, then waits for that file before joining; ``data_seed``:
-        its own batch order); otherwise ``ddiloco learner``."""
+        """A ``ddiloco learner`` process, connected through the relays. With ``pace_s`` each step
+        lasts ``pace_s * slow``, times a random factor of std ``jitter`` (``--pace``); ``wait_for``:
+        it loads, then waits for that file before joining; ``data_seed``: its own batch order."""
         cluster = self._started()
         relays = (self.relays[0].endpoint, self.relays[1].endpoint)
         region = self.spec.region_of(lid)
@@ -246,10 +245,10 @@ class ChaosRun:
             extra += ["--shard", str(shard)]
         if pace_s is None:
             return cluster.start_learner(lid, extra, endpoints=relays)
-        extra += ["--pace", str(pace_s), "--jitter", str(jitter), "--seed", str(seed)]
+        extra += ["--pace", str(pace_s), "--jitter", str(jitter), "--jitter-seed", str(seed)]
         extra += (["--wait-for", str(wait_for)] if wait_for else []) + \
             (["--data-seed", str(data_seed)] if data_seed is not None else [])
-        return cluster.start_learner(lid, extra, module="infra.chaos.worker", endpoints=relays)
+        return cluster.start_learner(lid, extra, endpoints=relays)
 
     def make_key(self, lid: str) -> None:
         """A key pair for a learner that will join later (``add_learner`` lists it)."""

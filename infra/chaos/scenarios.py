@@ -74,7 +74,7 @@ class Scenario:
         return d
 
 
-# Learners paced to 20 ms steps (infra.chaos.worker) and H = 12: each fragment's round every 240 ms,
+# Learners paced to 20 ms steps (ddiloco learner --pace) and H = 12: each fragment's round every 240 ms,
 # a commit every 80 ms. Unpaced, the tiny model steps in ~2 ms, and a syncer needing ~10 ms per
 # signed commit cannot close a round before its fragment's next one replaces it (measured: 1.7 ms
 # steps, 7-14 ms commits) - a regime no real run is in (steps >> merges, SPEC §4), in which the

@@ -106,7 +106,7 @@ class Pace:
     """Pad every inner step to last ``step_s * slow * max(0.5, 1 + jitter * z)`` seconds, z a
     standard normal drawn from (``seed``, the shard). Padding rather than stretching makes a
     learner's speed a controlled quantity even on a busy machine (the chaos experiments'
-    heterogeneous speeds: infra/chaos/worker.py)."""
+    heterogeneous speeds: ddiloco learner --pace --jitter)."""
 
     step_s: float
     slow: float = 1.0
