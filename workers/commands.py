@@ -32,6 +32,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+from pipeline.descriptor import RunDescriptor
 from pipeline.types import CommitRecord
 from storage.layout import read_descriptor
 from storage.regions import learner_region_store
@@ -71,9 +72,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     add_metrics_args(parser)
 
 
-def _keyring(args, store, role: str, ident: str) -> KeyRing | None:
+def _keyring(args, desc: RunDescriptor, role: str, ident: str) -> KeyRing | None:
     """The role's keys from --key/--keys, checked against the run's mode (SystemExit with the fix)."""
-    desc = read_descriptor(store)
     signed = desc.security is not None
     given = args.key or args.keys or getattr(args, "syncer_key", None)
     if args.insecure and given:
@@ -175,11 +175,12 @@ def configure_syncer(parser: argparse.ArgumentParser,
         retention = RetentionConfig(enabled=not args.keep_all, keep_checkpoints=args.keep_checkpoints,
                                     keep_commits=args.keep_commits, keep_bytes=keep_bytes, keep_age_s=keep_age)
         store = open_store(args.store, s3_endpoint=args.s3_endpoint, create=False)
-        keys = _keyring(args, store, "syncer", args.id)
-        shard = _check_shard(args.shard, read_descriptor(store))
+        desc = read_descriptor(store)          # read once per process, handed to what needs it
+        keys = _keyring(args, desc, "syncer", args.id)
+        shard = _check_shard(args.shard, desc)
         flag = _stop_flag()
         events = _events(args, "syncer", args.id)
-        store, metrics = start_metrics(args, events, "syncer", args.id, store)   # (store, None) without the flag
+        store, metrics = start_metrics(args, events, "syncer", args.id, store, run_id=desc.run_id)
         store = counted(store)     # issue 14: its requests are reported in accounting events
         bus = _bus(args)
         syncer = Syncer(store, SyncerConfig(syncer_id=args.id, checkpoint_every=args.checkpoint_every,
@@ -305,17 +306,18 @@ def configure_learner(parser: argparse.ArgumentParser):
         store = open_store(args.store, s3_endpoint=args.s3_endpoint, create=False)
         if args.region is not None:   # --store may be any copy of the run; from here on only the region's
             store = learner_region_store(store, args.region)
-        keys = _keyring(args, store, "learner", args.id)
+        desc = read_descriptor(store)          # read once per process, handed to what needs it
+        keys = _keyring(args, desc, "learner", args.id)
         flag = _stop_flag()
         events = _events(args, "learner", args.id)
-        store, metrics = start_metrics(args, events, "learner", args.id, store)  # (store, None) without the flag
+        store, metrics = start_metrics(args, events, "learner", args.id, store, run_id=desc.run_id)
         cfg = LearnerConfig(sender=SenderConfig(ack_timeout_s=args.ack_timeout), poll_s=args.poll, keys=keys,
                             sync_process=args.sync_process, agent_cpus=agent_cpus)
         try:
             wait_for = args.wait_for
             stats = learner_process(store, args.id, shard, _bus(args), events, steps=args.steps,
                                     slow=args.slow if pace is None else 1.0, config=cfg, stop=flag.is_set,
-                                    group=group, pace=pace, data_seed=args.data_seed,
+                                    group=group, pace=pace, data_seed=args.data_seed, descriptor=desc,
                                     join_when=(lambda: os.path.exists(wait_for)) if wait_for else None)
         finally:
             if metrics is not None:

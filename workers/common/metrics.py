@@ -311,13 +311,14 @@ def add_metrics_args(parser) -> None:
                              "0.0.0.0 for a Prometheus elsewhere)")
 
 
-def start_metrics(args, events: EventLog, role: str, ident: str,
-                  store: ObjectStore) -> tuple[ObjectStore, Metrics | None]:
+def start_metrics(args, events: EventLog, role: str, ident: str, store: ObjectStore,
+                  run_id: str | None = None) -> tuple[ObjectStore, Metrics | None]:
     """With ``--metrics-port``: a serving ``Metrics`` subscribed to ``events``, and ``store``
-    wrapped so its traffic is counted (use the returned store); otherwise ``(store, None)``."""
+    wrapped so its traffic is counted (use the returned store); otherwise ``(store, None)``.
+    ``run_id``: the run's, when the caller has read its descriptor already."""
     if getattr(args, "metrics_port", None) is None:
         return store, None
-    metrics = Metrics(role, ident, read_descriptor(store).run_id)
+    metrics = Metrics(role, ident, run_id if run_id is not None else read_descriptor(store).run_id)
     counted = CountingStore(store)
     metrics.watch_store(counted)
     url = metrics.serve(args.metrics_host, args.metrics_port)

@@ -143,7 +143,8 @@ def learner_process(store: ObjectStore, learner_id: str, shard: int, bus: BusCon
                     steps: int | None = None, slow: float = 1.0, config: LearnerConfig = LearnerConfig(),
                     stop: Callable[[], bool] = lambda: False, pace: Pace | None = None,
                     data_seed: int | None = None, join_when: Callable[[], bool] | None = None,
-                    poll_s: float = 0.05, group: "DataParallelGroup | None" = None) -> dict:
+                    poll_s: float = 0.05, group: "DataParallelGroup | None" = None,
+                    descriptor: RunDescriptor | None = None) -> dict:
     """Train one learner of the default job for ``steps`` (default: the job's) and return its stats.
 
     ``slow`` stretches every step by that factor; ``pace`` instead pads each step to a set time;
@@ -156,13 +157,17 @@ def learner_process(store: ObjectStore, learner_id: str, shard: int, bus: BusCon
     torch.set_num_threads(1)
     if group is not None and (slow != 1.0 or pace is not None or join_when is not None):
         raise ValueError("a torchrun learner takes no slow/pace/join_when (they pace one process, not a group)")
-    desc = read_descriptor(store) if group is None else group.share_descriptor(store)
+    if group is not None:
+        desc = group.share_descriptor(store)
+    else:      # the caller's, when it read it already (one read per process)
+        desc = descriptor if descriptor is not None else read_descriptor(store)
     gcfg, job = job_from(desc)
     corpus = Corpus(job.data_config(gcfg.block_size))
     model = GPT(gcfg)                    # weights are overwritten from storage by start(): never used as drawn
     seed = desc.seed if data_seed is None else data_seed
     if group is None:
-        learner = Learner(model, make_optimizer(model, job), store, learner_id, config, bus=bus, events=events)
+        learner = Learner(model, make_optimizer(model, job), store, learner_id, config, bus=bus, events=events,
+                          descriptor=desc)
         batches = corpus.batches(shard % job.shards, job.shards, seed)
     else:
         from workers.learner.group import GroupLearner

@@ -102,8 +102,9 @@ class Learner:
                  events: EventLog | None = None, incarnation: int | None = None,
                  clock: Callable[[], float] = time.monotonic, region: str | None = None,
                  wall: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
-                 transport: Transport = ZMQ):
+                 transport: Transport = ZMQ, descriptor: RunDescriptor | None = None):
         self.model, self.optimizer = model, optimizer
+        self._given = descriptor     # the run's descriptor when the caller read it already (one read per process)
         self.transport = transport   # what builds its bus sockets (ZeroMQ; the fault simulation's own)
         self.region = region     # issue 14: start() moves to this region's store (None: ``store`` is it)
         self.store = open_store(store, create=False) if isinstance(store, str) else store   # never a new empty dir
@@ -152,7 +153,7 @@ class Learner:
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "Learner":
         self.store = counted(learner_region_store(self.store, self.region))   # every request it makes, counted
-        d = self.descriptor = read_descriptor(self.store)
+        d = self.descriptor = self._given if self._given is not None else read_descriptor(self.store)
         here, home = region_names(d, self.store, self.region)
         self.traffic = TrafficMeter(self.events, here, home, {here: self.store},
                                     self.bus.counters if self.bus is not None else None, clock=self.clock)
