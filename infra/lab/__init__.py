@@ -9,6 +9,7 @@ says what question it answered and where the answer is written up:
 - ``bench_cli`` (``bench_scaling``, ``bench_load``, ``bench_versions``): do codec and fold scale with
   threads, what does a 100M-parameter round cost, how fast are new versions found? docs/scale.md.
 - ``bench_device_quant``: does quantising on the learner's device pay? docs/scale.md.
+- ``same_bytes``: does a refactor keep every stored object's bytes? (run it under both trees).
 
 Each is smoke-tested by the suite (tests/test_overhead_benchmark.py, test_overhead_ablate.py,
 test_bench.py, test_device_quant.py, test_learner_steptrace.py).
