@@ -1,5 +1,5 @@
 """`ddiloco benchmark regions`: cross-region training over the emulated WAN vs the same run without
-it (docs/regions.md "Benchmark").
+it (docs/results-regions.md "Benchmark").
 
 For each path - the bus (ZeroMQ from region r1's learners to the home syncer through the link) and
 bucket-only (``--no-bus``: r1's learners reach the syncer only through r1's bucket) - ``--pairs``

@@ -3,7 +3,7 @@
 says what question it answered and where the answer is written up:
 
 - ``overhead`` (+ ``overhead_roles``, ``overhead_interleave``): what does sync cost a learner's
-  step? ``python -m infra.lab.overhead``; docs/scale.md "A learner's overhead", docs/results.md.
+  step? ``python -m infra.lab.overhead``; docs/results-overhead.md.
 - ``overhead_ablate``: which learner feature or neighbour makes the rest of that cost?
   ``python -m infra.lab.overhead_ablate``; docs/scale.md "The other steps, taken apart".
 - ``bench_cli`` (``bench_scaling``, ``bench_load``, ``bench_versions``): do codec and fold scale with

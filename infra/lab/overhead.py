@@ -21,7 +21,7 @@ tail can be traced to what the step held. Timing claims live here, never in test
 
 Separate processes differ by +-4% on a 2-vCPU VM even when they run the same loop, so a 5-repeat
 median is good to about +-2%; infra/lab/overhead_ablate.py times one learner feature or neighbour at a
-time inside one process instead (docs/scale.md, "The other steps, taken apart").
+time inside one process instead (docs/results-overhead.md, "The other steps, taken apart").
 
 ``--interleave`` instead takes both sides from one learner process, a plain step before each
 learner step (infra/lab/overhead_interleave.py): free of that spread, but blind to what spills from a
