@@ -1,7 +1,7 @@
 """`python -m infra.lab.overhead`: a learner's step time with sync on / sync off.
 
-Lab (issue 15's question: what does sync cost a learner's step?); written up in docs/scale.md
-"A learner's overhead", the figure in docs/results.md.
+Lab (issue 15's question: what does sync cost a learner's step?); written up in
+docs/results-overhead.md, the figure in docs/results.md.
 
 Goal: sync on / off <= 1.03x (median) and p99 <= 1.1x the median, measured with no more busy
 processes than cores. Each repeat runs, **one after the other, never together**:

@@ -1,4 +1,4 @@
-"""Where a learner's "other" steps lose time to the control (issue 15; docs/scale.md, overhead).
+"""Where a learner's "other" steps lose time to the control (issue 15; docs/results-overhead.md).
 
 ``python -m infra.lab.overhead`` compares the learner (with a syncer) with a plain training loop.
 This tool takes the difference apart: it runs the sync-off control (infra/lab/overhead_roles.py
