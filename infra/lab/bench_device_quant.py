@@ -1,5 +1,5 @@
 """Benchmark: the learner's torch quantisation kernels (workers/learner/device_quant.py) against the
-codec's C kernel (pipeline/kernels.py), on the CPU, side by side (issue 15, docs/scale.md).
+codec's C kernel (pipeline/kernels.py), on the CPU, side by side (issue 15, docs/results-overhead.md).
 
     flock /tmp/heavy.lock taskset -c 0 .venv/bin/python -m infra.lab.bench_device_quant --values 16777216
 

@@ -1,7 +1,7 @@
 """`python -m infra.lab.overhead --interleave`: sync on / off as an A/B inside one learner process.
 
 Two separate processes running the same loop differ by up to +-4-5% on this machine (the control
-alone, 14 processes back to back: medians 11.89-13.21 ms; docs/scale.md "The other steps, taken
+alone, 14 processes back to back: medians 11.89-13.21 ms; docs/results-overhead.md "The other steps, taken
 apart"), more than the 3% the issue allows, so comparing a control process with a learner process
 needs many repeats to say anything. Here one process alternates: even steps are the plain loop
 (zero_grad, forward, backward, AdamW: the control's body, *sync off*), odd steps go through
