@@ -9,11 +9,10 @@ The codec and merge figures a user runs are ``ddiloco benchmark codec|merge``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 
-from workers.tools.bench import CLOCKS, add_arguments, config_from, keep_memory
+from workers.tools.bench import CLOCKS, add_arguments, config_from, keep_memory, write_results
 
 KINDS = ("scaling", "load", "versions")
 
@@ -54,10 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         from .bench_scaling import bench_scaling, print_scaling
         results["scaling"] = bench_scaling(cfg, CLOCKS[cfg.clock])
         print_scaling(results["scaling"])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    return 0
+    return write_results(args.json, results)
 
 
 if __name__ == "__main__":

@@ -372,7 +372,12 @@ def run_bench(parser: argparse.ArgumentParser, args: argparse.Namespace, what: s
     if cfg.what in ("merge", "all"):
         results["merge"] = bench_merge(cfg, CLOCKS[cfg.clock])
         _print_merge(results["merge"])
-    if args.json:
-        with open(args.json, "w") as f:
+    return write_results(args.json, results)
+
+
+def write_results(path: str | None, results: dict[str, Any]) -> int:
+    """Write a benchmark's results as JSON to ``path`` (``--json``; none: nothing); 0."""
+    if path:
+        with open(path, "w") as f:
             json.dump(results, f, indent=2)
     return 0
