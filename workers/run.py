@@ -200,6 +200,8 @@ def _run_decoupled(args, cfg: RunConfig, out: Path, topology) -> int:
     all_events = [e for f in sorted((out / "logs").glob("*.jsonl")) for e in read_events(f)]
     summary = _summary(store_uri, desc, all_events, init_loss, final, wall, drained, cfg, interrupted)
     summary["placement"] = placement.to_dict()
+    summary["settings"] = {"learners": learners, "fragments": desc.num_fragments, "sync_every": desc.schedule.sync_every,
+                           "quorum": desc.policy.quorum, "compression": desc.codec.scheme}
     summary.update(_rounds_figures(store, desc, all_events))
     summary.update(_log_figures(store, desc))
     summary["accounting"] = _accounting(all_events, desc, cfg.run.prices)
@@ -391,7 +393,7 @@ def _write_outputs(out: Path, summary: dict, events: list[dict], args) -> None:
         Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
         Path(args.summary).write_text(json.dumps(summary, indent=2))
     try:
-        plot = plot_run(events, out / "report.png", title=f"{summary['mode']} run {summary.get('run_id', '')}")
+        plot = plot_run(events, out / "report.png", summary)
         summary_plot = str(plot)
     except Exception as exc:  # a plotting failure must not hide the run's result
         summary_plot = f"(plot failed: {exc})"
@@ -410,6 +412,7 @@ def _run_baseline(args, cfg: RunConfig, out: Path) -> int:
         res = diloco_baseline(cfg.model, cfg.job, learners, seed, events, outer)
     events.close()
     summary = {"ok": True, "status": "ok", "mode": mode, "run_uri": None, "learners": learners,
+               "settings": {"learners": learners, "sync_every": cfg.schedule.h if mode == "diloco" else None},
                "tokens_trained": res["tokens"], "initial_eval_loss": res["initial_eval_loss"],
                "final_eval_loss": res["final_eval_loss"], "wall_s": round(time.time() - t0, 2),
                "bytes_per_learner_per_step": res["bytes_per_learner_per_step"]}
