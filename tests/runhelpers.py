@@ -150,13 +150,18 @@ def last_step(run: "TinyRun", lid: str) -> int:
 
 
 class FakeReceiver:
-    """Stands in for a learner's receiver thread: the test says which rounds are open and what arrives."""
+    """Stands in for a learner's receiver thread (a ``VersionReceiver``, workers/learner/io.py): the
+    test says which rounds are open and what arrives."""
 
     def __init__(self):
         self.rounds: dict[int, tuple[int, int]] = {}
         self.arrivals: list = []
-        self.errors = self.refused = self.bytes_received = 0
+        self.errors = self.refused = self.bytes_received = self.awaited = self.copy_misses = 0
+        self.copy_wait_s = 0.0
         self.failed = None
+
+    def start(self):
+        pass
 
     def opened(self):
         return dict(self.rounds)

@@ -13,6 +13,8 @@ import pytest
 
 from workers.learner import agent, io, receiver, sender, shards
 
+from runhelpers import FakeReceiver
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -38,7 +40,7 @@ def _has(cls: type) -> set[str]:
 @pytest.mark.parametrize("proto, cls", [
     (io.DeltaSender, sender.Sender), (io.DeltaSender, shards.ShardedSender), (io.DeltaSender, agent.AgentSender),
     (io.VersionReceiver, receiver.Receiver), (io.VersionReceiver, shards.ShardedReceiver),
-    (io.VersionReceiver, agent.AgentReceiver)])
+    (io.VersionReceiver, agent.AgentReceiver), (io.VersionReceiver, FakeReceiver)])
 def test_every_sender_and_receiver_has_every_member_of_the_interface(proto, cls):
     assert {"submit", "failed", "logs_deltas"} <= _members(io.DeltaSender)      # the reading finds members
     missing = _members(proto) - _has(cls)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pipeline.codec import RUN_FORMAT, SCHEMES, CodecConfig
+from pipeline.codec import RUN_FORMAT, SCHEMES, VERSIONS as CODEC_FORMATS, CodecConfig
 from pipeline.descriptor import LearnerRules, VersionsConfig
 from pipeline.guard import NEW_RUN_VERSION, NormGuardConfig
 from pipeline.marks import MARKS_LINEAGE
@@ -198,7 +198,7 @@ ALIASES = (
     Alias("--metrics-port", "roles.metrics_port"), Alias("--eval-every", "roles.eval_every"),
 )
 
-CHOICES = {"run.mode": MODES, "schedule.strategy": STRATEGIES, "codec.scheme": SCHEMES,
+CHOICES = {"run.mode": MODES, "schedule.strategy": STRATEGIES, "codec.scheme": SCHEMES, "codec.format": CODEC_FORMATS,
            "job.lr_schedule": LR_SCHEDULES, "versions.dtype": ("fp32", "bf16"), "merge.method": ("rda", "mean")}
 
 HELP = {
