@@ -37,6 +37,7 @@ DEFAULT_BUCKET = "ddiloco"
 DEFAULT_PORT = 8333
 REGION = "us-east-1"
 SENTINEL_KEY = ".ddiloco/sentinel"  # read back on every start (never a run key: runs live under prefixes)
+PROBE_BODY = bytes(range(256)) * 256   # 64 KiB: stored on a volume, not inline in the filer
 _PORT_NAMES = ("s3", "master", "volume", "filer", "admin",
                "s3_grpc", "master_grpc", "volume_grpc", "filer_grpc", "admin_grpc")
 _GRPC_SOCKETS = {"s3": "s3_grpc", "master": "master_grpc", "volume": "volume_grpc",
@@ -241,8 +242,8 @@ class S3Server:
         ]
 
     def _wait_ready(self) -> None:
-        """Until real authenticated requests work: create the bucket, put and delete a probe, and
-        read a sentinel written at the first start. After a restart, reads of older objects fail
+        """Until real authenticated requests work: create the bucket, put (64 KiB: on a volume) and
+        delete a probe, and read a sentinel written at the first start. After a restart, reads of older objects fail
         (HTTP 500) for up to several seconds until the volume server has re-registered its
         volumes with the master; the sentinel lies on such an older volume."""
         import boto3
@@ -266,7 +267,10 @@ class S3Server:
                     pass
                 except client.exceptions.BucketAlreadyExists:
                     pass
-                client.put_object(Bucket=self.bucket, Key=".ddiloco/probe", Body=b"")
+                # a body with bytes: an empty object is filer metadata only and needs no volume, so it
+                # succeeded while a real write still hung on a volume the restarted master did not know
+                # yet (a chaos s3-outage run: the syncer's first inbox write after "up" blocked 2 x 5 s)
+                client.put_object(Bucket=self.bucket, Key=".ddiloco/probe", Body=PROBE_BODY)
                 client.delete_object(Bucket=self.bucket, Key=".ddiloco/probe")
                 try:
                     client.get_object(Bucket=self.bucket, Key=SENTINEL_KEY)["Body"].read()

@@ -36,7 +36,9 @@ class JobSettings:
 
     steps: int = 300                  # inner steps per learner
     batch_size: int = 8
-    lr: float = 2e-3                  # docs/results.md "Rounds, defaults and quality": 2e-3 beat 3e-3 and 1e-3-1.5e-3 for decoupled at 300 and 1,200 steps
+    # docs/results.md "Rounds, defaults and quality": 2e-3 beat 3e-3 and 1e-3-1.5e-3 for decoupled at
+    # 300 and 1,200 steps
+    lr: float = 2e-3
     weight_decay: float = 0.1
     data: str | None = None
     max_bytes: int = 2_000_000
