@@ -143,6 +143,28 @@ def test_quorum_minimum_counts_distinct_learners():
     assert not bad.ok and bad.data["below"] == [(1, 1)]
 
 
+def test_after_a_store_outage_the_backlog_may_take_the_spill_paths_time_but_a_frozen_fragment_fails():
+    """The store down 6..8 s (steps 60..80 at 0.1 s): the learners' held and resent answers reach the
+    syncer at once when it is back, so the first round merge may come up to SPILL_PATH_GAP_S after
+    the recovery's 4H steps; a fragment that stays unmerged longer is still frozen."""
+    inputs, deltas = _healthy(steps=240)
+    marks = [{"t": 6.0, "who": "s3", "what": "down", "detail": ""}, {"t": 8.0, "who": "s3", "what": "up", "detail": ""}]
+    events = {"l0": _events("l0", 239, deltas)}
+
+    def merged(resume_step: int):
+        kept = [i for i in inputs if i.learner_step < 60 or i.learner_step >= resume_step]
+        # the first commit after the store is back: a round-less merge of another fragment at 8.1 s
+        flush = CommitRecord(seq=999, epoch=1, kind="merge", fragment=1, version=1, inputs=(), round=-1,
+                             info={"committed_at": 8.1})
+        return [_merge(k, 0, i.round, i) for k, i in enumerate(kept)] + [flush]
+
+    # blind until 8.1 s, + 4H steps (2.4 s): 10.5 s; the next round merge at ~12.0 s is 1.5 s later
+    late = progress.fragment_progress(_obs(merged(119), events, marks), H, 2)
+    assert late.ok, late.detail
+    frozen = progress.fragment_progress(_obs(merged(160), events, marks), H, 2)   # ~16 s: 5.5 s later
+    assert not frozen.ok and "fragment 0: no merge between rounds" in frozen.detail, frozen.detail
+
+
 def test_utilisation_recovers_only_when_merges_resume_at_the_old_level():
     inputs, deltas = _healthy(steps=240)
     records = [_merge(k, 0, i.round, i) for k, i in enumerate(inputs)]
