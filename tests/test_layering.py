@@ -92,34 +92,23 @@ def _import_rules(rel: Path, tree: ast.AST, top: str) -> list[tuple[int, str]]:
         for name in names:
             if name.split(".")[0] in FORBIDDEN.get(top, ()):
                 out.append((node.lineno, f"imports {name.split('.')[0]} ({top}/ must not)"))
-        if rel.as_posix().startswith(tuple(r + "/" for r in ROLES)) and _names_tools(rel, node, names):
+        if rel.as_posix().startswith(tuple(r + "/" for r in ROLES)) and _names(TOOLS, rel, node, names):
             out.append((node.lineno, f"imports {TOOLS} (the roles and what they share never import the tools)"))
-        if not rel.as_posix().startswith(LAB + "/") and _names_lab(rel, node, names):
+        if not rel.as_posix().startswith(LAB + "/") and _names(LAB.replace("/", "."), rel, node, names):
             out.append((node.lineno, f"imports {LAB}/ (lab code is not installed: nothing in the package may)"))
     return out
 
 
-def _names_tools(rel: Path, node: ast.AST, names: list[str]) -> bool:
-    """Whether an import names workers.tools, absolutely or relatively from inside workers/."""
-    if any(n == TOOLS or n.startswith(TOOLS + ".") for n in names):
+def _names(package: str, rel: Path, node: ast.AST, names: list[str]) -> bool:
+    """Whether an import names the dotted ``package`` (e.g. infra.lab), absolutely or relatively."""
+    if any(n == package or n.startswith(package + ".") for n in names):
         return True
     if isinstance(node, ast.ImportFrom) and node.level:
         base = rel.parent.parts[:len(rel.parent.parts) - node.level + 1]
         target = ".".join([*base, *(node.module.split(".") if node.module else [])])
-        return target == TOOLS or target.startswith(TOOLS + ".") or (
-            target == "workers" and any(a.name == "tools" for a in node.names))
-    return False
-
-
-def _names_lab(rel: Path, node: ast.AST, names: list[str]) -> bool:
-    """Whether an import names infra.lab, absolutely or relatively from inside infra/."""
-    if any(n == "infra.lab" or n.startswith("infra.lab.") for n in names):
-        return True
-    if isinstance(node, ast.ImportFrom) and node.level and rel.parts[0] == "infra":
-        base = rel.parent.parts[:len(rel.parent.parts) - node.level + 1]
-        target = ".".join([*base, *(node.module.split(".") if node.module else [])])
-        return target == "infra.lab" or target.startswith("infra.lab.") or (
-            target == "infra" and any(a.name == "lab" for a in node.names))
+        parent, _, leaf = package.rpartition(".")
+        return target == package or target.startswith(package + ".") or (
+            target == parent and any(a.name == leaf for a in node.names))
     return False
 
 
