@@ -1,5 +1,6 @@
-"""The learner's step trace (workers/learner/steptrace.py) and the overhead benchmark's figures
-from it (infra/lab/overhead.py): steps are classed by what they held, nothing is dropped silently."""
+"""The learner's step observer (workers/learner/observer.py), the lab's step trace on it
+(infra/lab/steptrace.py) and the overhead benchmark's figures from it (infra/lab/overhead.py):
+steps are classed by what they held, nothing is dropped silently."""
 from __future__ import annotations
 
 import gc
@@ -8,7 +9,8 @@ import numpy as np
 import pytest
 
 from infra.lab.overhead import WARMUP, compare, step_classes, summarise, tails
-from workers.learner.steptrace import COLUMNS, StepParts, StepTrace
+from infra.lab.steptrace import COLUMNS, StepTrace
+from workers.learner.observer import StepParts
 
 from test_hardening_learner import make_run, start_learner, tiny_model, train_until
 from storage.store import open_store
@@ -46,19 +48,20 @@ def test_trace_writes_seconds_to_the_microsecond_and_counts_as_they_were():
         StepTrace(0)
 
 
-def test_a_traced_learner_logs_its_steps(tmp_path):
+def test_a_learner_shows_its_observer_every_step_and_closes_it(tmp_path):
     store = open_store(str(tmp_path / "run"))
     model = tiny_model()
     make_run(store, model)
-    learner, events = start_learner(store, model, trace_steps=True)
+    trace = StepTrace(16)
+    learner, events = start_learner(store, model, step_observer=trace)
     try:
         train_until(learner, lambda: learner.step_count >= 7, "seven steps")
     finally:
         learner.close(flush=False)
-    (ev,) = events.named("step-trace")
-    assert len(ev["took_s"]) == 7 and all(t > 0 for t in ev["took_s"])
-    assert all(c <= t for c, t in zip(ev["compute_s"], ev["took_s"]))
-    assert learner.trace._on_gc not in gc.callbacks
+    cols = trace.columns()
+    assert len(cols["took_s"]) == learner.step_count >= 7 and all(t > 0 for t in cols["took_s"])
+    assert all(c <= t for c, t in zip(cols["compute_s"], cols["took_s"]))
+    assert trace._on_gc not in gc.callbacks                      # the learner closed it
 
 
 def _trace(n: int, answer_every: int, slow_answer: float) -> dict:

@@ -6,9 +6,9 @@ no threads), timed exactly as ``Learner.step`` times a step (zero_grad, forward,
 optimizer step; the batch and the learning rate are set outside the timing in both).
 
 ``python -m infra.lab.overhead_roles --id l0 --store URI --log F ...`` (``LocalCluster.start_learner``'s
-flags): the *sync-on* learner, ``ddiloco learner`` (the same ``learner_process``) with
-``LearnerConfig.trace_steps`` on, so its ``step-trace`` event says what each step held. It also
-logs ``thread-cpu``: the CPU seconds each of its threads (sender, receiver and their pools,
+flags): the *sync-on* learner, ``ddiloco learner`` (the same ``learner_process``) with a step
+trace (infra/lab/steptrace.py) as its step observer, so its ``step-trace`` event says what each step
+held. It also logs ``thread-cpu``: the CPU seconds each of its threads (sender, receiver and their pools,
 threads Python did not start such as ZeroMQ's) used between the first and the last step, read
 from /proc/self/task (Linux). Both take ``--cpus`` (e.g. ``0`` or ``0-1``): the process's
 allowed cores, set before any thread starts.
@@ -199,6 +199,7 @@ def learner(argv: list[str]) -> int:
     from workers.common.events import EventLog
     from workers.job.job import learner_process
     from workers.learner.learner import LearnerConfig
+    from .steptrace import StepTrace
     store = open_store(args.store, s3_endpoint=args.s3_endpoint, create=False)
     keys = None if args.insecure else KeyRing(load_identity(args.key), load_public(args.syncer_key))
     events = EventLog(args.log, "learner", args.id)
@@ -211,13 +212,15 @@ def learner(argv: list[str]) -> int:
             marks[calls[0]]["agent process"] = sum(process_cpu(c) for c in children())
         return False
     bus = BusConfig(args.ingest, args.announce, counters=BusCounters())
-    config = LearnerConfig(keys=keys, trace_steps=True, sync_process=args.sync_process,
+    trace = StepTrace(LearnerConfig.stats_window)
+    config = LearnerConfig(keys=keys, step_observer=trace, sync_process=args.sync_process,
                            agent_cpus=parse_cpus(args.agent_cpus) if args.sync_process else None)
     if args.interleave:
         from infra.lab.overhead_interleave import interleaved
         stats = interleaved(store, args.id, bus, events, args.steps, config)
     else:
         stats = learner_process(store, args.id, 0, bus, events, steps=args.steps, stop=stop, config=config)
+    events.emit("step-trace", **trace.columns())      # closed with the learner
     first, last = marks.get(1, {}), marks.get(args.steps, {})
     events.emit("thread-cpu", steps=args.steps - 1,
                 cpu_s={k: round(v - first.get(k, 0.0), 3) for k, v in sorted(last.items())})

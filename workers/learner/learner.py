@@ -51,7 +51,7 @@ from workers.learner.nonfinite import NonFiniteGuard
 from workers.learner.receiver import Receiver
 from workers.learner.sender import Sender, SenderConfig, SenderStats, delta_made
 from workers.learner.shards import learner_tracker, make_receiver, make_sender, split_bus
-from workers.learner.steptrace import StepParts, StepTrace
+from workers.learner.observer import StepObserver, StepParts
 from workers.bus.signing import seal_delta
 from workers.common.traffic import TrafficMeter, counted, region_names
 from workers.common.versions import VersionTracker
@@ -71,7 +71,7 @@ class LearnerConfig:
     log_every: int = 10               # steps between progress events
     stats_window: int = 1024          # recent steps kept for step-time and gap figures (bounded memory)
     keys: KeyRing | None = field(default=None, repr=False)   # required in a signed run, refused otherwise
-    trace_steps: bool = False         # keep each step's parts; close() logs them (workers/learner/steptrace.py)
+    step_observer: StepObserver | None = field(default=None, repr=False)   # sees each step's parts (observer.py)
     sync_process: bool = False        # sender and receiver in a child process (workers/learner/agent.py)
     agent_cpus: tuple[int, ...] | None = None   # with sync_process: the only cores the agent runs on (None: any)
     # Quantise deltas where the model lives, copying only packed bytes (workers/learner/device_quant.py):
@@ -145,7 +145,7 @@ class Learner:
         self.receiver: VersionReceiver | None = None
         self.applied = 0
         self.health = NonFiniteGuard()
-        self.trace = StepTrace(config.stats_window) if config.trace_steps else None
+        self.observer = config.step_observer
         self._device_quantise = False   # decided in start(): the run's codec and the model's device
         self._base_dev: dict[int, tuple[dict, dict[str, torch.Tensor]]] = {}   # p -> (base[p], its device copy)
         self._fragment_params: dict[int, dict[str, torch.nn.Parameter]] = {}   # p -> its parameters, by name
@@ -219,9 +219,8 @@ class Learner:
         stats = self.stats()
         self._report_traffic(final=True)
         self.events.emit("learner-stop", step=self.step_count, tokens=self.tokens, drained=drained, **stats)
-        if self.trace is not None:
-            self.trace.close()
-            self.events.emit("step-trace", **self.trace.columns())
+        if self.observer is not None:
+            self.observer.close()
         return drained
 
     def __enter__(self) -> "Learner":
@@ -370,9 +369,9 @@ class Learner:
         self.step_times.append(took)
         self._step_total = (self._step_total[0] + 1, self._step_total[1] + took)
         logged = self.step_count % self.cfg.log_every == 0
-        if self.trace is not None:   # the progress event below is not in ``took``: it is the next gap's
-            self.trace.record(StepParts(took, t_answer - t0, t_apply - t_answer, t_compute - t_apply,
-                                        answered, applied, logged))
+        if self.observer is not None:   # the progress event below is not in ``took``: it is the next gap's
+            self.observer.record(StepParts(took, t_answer - t0, t_apply - t_answer, t_compute - t_apply,
+                                           answered, applied, logged))
         if logged:
             self.events.emit("step", step=self.step_count, loss=round(value, 4), tokens=self.tokens,
                              step_time_s=round(self._step_time(), 5),

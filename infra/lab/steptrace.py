@@ -1,35 +1,21 @@
-"""Per-step records of a learner's training loop, to find where slow steps come from.
+"""Per-step records of a learner's training loop, to find where slow steps come from (the
+question of docs/results-overhead.md).
 
-``LearnerConfig.trace_steps`` turns it on (off by default: it costs a few clock reads and one
-tuple per step). For each of the last ``stats_window`` steps it keeps the step's wall time and
-its parts - answering rounds (encoding is not here: the sender does it on its own thread, the
-training thread only extracts and subtracts the fragment), applying arrived versions, forward +
-backward + optimizer (``compute``) - plus what happened in it: deltas handed over, versions
-applied, Python garbage collections that ran (any generation; counted through ``gc.callbacks``),
-and whether the step wrote a progress event. ``Learner.close`` writes them as one ``step-trace``
-event (columns, not rows, to keep it short), which ``python -m infra.lab.overhead``
-(infra/lab/overhead.py) reads to report the tails of each class of step.
+A step observer (``LearnerConfig(step_observer=StepTrace(window))``, workers/learner/observer.py):
+for each of the last ``window`` steps it keeps the parts the learner measured, plus the Python
+garbage collections that ran in the step (any generation; counted through ``gc.callbacks``).
+The lab's learner (infra/lab/overhead_roles.py) writes them as one ``step-trace`` event (columns,
+not rows, to keep it short), which ``python -m infra.lab.overhead`` reads to report the tails of
+each class of step.
 """
 from __future__ import annotations
 
 import gc
 from collections import deque
-from dataclasses import dataclass
+
+from workers.learner.observer import StepParts
 
 COLUMNS = ("took_s", "answer_s", "apply_s", "compute_s", "answered", "applied", "gcs", "logged")
-
-
-@dataclass
-class StepParts:
-    """One step's timings (seconds) and counts, as ``Learner.step`` measured them."""
-    took_s: float
-    answer_s: float
-    apply_s: float
-    compute_s: float
-    answered: int
-    applied: int
-    logged: bool
-
 
 class StepTrace:
     """The last ``window`` steps' parts; ``gcs`` counts collections started since the last record."""
