@@ -137,6 +137,15 @@ def test_sequence_gap_and_blocking_checks_fail_when_they_should():
     assert not gap.ok and gap.data["max_gap_s"] == pytest.approx(6.0)
     assert inv.commit_gap(obs, 1, 7.0, margin_s=0.0).ok
     assert not inv.commit_gap(obs, 2, 7.0).ok            # never two learners at once
+    # a store outage is no time to commit in: 103..107 left out, the gaps beside it are 1 s each;
+    # one still open at the end leaves out the rest
+    down = [{"t": 103.0, "who": "s3", "what": "down", "detail": ""},
+            {"t": 107.0, "who": "s3", "what": "up", "detail": ""}]
+    cut = inv.commit_gap(dataclasses.replace(obs, marks=obs.marks + down), 1, 5.0, margin_s=0.0)
+    assert cut.ok and cut.data["max_gap_s"] == pytest.approx(2.0) and cut.data["store_outage_s"] == 4.0
+    assert "1 store outage(s) left out (4.0 s)" in cut.detail
+    still = inv.commit_gap(dataclasses.replace(obs, marks=obs.marks + down[:1]), 1, 0.9, margin_s=0.0)
+    assert not still.ok and still.data["max_gap_s"] == pytest.approx(1.0)   # every second of 99..103
     steps = [{"t": 100.0 + i, "event": "step", "step": 10 * i, "max_gap_s": 0.02} for i in range(1, 6)]
     steps[3]["max_gap_s"] = 3.0
     obs.learner_events["l0"] += steps

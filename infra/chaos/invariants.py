@@ -13,7 +13,8 @@ it is healthy: the log and the objects are the truth, the event logs say what ea
   shutdown, which must be none for a learner that drained. Durable but unaccounted, merged twice, or
   merged without being produced (a phantom) fail it. Reported in deltas and tokens per category.
 - ``replay_bitexact``: ``ddiloco replay``'s verifier reproduces every commit and version bit for bit.
-- ``commit_gap``: while at least K learners were training, the longest time without a merge commit.
+- ``commit_gap``: while at least K learners were training and the store was up, the longest time
+  without a merge commit (a store outage, from the harness's ``down`` to its ``up``, is no time to commit in).
 - ``no_blocking``: the longest gap between a learner's consecutive steps (outside the times the
   harness paused it) vs its median step gap: a training loop that waited on I/O shows up here.
 - ``bad_inputs_rejected``: every rogue injection met one of its expected outcomes (logged rejection
@@ -283,9 +284,26 @@ def _at_least(windows: dict[str, list[tuple[float, float]]], k: int) -> list[tup
     return out
 
 
+def store_outages(obs: Observation) -> list[tuple[float, float]]:
+    """When the harness had the S3 server down: from its ``down`` mark to its ``up`` mark, which
+    comes once the restarted server serves writes again (infra/s3server.py; seconds on an idle
+    machine, 16 s seen on a loaded one: a CI run's 4 s outage lasted 20.8 s)."""
+    out, down = [], None
+    for m in obs.marks:
+        if m["who"] == "s3" and m["what"] == "down" and down is None:
+            down = m["t"]
+        elif m["who"] == "s3" and m["what"] == "up" and down is not None:
+            out.append((down, m["t"]))
+            down = None
+    return out + ([(down, math.inf)] if down is not None else [])
+
+
 def commit_gap(obs: Observation, quorum_alive: int, bound_s: float, margin_s: float = 1.0) -> Check:
     times = sorted(r.info.get("committed_at") for r in obs.merges() if r.info.get("committed_at") is not None)
     windows = _at_least(training_windows(obs, margin_s), quorum_alive)
+    outages = store_outages(obs)
+    for cut in outages:
+        windows = [piece for w in windows for piece in _minus(w, cut)]
     worst, where = 0.0, None
     for a, b in windows:
         inside = [t for t in times if a <= t <= b]
@@ -296,11 +314,14 @@ def commit_gap(obs: Observation, quorum_alive: int, bound_s: float, margin_s: fl
     covered = sum(b - a for a, b in windows)
     ok = covered > 0 and worst <= bound_s
     t0 = min((m["t"] for m in obs.marks), default=0.0)
+    down_s = sum(b - a for a, b in outages if b != math.inf)
     detail = (f"longest gap between commits while >= {quorum_alive} learners trained: {worst:.2f} s "
               f"(bound {bound_s:.1f} s)" + (f" at t={where[0] - t0:.1f}..{where[1] - t0:.1f} s" if where else "")
+              + (f"; {len(outages)} store outage(s) left out ({down_s:.1f} s)" if outages else "")
               if covered > 0 else f"never >= {quorum_alive} learners training at once")
     return Check("commit-gap", ok, detail, {"max_gap_s": round(worst, 3), "bound_s": bound_s,
-                                            "window_s": round(covered, 2), "merge_commits": len(times)})
+                                            "window_s": round(covered, 2), "merge_commits": len(times),
+                                            "store_outage_s": round(down_s, 2)})
 
 
 # -- 5. the training loop never blocks -------------------------------------------------------------
