@@ -267,7 +267,8 @@ def run_benchmark(args) -> int:
     """``--pairs`` side-by-side pairs per path (module docstring), each pair's figures and, per
     key figure, the median over the pairs."""
     from workers.job.model import GPTConfig, build_model
-    from workers.run_config import RunConfig, Schedule
+    from workers.launch import Schedule
+    from workers.run_config import RunConfig
     out = Path(args.out) / "regions"
     out.mkdir(parents=True, exist_ok=True)
     pairs = getattr(args, "pairs", 1)

@@ -41,9 +41,9 @@ from .errors import FormatError
 from .types import TensorSpec
 
 SCHEMES = ("int4", "int8", "bf16", "fp32")
-VERSION = 1               # a CodecConfig's format unless told: the bytes written before issue 15 (docs/formats.md)
+VERSION = 1               # the bytes written before issue 15 (docs/formats.md); a run descriptor without codec.format
 VERSIONS = (1, 2, 3)      # what decode reads; 2: framed payload (pipeline/codec_frames.py); 3: 2 + xxh3-128
-RUN_FORMAT = 3            # what new runs write (workers/launch.py RunSettings.codec_format; docs/scale.md)
+RUN_FORMAT = 3            # a CodecConfig's format unless told: what new runs write (docs/scale.md)
 CHECKSUMS = {3: "xxh3-128"}   # the envelope checksum a version carries (others: sha256)
 _QMAX = {"int4": 7, "int8": 127}
 _COMMON_KEYS = frozenset({"meta", "scheme", "block_size", "tensors", "raw_len"})
@@ -76,7 +76,7 @@ class CodecConfig:
     scheme: str = "int4"
     block_size: int = 64
     zstd_level: int = 3
-    format: int = VERSION
+    format: int = RUN_FORMAT
 
     def __post_init__(self) -> None:
         if self.format not in VERSIONS or isinstance(self.format, bool):

@@ -75,11 +75,12 @@ class VersionsConfig:
     many recent versions of each fragment are kept (``retain``; the fold, recovery and gc read it).
     ``marks``: the exactly-once rule (pipeline/marks.py, issue 25): 1 = one high-water mark per
     learner (every run before issue 25; the section is written without the field), 2 = merged marks
-    per lineage within the retained versions (new runs)."""
+    per lineage within the retained versions. The defaults are a new run's: bf16 versions (half the
+    bytes down; the fp32 master state stays with the syncer) and rule 2."""
 
-    dtype: str = "fp32"
+    dtype: str = "bf16"
     retain: int = 16
-    marks: int = MARKS_ISSUE_11
+    marks: int = MARKS_LINEAGE
 
     def __post_init__(self) -> None:
         if self.dtype not in VERSION_DTYPES:
@@ -111,7 +112,8 @@ class LearnerRules:
 class RunDescriptor:
     """Everything fixed for a run (see the module docstring). ``layout`` says which tensors form each
     fragment, ``schedule`` when each falls due (H, offsets t_p); the other sections default to what
-    ``create_run`` would choose without settings. ``guard``/``security``/``job`` None: none."""
+    ``create_run`` chooses without settings (their classes' defaults: one per knob).
+    ``guard``/``security``/``job`` None: none."""
 
     run_id: str
     layout: FragmentLayout
@@ -328,6 +330,11 @@ _V1 = {"run_id": None, "tensors": None, "fragments": None, "offsets": None, "syn
        "schedule": "learner", "keep_progress": False, "seed": 0, "model": {}, "extra": {}}
 
 
+# The norm guard's fields as v1 writers left them out: the guard's defaults of that time (fixed
+# here, so that a later default never changes how a v1 run reads).
+_V1_GUARD = {"factor": 10.0, "window": 32, "min_history": 8, "cap": 10.0, "enabled": True, "version": 2}
+
+
 def migrate_v1(d: Any) -> dict[str, Any]:
     """The v2 map of a v1 map: flat fields grouped into sections, ``extra["security"]``,
     ``extra["norm_guard"]`` and ``extra["job"]`` moved to their sections, v1 defaults filled in (a
@@ -342,8 +349,7 @@ def migrate_v1(d: Any) -> dict[str, Any]:
     if isinstance(guard, dict):
         known = {f.name for f in dataclasses.fields(NormGuardConfig)}
         _fields(guard, "descriptor (v1) extra.norm_guard", known, ())
-        defaults = dataclasses.asdict(NormGuardConfig())
-        guard = {**defaults, **guard} if "version" in guard else {**defaults, **guard, "version": 1, "cap": None}
+        guard = {**_V1_GUARD, **guard} if "version" in guard else {**_V1_GUARD, **guard, "version": 1, "cap": None}
     return {
         "run_id": v["run_id"], "seed": v["seed"],
         "layout": {"tensors": v["tensors"], "fragments": v["fragments"], "strategy": v["fragment_strategy"]},

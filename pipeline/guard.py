@@ -61,9 +61,9 @@ if TYPE_CHECKING:      # annotations only: the descriptor imports NormGuardConfi
     from .fold import RoundInput
 
 OUTLIER = "norm-outlier"
-GUARD_MAP_VERSION = 2     # the dataclass default: hand-built configs, the rules of every run before issue 25
+GUARD_MAP_VERSION = 2     # norms of totals, with the cap: the rules of every run before issue 25
 PER_STEP_VERSION = 3      # per-step norms and round agreement
-NEW_RUN_VERSION = PER_STEP_VERSION   # what create_run writes (workers/launch.py)
+NEW_RUN_VERSION = PER_STEP_VERSION   # the dataclass default: what create_run writes (workers/launch.py)
 MAP_VERSIONS = (1, GUARD_MAP_VERSION, PER_STEP_VERSION)
 CHUNK = 1 << 16           # values per pairwise-summed chunk (fixed: part of the replayed format)
 _SLAB = 64 * CHUNK        # values squared at a time (bounds the float64 scratch memory)
@@ -76,7 +76,7 @@ class NormGuardConfig:
     min_history: int = 8          # no median verdict until this many merged deltas are known
     cap: float | None = 10.0      # drop when the norm exceeds cap x max(|Theta_p|, sqrt(n_p)); None: no cap
     enabled: bool = True          # False: the run has no guard (recorded, so replay knows)
-    version: int = GUARD_MAP_VERSION   # 1: maps written before the cap (np.dot norms, no cap); 3: per step
+    version: int = NEW_RUN_VERSION     # 1: maps written before the cap (np.dot norms, no cap); 2: totals; 3: per step
 
     def __post_init__(self) -> None:
         if not isinstance(self.factor, (int, float)) or isinstance(self.factor, bool) \

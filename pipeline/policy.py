@@ -32,10 +32,11 @@ def _finite(name: str, value: float, minimum: float = 0.0) -> None:
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """K (``quorum``), tau (``overlap``), gamma and the cap in seconds (0: one measured step time)."""
+    """K (``quorum``), tau (``overlap``), gamma and the cap in seconds (0: one measured step time).
+    The defaults are a new run's (tau = 2, the paper's main setting); a stored run names every field."""
 
     quorum: int = 1
-    overlap: int = 1
+    overlap: int = 2
     gamma: float = 1.0
     cap_s: float = 0.0
 

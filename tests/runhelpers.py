@@ -15,12 +15,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.descriptor import LearnerRules
 from storage.store import open_store
 from workers.cluster import ClusterConfig, LocalCluster, create_job_run, free_port, global_eval_loss
 from workers.job.data import Corpus, evaluate
 from workers.common.events import EventLog
 from workers.job.job import JobSettings
-from workers.launch import RunSettings
+from workers.launch import RunSettings, Schedule
 from workers.job.model import GPTConfig
 
 __all__ = ["TINY", "TinyRun", "Recorder", "free_port"]
@@ -74,7 +75,7 @@ class TinyRun:
 
     def create(self, **settings) -> None:
         job = JobSettings(steps=self.steps, batch_size=4, lr=3e-3, max_bytes=300_000, shards=self.learners)
-        kw = dict(fragments=3, sync_every=6, model=TINY.to_dict(), job=job.to_dict())
+        kw = dict(schedule=Schedule(fragments=3, sync_every=6), model=TINY.to_dict(), job=job.to_dict())
         kw.update(settings)
         names = [f"l{m}" for m in range(self.learners)]
         self.descriptor, model = create_job_run(self.store, RunSettings(**kw), TINY, 0,
@@ -185,7 +186,8 @@ def rounds_learner(tmp_path, keep_progress=False):
     model = torch.nn.Linear(4, 2)
     store = open_store(str(tmp_path / "store"))
     init = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
-    create_run(store, init, RunSettings(fragments=1, sync_every=4, keep_progress=keep_progress), embedding_tensors=())
+    create_run(store, init, RunSettings(schedule=Schedule(fragments=1, sync_every=4),
+                                        learner=LearnerRules(keep_progress=keep_progress)), embedding_tensors=())
     events = EventLog(tmp_path / "l0.jsonl", "learner", "l0")
     learner = Learner(model, torch.optim.SGD(model.parameters(), lr=0.1), store, "l0", events=events).start()
     learner.receiver.stop()

@@ -19,7 +19,7 @@ from storage.store import open_store
 from workers import cli
 from workers.bus.bus import AnnounceListener, BusConfig, BusCounters, LearnerLink, Message, SyncerBus, encode_message
 from workers.common.traffic import SyncerTraffic, TrafficMeter
-from workers.launch import RunSettings, create_run
+from workers.launch import RunSettings, Schedule, create_run
 from workers.learner.learner import Learner, LearnerConfig
 from workers.tools.accounting import traffic_report
 from workers.tools.cost import GB, MONTH_S, dp_allreduce_bytes, load_prices, parse_prices
@@ -81,7 +81,7 @@ def test_a_learner_reports_every_outer_step_and_its_last_report_is_its_store_cou
     store = open_store(str(tmp_path / "run"))
     model = tiny_model()
     create_run(store, {n: p.detach().numpy().copy() for n, p in model.named_parameters()},
-               RunSettings(fragments=2, sync_every=4))
+               RunSettings(schedule=Schedule(fragments=2, sync_every=4)))
     events = Recorder()
     learner = Learner(model, torch.optim.AdamW(model.parameters(), lr=1e-3), store, "l0",
                       LearnerConfig(poll_s=0.02, drain_s=5), events=events).start()
@@ -232,7 +232,7 @@ def test_ddiloco_log_accounting_is_opt_in_and_refuses_bad_prices_or_events(tmp_p
     store = open_store(str(tmp_path / "run"))
     model = tiny_model()
     create_run(store, {n: p.detach().numpy().copy() for n, p in model.named_parameters()},
-               RunSettings(fragments=2, sync_every=4))
+               RunSettings(schedule=Schedule(fragments=2, sync_every=4)))
     base = dict(run_uri=str(tmp_path / "run"), s3_endpoint=None, fragment=None, learner=None, start=0, end=None,
                 json=False, accounting=False)
     for extra, match in (({"prices": '{"put_per_1000": -1}', "events": None}, "put_per_1000 must be >= 0"),

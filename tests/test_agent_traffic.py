@@ -17,7 +17,7 @@ from storage.layout import DESCRIPTOR_KEY, spill_prefix
 from storage.store import open_store
 from workers.bus.bus import BusConfig, BusCounters
 from workers.common.traffic import TrafficMeter, counted
-from workers.launch import RunSettings, create_run
+from workers.launch import RunSettings, Schedule, create_run
 from workers.learner.learner import Learner, LearnerConfig
 
 from runhelpers import Recorder, free_port, syncer_thread
@@ -68,7 +68,7 @@ def test_an_agent_learners_bus_bytes_are_counted_against_the_syncers(tmp_path):
     store = open_store(str(tmp_path / "run"))
     model = tiny_model()
     create_run(store, {n: p.detach().numpy().copy() for n, p in model.named_parameters()},
-               RunSettings(fragments=2, sync_every=4))
+               RunSettings(schedule=Schedule(fragments=2, sync_every=4)))
     ours, theirs = BusCounters(), BusCounters()
     ports = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     stop = threading.Event()
@@ -103,7 +103,7 @@ def test_a_region_learners_agent_counts_under_its_region(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     model = tiny_model()
     create_run(open_store(str(a)), {n: p.detach().numpy().copy() for n, p in model.named_parameters()},
-               RunSettings(fragments=2, sync_every=4,
+               RunSettings(schedule=Schedule(fragments=2, sync_every=4),
                            regions=RegionsConfig("a", (RegionSpec("a", str(a)), RegionSpec("b", str(b))))))
     assert open_store(str(b)).exists(DESCRIPTOR_KEY)     # create_run seeds every region's store
     events = Recorder()

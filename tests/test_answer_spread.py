@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.policy import Pending, PolicyConfig, Timing, Verdict, decide, grace_window
-from workers.launch import RunSettings, create_run
+from workers.launch import RunSettings, Schedule, create_run
 from workers.syncer.rounds import RoundBook
 from storage.store import open_store
 
@@ -44,7 +44,7 @@ def test_an_answer_one_round_trip_late_joins_its_round_once_the_spread_is_known(
 def test_the_round_book_measures_each_learners_answer_lag_and_the_spread(tmp_path):
     store = open_store(str(tmp_path / "s"))
     init = {"a": np.zeros((4, 4), np.float32), "b": np.zeros((8,), np.float32)}
-    desc = create_run(store, init, RunSettings(fragments=2, sync_every=4), embedding_tensors=())
+    desc = create_run(store, init, RunSettings(schedule=Schedule(fragments=2, sync_every=4)), embedding_tensors=())
     book = RoundBook(desc, live_timeout_s=5.0, initial_step_s=STEP)
     now = 0.0
     opened = []

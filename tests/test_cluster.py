@@ -9,7 +9,7 @@ from storage.log import CommitLog
 from storage.store import open_store
 from workers.cluster import ClusterConfig, DrainStatus, LocalCluster, RoleExited, create_job_run, global_eval_loss
 from workers.job.job import JobSettings
-from workers.launch import RunSettings
+from workers.launch import RunSettings, Schedule
 
 from runhelpers import TINY
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(180)
 def _tiny_run(tmp_path, learners=("l0", "l1"), steps: int = 60):
     uri = str(tmp_path / "store")
     job = JobSettings(steps=steps, batch_size=4, lr=3e-3, max_bytes=300_000, shards=2)
-    settings = RunSettings(fragments=3, sync_every=6, model=TINY.to_dict(), job=job.to_dict())
+    settings = RunSettings(schedule=Schedule(fragments=3, sync_every=6), model=TINY.to_dict(), job=job.to_dict())
     desc, _ = create_job_run(open_store(uri), settings, TINY, 0, tmp_path / "keys", list(learners))
     return uri, desc
 

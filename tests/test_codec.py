@@ -1,9 +1,11 @@
-"""Tensor blob codec (SPEC §6): quantisation accuracy, bf16 rounding, exact decoding, damage detection."""
+"""Tensor blob codec (SPEC §6): quantisation accuracy, bf16 rounding, exact decoding, damage detection.
+Here in blob format 1, whose bytes its goldens pin (formats 2 and 3: tests/test_codec_frames.py)."""
 from __future__ import annotations
 
 import hashlib
 import json
 import sys
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from pipeline.envelope import seal, unseal
 from pipeline.errors import FormatError
 from pipeline.types import DeltaHeader, TensorSpec
 
+V1 = functools.partial(CodecConfig, format=1)   # the codec settings of a format 1 blob
 FAST = settings(max_examples=60, deadline=None)
 QMAX = {"int4": 7, "int8": 127}
 META = DeltaHeader("L0", 1, 5, 2, 7, 10, 40960, 123).to_dict()
@@ -124,7 +127,7 @@ def test_bf16_nan_stays_nan():
 @pytest.mark.parametrize("level", [0, 3])
 def test_every_scheme_round_trips(scheme, level):
     tensors = _tensors()
-    cfg = CodecConfig(scheme, 8, level)
+    cfg = V1(scheme, 8, level)
     blob = encode("delta", META, tensors, cfg)
     out = decode(blob, "delta", expect=[TensorSpec(n, a.shape) for n, a in tensors.items()])
     assert isinstance(out, Decoded) and out.meta == META and out.scheme == scheme
@@ -143,10 +146,10 @@ def test_every_scheme_round_trips(scheme, level):
 
 def test_fp32_passthrough_restores_float16_and_float64():
     tensors = {"h": np.array([1.5, -2.25], np.float16), "d": np.array([np.pi, 1e-300], np.float64)}
-    out = decode(encode("v", {}, tensors, CodecConfig("fp32")), "v")
+    out = decode(encode("v", {}, tensors, V1("fp32")), "v")
     assert out.tensors["h"].dtype == np.float16 and out.tensors["d"].dtype == np.float64
     assert np.array_equal(out.tensors["d"], tensors["d"]) and np.array_equal(out.tensors["h"], tensors["h"])
-    lossy = decode(encode("v", {}, tensors, CodecConfig("int8")), "v")
+    lossy = decode(encode("v", {}, tensors, V1("int8")), "v")
     assert lossy.tensors["d"].dtype == np.float32
 
 
@@ -154,9 +157,9 @@ def test_encode_is_deterministic_and_compresses():
     rng = np.random.default_rng(1)
     x = {"w": rng.standard_normal(4096).astype(np.float32)}
     for scheme in SCHEMES:
-        cfg = CodecConfig(scheme)
+        cfg = V1(scheme)
         assert encode("delta", META, x, cfg) == encode("delta", META, {"w": x["w"].copy()}, cfg)
-    size = {s: len(encode("delta", META, x, CodecConfig(s))) for s in SCHEMES}
+    size = {s: len(encode("delta", META, x, V1(s))) for s in SCHEMES}
     assert size["int4"] < size["int8"] < size["bf16"] < size["fp32"]
     assert size["int4"] < 0.16 * x["w"].nbytes
 
@@ -166,29 +169,29 @@ def test_encode_refuses_non_finite_values_naming_the_tensor(bad, scheme):
     x = np.ones(10, np.float32)
     x[3] = bad
     with pytest.raises(ValueError, match=r"tensor blocks\.1\.w: has non-finite"):
-        encode("delta", {}, {"ok": np.ones(2, np.float32), "blocks.1.w": x}, CodecConfig(scheme))
+        encode("delta", {}, {"ok": np.ones(2, np.float32), "blocks.1.w": x}, V1(scheme))
 
 
 def test_encode_validation():
     with pytest.raises(ValueError, match="beyond float32 range"):
-        encode("d", {}, {"big": np.array([1e300])}, CodecConfig("int8"))
+        encode("d", {}, {"big": np.array([1e300])}, V1("int8"))
     with pytest.raises(ValueError, match=r"tensor i: dtype int32"):
-        encode("d", {}, {"i": np.ones(3, np.int32)}, CodecConfig())
+        encode("d", {}, {"i": np.ones(3, np.int32)}, V1())
     with pytest.raises(ValueError, match="meta is not plain"):
-        encode("d", {"x": object()}, {}, CodecConfig())
+        encode("d", {"x": object()}, {}, V1())
     with pytest.raises(ValueError, match=r"scheme 'int2'"):
-        CodecConfig("int2")
+        V1("int2")
     with pytest.raises(ValueError, match=r"block_size must be an even int >= 2, got 7"):
-        CodecConfig(block_size=7)
+        V1(block_size=7)
     with pytest.raises(ValueError, match=r"zstd_level .* got 23"):
-        CodecConfig(zstd_level=23)
+        V1(zstd_level=23)
 
 
 # ------------------------------------------------------------------------------ damage
 
 @pytest.fixture(scope="module")
 def blob():
-    return encode("delta", META, _tensors(), CodecConfig("int4", 8, 3))
+    return encode("delta", META, _tensors(), V1("int4", 8, 3))
 
 
 def test_rejects_truncation_and_every_flipped_byte(blob):
@@ -275,10 +278,10 @@ def test_rejects_lies_in_a_resealed_body(blob, edit, message):
 
 
 def test_rejects_bad_values_in_other_schemes():
-    b8 = encode("delta", {}, {"w": np.ones(4, np.float32)}, CodecConfig("int8", 4, 0))
+    b8 = encode("delta", {}, {"w": np.ones(4, np.float32)}, V1("int8", 4, 0))
     with pytest.raises(FormatError, match="code -128"):
         decode(_reseal(b8, lambda d: d.update(payload=d["payload"][:4] + b"\x80\x01\x01\x01")), "delta")
-    b16 = encode("delta", {}, {"w": np.ones(4, np.float32)}, CodecConfig("bf16", 4, 0))
+    b16 = encode("delta", {}, {"w": np.ones(4, np.float32)}, V1("bf16", 4, 0))
     with pytest.raises(FormatError, match="tensor w decodes to non-finite"):
         decode(_reseal(b16, lambda d: d.update(payload=b"\xc0\x7f" + d["payload"][2:])), "delta")
 
@@ -335,10 +338,10 @@ def test_golden_blobs_read_the_same_and_are_written_the_same(case, m, tensors):
     # today's reader reads the old encoder's blob to the same values the old reader gave
     assert tensor_digest(decode(old, "delta").tensors) == m["values_digest"]
     # today's encoder writes the same bytes for these (small: one-shot zstd) payloads
-    new = encode("delta", GOLDEN_META, tensors, CodecConfig(m["scheme"], m["block_size"], m["zstd_level"]))
+    new = encode("delta", GOLDEN_META, tensors, V1(m["scheme"], m["block_size"], m["zstd_level"]))
     assert new == old
     with ThreadPoolExecutor(3) as pool:
-        assert encode("delta", GOLDEN_META, tensors, CodecConfig(m["scheme"], m["block_size"], m["zstd_level"]),
+        assert encode("delta", GOLDEN_META, tensors, V1(m["scheme"], m["block_size"], m["zstd_level"]),
                       map_fn=pool.map) == old
         assert tensor_digest(decode(new, "delta", map_fn=pool.map).tensors) == m["values_digest"]
 
@@ -365,7 +368,7 @@ def _large(seed=5):
 @pytest.mark.parametrize("scheme", ["int4", "int8", "bf16"])
 def test_large_blobs_are_the_same_bytes_at_any_thread_count(scheme):
     tensors = _large()
-    cfg = CodecConfig(scheme, 64, 3)
+    cfg = V1(scheme, 64, 3)
     one = encode("delta", META, tensors, cfg)
     _, body = unseal(one, "delta", 1)
     for threads in (1, 2, 3):
@@ -391,17 +394,17 @@ def test_a_non_finite_value_in_a_late_job_is_refused_naming_its_tensor():
     tensors["b"][999, 1000] = np.inf
     with ThreadPoolExecutor(2) as pool:
         with pytest.raises(ValueError, match=r"tensor b: has non-finite"):
-            encode("delta", {}, tensors, CodecConfig("int4"), map_fn=pool.map)
+            encode("delta", {}, tensors, V1("int4"), map_fn=pool.map)
     # the first refused tensor in order decides, values before a bad dtype
     with pytest.raises(ValueError, match=r"tensor b: has non-finite"):
-        encode("delta", {}, {**tensors, "i": np.ones(3, np.int32)}, CodecConfig("bf16"))
+        encode("delta", {}, {**tensors, "i": np.ones(3, np.int32)}, V1("bf16"))
     with pytest.raises(ValueError, match=r"tensor i: dtype int32"):
-        encode("delta", {}, {"i": np.ones(3, np.int32), **tensors}, CodecConfig("int8"))
+        encode("delta", {}, {"i": np.ones(3, np.int32), **tensors}, V1("int8"))
 
 
 def test_damage_in_a_late_tensor_is_named_and_the_first_damaged_tensor_wins():
     x = {"first": np.ones(100, np.float32), "second": np.ones(3_000_000, np.float32)}
-    blob = encode("delta", {}, x, CodecConfig("int4", 64, 0))
+    blob = encode("delta", {}, x, V1("int4", 64, 0))
     bad = _reseal(blob, lambda d: d.update(payload=d["payload"][:-1] + b"\x80"))
     with ThreadPoolExecutor(2) as pool:
         with pytest.raises(FormatError, match=r"tensor second: int4 data has nibble 0"):
@@ -414,14 +417,14 @@ def test_damage_in_a_late_tensor_is_named_and_the_first_damaged_tensor_wins():
 def test_the_numpy_path_writes_what_the_torch_path_writes(monkeypatch):
     # codec uses torch's row maximum when torch is imported (as here), numpy's otherwise: same bytes
     tensors = {"a": _large()["a"][:300_001], "c": _large()["c"][:70_000]}
-    with_torch = [encode("d", {}, tensors, CodecConfig(s, 64, 0)) for s in ("int4", "int8")]
+    with_torch = [encode("d", {}, tensors, V1(s, 64, 0)) for s in ("int4", "int8")]
     monkeypatch.delitem(sys.modules, "torch")
-    assert [encode("d", {}, tensors, CodecConfig(s, 64, 0)) for s in ("int4", "int8")] == with_torch
+    assert [encode("d", {}, tensors, V1(s, 64, 0)) for s in ("int4", "int8")] == with_torch
 
 
 def test_a_damaged_large_zstd_payload_is_refused_while_streaming():
     x = np.random.default_rng(2).standard_normal(3_000_000).astype(np.float32)
-    blob = encode("delta", {}, {"w": x, "v": np.ones(10, np.float32)}, CodecConfig("int4", 64, 3))
+    blob = encode("delta", {}, {"w": x, "v": np.ones(10, np.float32)}, V1("int4", 64, 3))
     for cut in (4, 1000, 1_000_000):   # the frame ends early: jobs may have started on the first tensor
         with ThreadPoolExecutor(2) as pool, pytest.raises(FormatError, match="does not decompress"):
             decode(_reseal(blob, lambda d: d.update(payload=d["payload"][:-cut])), "delta", map_fn=pool.map)

@@ -22,7 +22,9 @@ import torch
 
 from pipeline import codec
 from pipeline.codec import RUN_FORMAT, CodecConfig, decode, encode
-from pipeline.descriptor import RunDescriptor
+from pipeline.descriptor import RunDescriptor, VersionsConfig
+from pipeline.outer import OuterConfig
+from pipeline.policy import PolicyConfig
 from pipeline.envelope import pack_record, unpack_record, unseal
 from pipeline.errors import FormatError
 from pipeline.fragment import specs_from_arrays
@@ -30,7 +32,7 @@ from pipeline.guard import NormGuardConfig
 from storage.layout import DELTA_PREFIX, DESCRIPTOR_KEY, VERSION_PREFIX, read_descriptor, write_descriptor
 from storage.log import CommitLog
 from storage.store import open_store
-from workers.launch import RunSettings, create_run
+from workers.launch import RunSettings, Schedule, create_run
 from workers.learner.learner import Learner, LearnerConfig
 from workers.syncer.syncer import Syncer, SyncerConfig
 from workers.common.versions import VersionTracker
@@ -49,8 +51,8 @@ def blob_version(blob: bytes, kind: str) -> int:
 # -- the descriptor field ----------------------------------------------------------------------------
 
 def test_new_runs_record_format_3_in_the_codec_section_without_a_new_document_version():
-    assert RUN_FORMAT == 3 and RunSettings().codec_format == 3
-    d = RunSettings(fragments=2, sync_every=4).descriptor("r", specs_from_arrays(INIT), ())
+    assert RUN_FORMAT == 3 and RunSettings().codec.format == 3
+    d = RunSettings(schedule=Schedule(fragments=2, sync_every=4)).descriptor("r", specs_from_arrays(INIT), ())
     assert d.codec == CodecConfig("int4", 64, 3, 3)
     body = d.to_dict()
     assert body["codec"] == {"scheme": "int4", "block_size": 64, "zstd_level": 3, "format": 3}
@@ -58,7 +60,8 @@ def test_new_runs_record_format_3_in_the_codec_section_without_a_new_document_ve
     assert unpack_record(d.to_bytes(), RunDescriptor.KIND, RunDescriptor.VERSION)[1] == {**body, "features": d.features()}
     assert RunDescriptor.from_bytes(d.to_bytes()) == d
     for fmt in (1, 2, 3):
-        again = RunSettings(fragments=2, sync_every=4, codec_format=fmt).descriptor("r", specs_from_arrays(INIT), ())
+        again = RunSettings(schedule=Schedule(fragments=2, sync_every=4),
+                            codec=CodecConfig(format=fmt)).descriptor("r", specs_from_arrays(INIT), ())
         assert RunDescriptor.from_bytes(again.to_bytes()).codec.format == fmt
         assert ("format" in again.to_dict()["codec"]) == (fmt != 1)
 
@@ -82,20 +85,20 @@ def test_descriptors_written_before_the_field_keep_their_bytes_and_mean_format_1
         v1 = json.loads((FIXTURES / f"descriptor_v1_{name}.json").read_text())
         d = RunDescriptor.from_bytes(base64.b64decode(v1["envelope_base64"]))
         assert d.codec.format == 1 and "format" not in d.to_dict()["codec"]
-    # and a run that chooses format 1 - and the other rules of that time: the issue-11 exactly-once
-    # marks and the version-2 norm guard (issue 25 made newer ones the default) - writes exactly what
+    # and a run that chooses format 1 - and the other settings of that time: the issue-11 exactly-once
+    # marks, the version-2 norm guard (issue 25 made newer ones the default) and outer momentum 0.9
+    # (the flat settings' default then; 0.5 since issue 27, as `ddiloco run` had it) - writes exactly what
     # runs wrote before the field (the same map; since issue 26 in a v5 document naming its features)
-    plain = RunSettings(**_PRE_FORMAT_SETTINGS, codec_format=1, marks=1, norm_guard=NormGuardConfig()).descriptor(
+    plain = RunSettings(schedule=Schedule(fragments=2, sync_every=4), policy=PolicyConfig(quorum=2),
+                        codec=CodecConfig("int8", 32, 5, format=1), versions=VersionsConfig(marks=1),
+                        outer=OuterConfig(momentum=0.9),
+                        guard=NormGuardConfig(version=2), seed=3, model={"n_layer": 1}).descriptor(
         "pre-format-v2", specs_from_arrays(INIT), ("wte.weight",))
     assert plain.to_dict() == unpack_record(base64.b64decode(docs["v2"]["envelope_base64"]), RunDescriptor.KIND, 2)[1]
 
 
-_PRE_FORMAT_SETTINGS = dict(fragments=2, sync_every=4, quorum=2, compression="int8", block_size=32, zstd_level=5,
-                            seed=3, model={"n_layer": 1})
-
-
 def _codec_map(**codec_fields) -> dict:
-    d = RunSettings(fragments=2, sync_every=4).descriptor("r", specs_from_arrays(INIT), ()).to_dict()
+    d = RunSettings(schedule=Schedule(fragments=2, sync_every=4)).descriptor("r", specs_from_arrays(INIT), ()).to_dict()
     d["codec"] = {"scheme": "int4", "block_size": 64, "zstd_level": 3, **codec_fields}
     return d
 
@@ -117,7 +120,7 @@ def test_a_bad_codec_format_is_refused_naming_the_field(value, message):
 def test_a_bad_codec_format_is_refused_before_a_run_is_made(tmp_path, capsys):
     for bad in (4, 0, True, "3", None):
         with pytest.raises(ValueError, match=rf"codec format must be .* one of \(1, 2, 3\), got {bad!r}"):
-            RunSettings(codec_format=bad)
+            RunSettings(codec=CodecConfig(format=bad))
         with pytest.raises(ValueError, match=r"codec format must be"):
             CodecConfig(format=bad)
     from workers import cli
@@ -160,7 +163,7 @@ def _run(tmp_path, commits: int, **settings) -> tuple:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     desc = create_run(store, {n: p.detach().numpy().copy() for n, p in model.named_parameters()},
-                      RunSettings(fragments=2, sync_every=4, **settings))
+                      RunSettings(schedule=Schedule(fragments=2, sync_every=4), **settings))
     stop = threading.Event()
     syncer = Syncer(store, SyncerConfig(checkpoint_every=4, spill_poll_s=0.05))
     thread = threading.Thread(target=syncer.run, args=(stop.is_set,), daemon=True)
@@ -182,7 +185,7 @@ def _run(tmp_path, commits: int, **settings) -> tuple:
     return store, desc
 
 
-@pytest.mark.parametrize("settings, fmt", [({}, 3), ({"codec_format": 1, "compression": "int8"}, 1)],
+@pytest.mark.parametrize("settings, fmt", [({}, 3), ({"codec": CodecConfig("int8", format=1)}, 1)],
                          ids=["default-v3", "chosen-v1-int8"])
 def test_a_run_writes_its_format_everywhere_and_replays_bit_for_bit(tmp_path, settings, fmt):
     store, desc = _run(tmp_path, 16, **settings)

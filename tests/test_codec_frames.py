@@ -13,7 +13,7 @@ import pytest
 import zstandard
 
 from pipeline.checksum import tensor_digest
-from pipeline.codec import CodecConfig, decode, encode, peek_meta
+from pipeline.codec import CHECKSUMS, RUN_FORMAT, VERSIONS, CodecConfig, decode, encode, peek_meta
 from pipeline.codec_frames import FRAME_BYTES, STORED, ZSTD
 from pipeline.envelope import seal, unseal
 from pipeline.errors import FormatError
@@ -56,10 +56,14 @@ def test_golden_v2_blobs_read_as_version_1_does_and_are_written_the_same(case, m
         assert tensor_digest(decode(old, "delta", map_fn=pool.map).tensors) == m["values_digest"]
 
 
-def test_version_1_is_still_what_encode_writes_unless_told():
+def test_encode_writes_the_configs_format_whose_default_is_a_new_runs():
     x = {"w": np.ones(10, np.float32)}
-    assert unseal(encode("delta", {}, x, CodecConfig()), "delta", (1, 2))[0] == 1
-    assert unseal(encode("delta", {}, x, CodecConfig(), version=2), "delta", (1, 2))[0] == 2
+    assert CodecConfig().format == RUN_FORMAT == 3
+    def version(blob: bytes) -> int:
+        return unseal(blob, "delta", VERSIONS, checksums=CHECKSUMS)[0]
+    assert version(encode("delta", {}, x, CodecConfig())) == 3
+    assert version(encode("delta", {}, x, CodecConfig(format=1))) == 1
+    assert version(encode("delta", {}, x, CodecConfig(format=1), version=2)) == 2
 
 
 @pytest.mark.parametrize("scheme", ["int4", "bf16"])

@@ -17,17 +17,19 @@ from pipeline.guard import NormGuardConfig, NormWindow, delta_norm
 from pipeline.descriptor import RunDescriptor, VersionsConfig
 from pipeline.fragment import FragmentLayout
 from pipeline.merge import MergeConfig
+from pipeline.outer import OuterConfig
 from pipeline.schedule import ScheduleConfig
 from pipeline.types import CommitRecord, DeltaHeader, DroppedRecord, TensorSpec
 
 SHAPES = {"wte.weight": (4, 3), "h.0.w": (5,), "h.1.w": (6,)}
-GUARD = NormGuardConfig(factor=4.0, window=4, min_history=2)
+GUARD = NormGuardConfig(factor=4.0, window=4, min_history=2, version=2)   # norms of whole deltas
 
 
 def make_desc(guard: NormGuardConfig | None = GUARD, **kw) -> RunDescriptor:
     layout = FragmentLayout(tuple(TensorSpec(n, s) for n, s in SHAPES.items()), (("h.0.w", "wte.weight"), ("h.1.w",)))
     base = dict(run_id="run-c", layout=layout, schedule=ScheduleConfig(2, (0, 1)),
-                merge=MergeConfig("rda", frozenset({"wte.weight"})), versions=VersionsConfig(retain=3), guard=guard)
+                merge=MergeConfig("rda", frozenset({"wte.weight"})), versions=VersionsConfig("fp32", 3, marks=1),
+                outer=OuterConfig(0.7, 0.9), guard=guard)
     base.update(kw)
     return RunDescriptor(**base)
 

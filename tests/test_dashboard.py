@@ -30,7 +30,7 @@ import pytest
 from pipeline.types import DroppedRecord
 from storage.log import CommitLog
 from storage.store import open_store
-from workers.launch import RunSettings, create_run
+from workers.launch import RunSettings, Schedule, create_run
 from workers.run import metrics_flags
 from workers.tools.dashboard import DashboardServer, dashboard_command, default_events_dir, state_body
 from workers.tools.dashboard_state import STATE_FORMAT, STATE_VERSION, RunView, Series, ViewConfig
@@ -64,7 +64,7 @@ def write_events(path: Path, events: list[dict]) -> None:
 def small_run(store, fragments: int = 2):
     """An unsigned run with a 2-tensor model: descriptor, version 0 and one init commit per fragment."""
     init = {"a": np.zeros((4, 4), np.float32), "b": np.ones((8,), np.float32)}
-    return create_run(store, init, RunSettings(fragments=fragments, sync_every=2 * fragments))
+    return create_run(store, init, RunSettings(schedule=Schedule(fragments=fragments, sync_every=2 * fragments)))
 
 
 # -- the state -------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from storage.layout import DESCRIPTOR_KEY, read_descriptor, write_descriptor
 from storage.store import open_store
 from workers.job.job import JobSettings, job_from
 from workers.bus.keys import Roster, ensure_identities
-from workers.launch import RunSettings, create_run
+from workers.launch import RunSettings, Schedule, create_run
 from workers.tools.replay_verify import replay_run
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -58,12 +58,12 @@ def test_a_v1_descriptor_with_every_setting_changed_migrates_to_the_same_values(
     assert [t.to_dict() for t in d.layout.tensors] == body["tensors"]
     assert (d.schedule.sync_every, list(d.schedule.offsets), d.schedule.driver) == (4, body["offsets"], "syncer")
     assert d.policy == PolicyConfig(quorum=2, overlap=2, gamma=0.25, cap_s=1.5)
-    assert d.codec == CodecConfig("int8", 32, 5)
-    assert d.versions == VersionsConfig("bf16", 8)
+    assert d.codec == CodecConfig("int8", 32, 5, format=1)
+    assert d.versions == VersionsConfig("bf16", 8, marks=1)
     assert d.merge == MergeConfig("mean", frozenset({"wte.weight"}))
     assert d.outer == OuterConfig(0.5, 0.8)
     assert d.learner == LearnerRules(0.1, True)
-    assert d.guard == NormGuardConfig() and guard_config(d) == NormGuardConfig()
+    assert d.guard == NormGuardConfig(version=2) and guard_config(d) == NormGuardConfig(version=2)
     assert d.security is None and d.job == body["extra"]["job"] and d.extra == {"note": "kept"}
     assert d.model == {"n_layer": 1, "n_embd": 4}
     assert JobSettings.from_dict(d.job) == JobSettings(**body["extra"]["job"])
@@ -99,8 +99,11 @@ def test_migration_is_one_function_of_the_v1_map():
     assert via_map == RunDescriptor.from_bytes(fixture("unsigned")[0])
     minimal = {k: body[k] for k in ("run_id", "tensors", "fragments", "offsets", "sync_every")}
     d = RunDescriptor.from_dict(migrate_v1(minimal))    # v1 fields added later take their v1 defaults
-    # v1 runs were created with gamma 0.5 (the default before it became 1): they keep it
-    assert d.policy == PolicyConfig(gamma=0.5) and d.codec == CodecConfig() and d.guard is None and d.job is None
+    # v1 runs were created with the defaults of their time (gamma 0.5, tau 1, momentum 0.9, fp32 versions,
+    # format 1 blobs, one high-water mark): they keep them
+    assert d.policy == PolicyConfig(overlap=1, gamma=0.5) and d.codec == CodecConfig(format=1)
+    assert d.outer == OuterConfig(0.7, 0.9) and d.versions == VersionsConfig("fp32", 16, marks=1)
+    assert d.guard is None and d.job is None
     assert d.schedule.driver == "learner"
     with pytest.raises(FormatError, match=r"descriptor \(v1\): unknown fields \['surprise'\]"):
         migrate_v1({**body, "surprise": 1})
@@ -115,8 +118,9 @@ def test_create_run_writes_v5_and_it_round_trips(tmp_path):
     store = open_store(str(tmp_path / "store"))
     job = JobSettings(steps=3, batch_size=2)
     init = {"a.weight": np.zeros((4, 2), np.float32), "b.bias": np.ones(3, np.float32)}
-    d = create_run(store, init, RunSettings(fragments=2, sync_every=2, quorum=2, compression="bf16", job=job.to_dict(),
-                                            model={"n_layer": 1}), embedding_tensors=(),
+    d = create_run(store, init, RunSettings(schedule=Schedule(fragments=2, sync_every=2),
+                                            policy=PolicyConfig(quorum=2), codec=CodecConfig(scheme="bf16"),
+                                            job=job.to_dict(), model={"n_layer": 1}), embedding_tensors=(),
                    syncer=ids["syncer"], learners=[ids["l0"].public])
     blob = store.get(DESCRIPTOR_KEY)
     version, body = unpack_record(blob, "run-descriptor", (1, 2, 5))

@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.codec import CodecConfig
 from pipeline import codec, kernels
 from pipeline.codec_raw import seal_raw
 from storage.layout import spill_prefix
 from storage.store import open_store
+from workers.launch import Schedule
 from workers.learner.device_quant import DeviceDelta, quantise_delta, quantise_payload
 from workers.learner.learner import LearnerConfig
 
@@ -215,7 +217,7 @@ def test_auto_takes_the_device_path_only_off_the_cpu_and_on_refuses_what_it_cann
     from workers.launch import RunSettings, create_run
     bf = open_store(str(tmp_path / "bf16"))
     create_run(bf, {n: p.detach().cpu().numpy().copy() for n, p in model.named_parameters()},
-               RunSettings(fragments=2, sync_every=4, compression="bf16"))
+               RunSettings(schedule=Schedule(fragments=2, sync_every=4), codec=CodecConfig(scheme="bf16")))
     with pytest.raises(ValueError, match="device_quantise='on' needs an int4/int8 run"):
         start_learner(bf, model, device_quantise="on")
 

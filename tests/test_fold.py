@@ -15,7 +15,7 @@ from pipeline.fold import (FoldResult, ReplayMismatch, RoundInput, SyncerState, 
                            initial_state, published)
 from pipeline.checksum import tensor_digest
 from pipeline.merge import MergeConfig, merge_fragment, token_weights
-from pipeline.outer import nesterov_step
+from pipeline.outer import OuterConfig, nesterov_step
 from pipeline.descriptor import RunDescriptor, VersionsConfig
 from pipeline.fragment import FragmentLayout
 from pipeline.schedule import ScheduleConfig
@@ -29,8 +29,10 @@ def make_layout(shapes=SHAPES) -> FragmentLayout:
 
 
 def make_desc(method: str = "rda", **kw) -> RunDescriptor:
+    # fp32 versions, one high-water mark, momentum 0.9: the exact arithmetic these tests spell out
     base = dict(run_id="run-1", layout=make_layout(), schedule=ScheduleConfig(2, (0, 1)),
-                merge=MergeConfig(method, frozenset({"wte.weight"})), versions=VersionsConfig(retain=3))
+                merge=MergeConfig(method, frozenset({"wte.weight"})), versions=VersionsConfig("fp32", 3, marks=1),
+                outer=OuterConfig(0.7, 0.9))
     base.update(kw)
     return RunDescriptor(**base)
 

@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from pipeline.descriptor import VersionsConfig
 from storage.checkpoints import list_checkpoints
 from storage.errors import NotFound
 from storage.layout import CHECKPOINT_PREFIX, DELTA_PREFIX, VERSION_PREFIX, read_descriptor
@@ -22,7 +23,7 @@ from storage.store import open_store
 from workers import cli
 from workers.common.events import EventLog, read_events
 from workers.syncer.gc import RetentionConfig
-from workers.launch import RunSettings, create_run
+from workers.launch import RunSettings, Schedule, create_run
 from workers.learner.learner import Learner, LearnerConfig
 from workers.tools.replay_verify import replay_run
 from workers.syncer.syncer import Syncer, SyncerConfig
@@ -38,7 +39,7 @@ def make_run(tmp_path, retention: RetentionConfig):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     create_run(store, {n: p.detach().numpy().copy() for n, p in model.named_parameters()},
-               RunSettings(fragments=2, sync_every=4, retain_versions=4))
+               RunSettings(schedule=Schedule(fragments=2, sync_every=4), versions=VersionsConfig(retain=4)))
     stop = threading.Event()
     log = tmp_path / "syncer.jsonl"
     syncer = Syncer(store, SyncerConfig(checkpoint_every=5, spill_poll_s=0.05, retention=retention),

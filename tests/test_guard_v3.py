@@ -29,11 +29,11 @@ from pipeline.guard import (NEW_RUN_VERSION, NormGuardConfig, cap_limit, delta_n
 from pipeline.merge import MergeConfig
 from pipeline.schedule import ScheduleConfig
 from pipeline.types import CommitRecord, DeltaHeader, TensorSpec
-from workers.launch import RunSettings
+from workers.launch import RunSettings, Schedule
 
 SHAPES = {"h.0.w": (88, 64), "h.0.b": (5632,)}          # 11,264 values, as the demo's fragment 0
-V2 = NormGuardConfig()                                  # factor 10, window 32, min_history 8, cap 10
-V3 = NormGuardConfig(version=3)
+V2 = NormGuardConfig(version=2)                         # factor 10, window 32, min_history 8, cap 10
+V3 = NormGuardConfig()                                  # the default: a new run's
 N8 = 0.78                                               # an 8-step delta's norm (measured)
 GROWTH = 0.9                                            # raw norm ~ c^GROWTH: the top of the measured range
 
@@ -272,10 +272,11 @@ def test_round_verdicts_by_version_and_bad_arguments():
 
 def test_new_runs_write_guard_map_version_3_and_older_maps_keep_their_version():
     specs = [TensorSpec(n, s) for n, s in SHAPES.items()]
-    desc = RunSettings(fragments=1, sync_every=1).descriptor("run-new", specs, ())
+    desc = RunSettings(schedule=Schedule(fragments=1, sync_every=1)).descriptor("run-new", specs, ())
     assert NEW_RUN_VERSION == 3 and desc.guard == V3 and desc.to_dict()["guard"]["version"] == 3
     assert RunDescriptor.from_dict(desc.to_dict()).guard == V3
-    custom = RunSettings(fragments=1, sync_every=1, norm_guard=NormGuardConfig(factor=4.0)).descriptor("r", specs, ())
+    custom = RunSettings(schedule=Schedule(fragments=1, sync_every=1),
+                         guard=NormGuardConfig(factor=4.0, version=2)).descriptor("r", specs, ())
     assert custom.guard.version == 2                    # a guard the caller built keeps its own version
     m = desc.to_dict()
     m["guard"] = {**m["guard"], "version": 2}

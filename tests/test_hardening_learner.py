@@ -19,7 +19,7 @@ from storage.errors import StoreError
 from storage.layout import commit_key, version_key
 from storage.log import CommitLog
 from storage.store import open_store
-from workers.launch import RunSettings, create_run
+from workers.launch import RunSettings, Schedule, create_run
 from workers.learner.learner import Learner, LearnerConfig
 from workers.common.versions import VersionTracker, encode_version
 
@@ -33,7 +33,7 @@ def tiny_model(seed: int = 0) -> torch.nn.Module:
 
 def make_run(store, model):
     init = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
-    return create_run(store, init, RunSettings(fragments=2, sync_every=4))
+    return create_run(store, init, RunSettings(schedule=Schedule(fragments=2, sync_every=4)))
 
 
 def append_version(store, desc, fragment: int, version: int, values: dict[str, np.ndarray]) -> CommitRecord:
@@ -163,7 +163,7 @@ def test_a_float64_model_is_refused_with_the_fix(tmp_path):
         learner.start()
     with pytest.raises(ValueError, match=r"float64.*model\.float\(\)"):
         create_run(open_store(str(tmp_path / "other")), {n: p.detach().numpy() for n, p in model.named_parameters()},
-                   RunSettings(fragments=2, sync_every=4))
+                   RunSettings(schedule=Schedule(fragments=2, sync_every=4)))
 
 
 # -- item 6: bounded per-step figures --------------------------------------------------------------

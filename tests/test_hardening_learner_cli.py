@@ -16,7 +16,7 @@ from storage.errors import Unavailable
 from storage.store import open_store
 from workers import cli
 from workers.commands import learner_exit
-from workers.launch import RunSettings, create_run
+from workers.launch import RunSettings, Schedule, create_run
 from workers.learner.learner import Learner, LearnerConfig
 from workers.learner.sender import SenderConfig
 
@@ -70,7 +70,7 @@ def test_an_s3_store_that_is_down_is_one_line(monkeypatch, capsys):
 
 def test_an_endpoint_in_use_is_one_line(tmp_path, capsys):
     store = open_store(str(tmp_path / "run"))
-    create_run(store, {"w": np.zeros((4, 4), np.float32)}, RunSettings(fragments=1, sync_every=4))
+    create_run(store, {"w": np.zeros((4, 4), np.float32)}, RunSettings(schedule=Schedule(fragments=1, sync_every=4)))
     ctx = zmq.Context.instance()
     holder = ctx.socket(zmq.ROUTER)
     port = holder.bind_to_random_port("tcp://127.0.0.1")
@@ -85,7 +85,7 @@ def test_an_endpoint_in_use_is_one_line(tmp_path, capsys):
 
 def test_a_command_refusal_reads_as_an_error_line(tmp_path, capsys):
     store = open_store(str(tmp_path / "run"))
-    create_run(store, {"w": np.zeros((4, 4), np.float32)}, RunSettings(fragments=1, sync_every=4))
+    create_run(store, {"w": np.zeros((4, 4), np.float32)}, RunSettings(schedule=Schedule(fragments=1, sync_every=4)))
     rc, _, err = run_cli(["syncer", "--store", tmp_path / "run", "--no-bus", "--key", tmp_path / "missing.key_secret"],
                          capsys)
     line = one_error_line(err)
@@ -113,7 +113,7 @@ def test_a_full_disk_is_reported_at_stop_and_by_the_exit(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
     create_run(inner, {n: p.detach().numpy().copy() for n, p in model.named_parameters()},
-               RunSettings(fragments=1, sync_every=4))
+               RunSettings(schedule=Schedule(fragments=1, sync_every=4)))
     learner = Learner(model, torch.optim.AdamW(model.parameters()), DiskFull(inner), "l0",
                       LearnerConfig(drain_s=0.5, sender=SenderConfig(retry_s=0.05, max_retry_s=0.1))).start()
     for seq in range(3):

@@ -8,6 +8,7 @@ import pytest
 
 from infra.benchmark import bandwidth_figures, parse_seeds, quality_figures, spread
 from pipeline.types import CommitRecord, DroppedRecord, InputRecord
+from workers.launch import Schedule
 from workers.tools.logview import LogTotals, token_figures, totals_lines
 from workers.run import _publish_to_applied
 
@@ -118,7 +119,8 @@ def test_a_lost_drop_on_a_base_a_later_delta_carried_is_not_lost(tmp_path):
     from workers.launch import RunSettings, create_run
     from workers.tools.logview import stored_base
     store = open_store(str(tmp_path / "run"))
-    desc = create_run(store, {"w": np.zeros((4, 4), np.float32)}, RunSettings(fragments=1, sync_every=4))
+    desc = create_run(store, {"w": np.zeros((4, 4), np.float32)},
+                      RunSettings(schedule=Schedule(fragments=1, sync_every=4)))
     header = DeltaHeader("a", 5, 1, 0, 3, 2, 60, 7)
     store.put_if_absent("deltas/a/1", encode("delta", header.to_dict(), {"w": np.zeros((4, 4), np.float32)},
                                              CodecConfig(scheme="fp32")))

@@ -27,7 +27,7 @@ from storage.layout import spill_key
 from storage.log import CommitLog
 from storage.store import open_store
 from workers.bus.bus import Message
-from workers.launch import RunSettings, create_run
+from workers.launch import RunSettings, Schedule, create_run
 from workers.learner.learner import Learner
 from workers.common.refold import rebuild
 from workers.syncer.syncer import Syncer, SyncerConfig
@@ -46,8 +46,8 @@ def _init() -> dict[str, np.ndarray]:
 
 def _make_run(root: str, fragments: int = 1, **settings):
     store = open_store(root)
-    desc = create_run(store, _init(), RunSettings(fragments=fragments, sync_every=max(2, fragments), **settings),
-                      embedding_tensors=())
+    desc = create_run(store, _init(), RunSettings(schedule=Schedule(fragments=fragments, sync_every=max(2, fragments)),
+                                                  **settings), embedding_tensors=())
     return store, desc
 
 
@@ -174,7 +174,7 @@ def test_property_any_header_and_blob_is_merged_or_recorded_and_replays(deltas, 
     version is finite, and replay reproduces the log bit for bit."""
     with tempfile.TemporaryDirectory() as root:
         store, desc = _make_run(root, fragments=2,
-                                norm_guard=None if guarded else NormGuardConfig(enabled=False))
+                                guard=NormGuardConfig(enabled=guarded))
         assert (guard_config(desc) is not None) == guarded
         syncer, events = _syncer(store)
         offered = []
@@ -229,7 +229,7 @@ def test_a_value_bomb_is_dropped_norm_outlier_from_the_first_round_by_default(tm
     params = syncer.state.fragments[0].params
     assert max(float(np.max(np.abs(a))) for a in params.values()) < 1.0        # the bombs moved nothing
     rebuild(store, desc, CommitLog(store).tail(), use_checkpoint=False)       # replay: the same verdicts
-    off = RunSettings(fragments=1, sync_every=2, norm_guard=NormGuardConfig(enabled=False))
+    off = RunSettings(schedule=Schedule(fragments=1, sync_every=2), guard=NormGuardConfig(enabled=False))
     assert guard_config(create_run(open_store(str(tmp_path / "off")), _init(), off, embedding_tensors=())) is None
 
 
@@ -269,7 +269,7 @@ def test_the_guard_never_asks_blas(monkeypatch):
 # -- item 5: the pending set is bounded while the quorum is not met --------------------------------
 
 def test_pending_deltas_are_bounded_and_the_excess_is_recorded(tmp_path):
-    store, desc = _make_run(str(tmp_path / "s"), quorum=2)          # one learner alone never makes a quorum
+    store, desc = _make_run(str(tmp_path / "s"), policy=PolicyConfig(quorum=2))   # one learner alone never makes a quorum
     syncer, _ = _syncer(store, max_pending=4)
     offered = []
     for s in range(25):
@@ -292,7 +292,7 @@ def test_pending_deltas_are_bounded_and_the_excess_is_recorded(tmp_path):
 # -- item 13: copies below the high-water mark, concurrent copies of one id, incarnations -----------------
 
 def test_a_copy_below_the_high_water_mark_never_counts_toward_the_quorum(tmp_path):
-    store, desc = _make_run(str(tmp_path / "s"), quorum=2)
+    store, desc = _make_run(str(tmp_path / "s"), policy=PolicyConfig(quorum=2))
     syncer, _ = _syncer(store)
     for learner in ("l0", "l1"):
         h = DeltaHeader(learner, 1, 5, 0, 0, 4, 400, 5)
@@ -330,7 +330,7 @@ def test_incarnations_are_claimed_from_storage_not_the_clock(tmp_path, monkeypat
     store = open_store(str(tmp_path / "s"))
     model = torch.nn.Linear(4, 2)
     init = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
-    create_run(store, init, RunSettings(fragments=1, sync_every=2), embedding_tensors=())
+    create_run(store, init, RunSettings(schedule=Schedule(fragments=1, sync_every=2)), embedding_tensors=())
     lives = []
     for clock in (2_000_000_000 * 10**9, 1_000_000_000 * 10**9):     # the second host's clock is years behind
         monkeypatch.setattr(_time, "time_ns", lambda c=clock: c)

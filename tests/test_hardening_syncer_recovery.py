@@ -20,7 +20,7 @@ from storage.layout import checkpoint_key, commit_key
 from storage.log import CommitLog
 from storage.store import open_store
 from workers.bus.keys import KeyRing, ensure_identities
-from workers.launch import RunSettings, create_run
+from workers.launch import RunSettings, Schedule, create_run
 from workers.common.refold import rebuild
 from workers.tools.replay_verify import replay_run
 from workers.bus.signing import commit_signature_ok, seal_delta
@@ -38,7 +38,8 @@ class Run:
     def __init__(self, root, signed: bool = False):
         self.store = open_store(str(root / "store"))
         self.ids = ensure_identities(root / "keys", ["syncer", "l0", "l1"]) if signed else {}
-        self.desc = create_run(self.store, _init(), RunSettings(fragments=2, sync_every=2), embedding_tensors=(),
+        self.desc = create_run(self.store, _init(), RunSettings(schedule=Schedule(fragments=2, sync_every=2)),
+                               embedding_tensors=(),
                                syncer=self.ids.get("syncer"),
                                learners=[self.ids[n].public for n in ("l0", "l1")] if signed else ())
         self.seq = {"l0": 0, "l1": 0}

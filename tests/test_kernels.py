@@ -202,10 +202,11 @@ def test_both_paths_refuse_exactly_the_scales_whose_largest_code_overflows():
 
 
 def _int_blob(scheme: str, raw_edit) -> bytes:
-    """A blob of tensors a (3000 values: several blocks) and b, its raw payload edited."""
+    """A format 1 blob (one raw payload) of tensors a (3000 values: several blocks) and b, its raw
+    payload edited."""
     rng = np.random.default_rng(3)
     blob = encode("delta", {}, {"a": rng.standard_normal(3000).astype(np.float32),
-                                "b": rng.standard_normal(100).astype(np.float32)}, CodecConfig(scheme, 64, 0))
+                                "b": rng.standard_normal(100).astype(np.float32)}, CodecConfig(scheme, 64, 0, format=1))
     d = msgpack.unpackb(unseal(blob, "delta", 1)[1], raw=False)
     raw = bytearray(d["payload"])
     raw_edit(raw)

@@ -17,6 +17,7 @@ import torch
 from pipeline.errors import FormatError
 from storage.layout import read_descriptor, spill_prefix
 from storage.store import open_store
+from workers.launch import Schedule
 from workers.learner.agent_board import Board, BoardArrival
 from workers.learner.agent_wire import WIRE_VERSION, Slots, fragment_offsets, pack, unpack
 
@@ -284,7 +285,7 @@ def test_a_signed_run_with_the_bus_trains_through_the_agent(tmp_path):
     from runhelpers import TINY
     uri = str(tmp_path / "store")
     job = JobSettings(steps=150, batch_size=4, lr=3e-3, max_bytes=300_000, shards=1)
-    settings = RunSettings(fragments=2, sync_every=4, model=TINY.to_dict(), job=job.to_dict())
+    settings = RunSettings(schedule=Schedule(fragments=2, sync_every=4), model=TINY.to_dict(), job=job.to_dict())
     create_job_run(open_store(uri), settings, TINY, 0, tmp_path / "keys", ["l0"])
     with LocalCluster(ClusterConfig(uri, tmp_path, keydir=tmp_path / "keys")) as cluster:
         cluster.start_syncers()

@@ -28,7 +28,7 @@ from pipeline.types import DeltaHeader, TensorSpec
 from storage.log import CommitLog
 from storage.store import open_store
 from workers.bus.bus import Message
-from workers.launch import RunSettings, create_run
+from workers.launch import RunSettings, Schedule, create_run
 from workers.syncer.syncer import Syncer, SyncerConfig
 from workers.tools.logview import LogTotals
 from workers.common.refold import rebuild
@@ -82,7 +82,7 @@ def test_an_overtaken_answer_is_merged_exactly_once_against_the_current_version(
     # reconstructed like any stale delta (SPEC §4): v = (P[2] - P[0]) + delta, in float64
     h = s2.fragments[0].history
     v = {"w": (h[2]["w"].astype(np.float64) - h[0]["w"] + np.float32(0.01)).astype(np.float32)}
-    p, _ = nesterov_step(s2.fragments[0].params, s2.fragments[0].momentum, v, 0.7, 0.9)
+    p, _ = nesterov_step(s2.fragments[0].params, s2.fragments[0].momentum, v, desc.outer.lr, desc.outer.momentum)
     assert res.state.fragments[0].params["w"].tobytes() == p["w"].tobytes()
     # once: the same delta again, alone or with its copy in one round, is a duplicate
     again = _fold(res.state, desc, [_inp("l0", 0, 0), _inp("l0", 0, 0)]).record
@@ -218,7 +218,7 @@ def test_the_marks_rule_is_written_only_by_new_runs():
         RunDescriptor.from_dict(d)
     with pytest.raises(ValueError, match="versions marks must be 1 or 2, got True"):
         VersionsConfig(marks=True)
-    assert RunSettings().marks == 2
+    assert RunSettings().versions.marks == 2
 
 
 # -- the syncer ----------------------------------------------------------------------------------------
@@ -228,7 +228,8 @@ def _syncer_run(tmp_path, marks: int):
     rng = np.random.default_rng(0)
     init = {"a.weight": rng.normal(0, 0.02, size=(8, 4)).astype(np.float32),
             "b.weight": rng.normal(0, 0.02, size=(16,)).astype(np.float32)}
-    desc = create_run(store, init, RunSettings(fragments=1, sync_every=2, marks=marks), embedding_tensors=())
+    desc = create_run(store, init, RunSettings(schedule=Schedule(fragments=1, sync_every=2),
+                                               versions=VersionsConfig(marks=marks)), embedding_tensors=())
     clock = ManualClock()
     syncer = Syncer(store, SyncerConfig(spill_poll_s=0.1), bus=None, clock=clock)
     syncer.recover()

@@ -25,7 +25,7 @@ from pipeline.types import CommitRecord, DeltaHeader
 from storage.log import CommitLog
 from storage.store import open_store
 from workers.bus.bus import Message
-from workers.launch import RunSettings, check_quorum, create_run
+from workers.launch import RunSettings, Schedule, check_quorum, create_run
 from workers.syncer.syncer import Syncer, SyncerConfig
 from workers.tools.logview import token_figures
 from workers.common.refold import rebuild
@@ -103,7 +103,8 @@ def _run(tmp_path, quorum: int):
     rng = np.random.default_rng(0)
     init = {"a.weight": rng.normal(0, 0.02, size=(8, 4)).astype(np.float32),
             "b.weight": rng.normal(0, 0.02, size=(16,)).astype(np.float32)}
-    desc = create_run(store, init, RunSettings(fragments=1, sync_every=2, quorum=quorum), embedding_tensors=())
+    desc = create_run(store, init, RunSettings(schedule=Schedule(fragments=1, sync_every=2),
+                                               policy=PolicyConfig(quorum=quorum)), embedding_tensors=())
     return store, desc
 
 
@@ -272,7 +273,7 @@ def test_a_real_K2_run_with_a_learner_killed_never_merges_fewer_than_K(tmp_path)
     are padded (``--pace``) so that l0 and l1 train side by side for seconds on a loaded machine."""
     run = TinyRun(str(tmp_path / "store"), tmp_path, dict(os.environ, OMP_NUM_THREADS="1"), steps=160,
                   learners=3, secure=False)
-    run.create(quorum=2)
+    run.create(policy=PolicyConfig(quorum=2))
     try:
         run.syncer()
         for m in range(3):

@@ -28,7 +28,7 @@ from storage.store import open_store
 from tests.test_regions import Partitioned, wait_until
 from workers import cli
 from workers.common.events import EventLog
-from workers.launch import RunSettings, create_run
+from workers.launch import RunSettings, Schedule, create_run
 from workers.syncer.home import HomeRegionError, pack_failover, read_failover
 from workers.syncer.replicate import Replicator, ReplicatorConfig
 from workers.syncer.syncer import Syncer, SyncerConfig
@@ -41,7 +41,7 @@ def make_run(tmp_path, names=("a", "b", "c")) -> dict[str, str]:
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
     regions = RegionsConfig(names[0], tuple(RegionSpec(n, d) for n, d in dirs.items()))
     create_run(open_store(dirs[names[0]]), {n: p.detach().numpy().copy() for n, p in model.named_parameters()},
-               RunSettings(fragments=2, sync_every=4, regions=regions))
+               RunSettings(schedule=Schedule(fragments=2, sync_every=4), regions=regions))
     return dirs
 
 
@@ -105,7 +105,7 @@ def test_failover_flags_that_make_no_sense_are_refused(tmp_path, capsys, store, 
         model = torch.nn.Linear(4, 2)
         dirs["plain"] = str(tmp_path / "plain")
         create_run(open_store(dirs["plain"]), {n: p.detach().numpy().copy() for n, p in model.named_parameters()},
-                   RunSettings(fragments=2, sync_every=4))
+                   RunSettings(schedule=Schedule(fragments=2, sync_every=4)))
     before = files(dirs[store])
     assert cli.main(["syncer", "--store", dirs[store], "--insecure", "--no-bus", "--failover-from-region", flag]) == 1
     assert error in capsys.readouterr().err

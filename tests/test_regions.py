@@ -33,7 +33,7 @@ from storage.log import CommitLog
 from storage.regions import RegionConflict, learner_region_store, open_region, prune_versions, verify_region
 from storage.store import open_store
 from workers import cli
-from workers.launch import RunSettings, create_run
+from workers.launch import RunSettings, Schedule, create_run
 from workers.learner.learner import Learner, LearnerConfig
 from workers.tools.replay_cli import verify_regions
 from workers.tools.replay_verify import replay_run
@@ -80,7 +80,8 @@ def wait_until(cond, timeout: float, what: str, step=None) -> None:
 
 def _desc(tmp_path, regions):
     init = {n: p.detach().numpy().copy() for n, p in _model(0).named_parameters()}
-    return create_run(open_store(str(tmp_path / "run")), init, RunSettings(fragments=2, sync_every=4, regions=regions))
+    return create_run(open_store(str(tmp_path / "run")), init, RunSettings(schedule=Schedule(fragments=2, sync_every=4),
+                                                                           regions=regions))
 
 
 def test_regions_are_a_named_feature_of_v5_and_v2_v3_documents_keep_their_meaning(tmp_path):
@@ -124,7 +125,8 @@ def test_a_learner_finds_its_region_store_and_refuses_a_wrong_one(tmp_path, caps
     a, b = tmp_path / "a", tmp_path / "b"
     _desc_store = open_store(str(a))
     init = {n: p.detach().numpy().copy() for n, p in _model(0).named_parameters()}
-    create_run(_desc_store, init, RunSettings(fragments=2, sync_every=4, regions=regions_for(a, b)))
+    create_run(_desc_store, init, RunSettings(schedule=Schedule(fragments=2, sync_every=4),
+                                              regions=regions_for(a, b)))
     with pytest.raises(ValueError, match=r"no region 'c' in this run; its regions are \['a', 'b'\]"):
         learner_region_store(_desc_store, "c")
     assert cli.main(["learner", "--store", str(a), "--id", "b0", "--region", "c", "--insecure"]) == 1
@@ -141,7 +143,7 @@ def test_a_learner_finds_its_region_store_and_refuses_a_wrong_one(tmp_path, caps
     with pytest.raises(RegionConflict, match="holds another run descriptor"):
         learner_region_store(_desc_store, "b")
     plain = open_store(str(tmp_path / "plain"))
-    create_run(plain, init, RunSettings(fragments=2, sync_every=4))
+    create_run(plain, init, RunSettings(schedule=Schedule(fragments=2, sync_every=4)))
     with pytest.raises(ValueError, match="has no regions section: --region b needs"):
         learner_region_store(plain, "b")
 
@@ -181,7 +183,7 @@ class TwoRegions:
     def __init__(self, topo: Topology):
         self.topo, self.home, self.b_direct = topo, topo.home, topo.b_direct
         create_run(self.home, {n: p.detach().numpy().copy() for n, p in _model(0).named_parameters()},
-                   RunSettings(fragments=2, sync_every=4, regions=topo.regions))
+                   RunSettings(schedule=Schedule(fragments=2, sync_every=4), regions=topo.regions))
         self.stop = threading.Event()
         self.syncer = Syncer(self.home, SyncerConfig(spill_poll_s=0.05, checkpoint_every=10),
                              regions={"b": topo.b_for_syncer})
@@ -416,7 +418,7 @@ def test_the_replicator_catches_a_region_up_from_the_home_log_and_restarts(tmp_p
     from workers.syncer.replicate import Replicator, ReplicatorConfig
     a, b = open_store(str(tmp_path / "a")), Partitioned(open_store(str(tmp_path / "b")))
     init = {n: p.detach().numpy().copy() for n, p in _model(0).named_parameters()}
-    create_run(a, init, RunSettings(fragments=2, sync_every=4))
+    create_run(a, init, RunSettings(schedule=Schedule(fragments=2, sync_every=4)))
     b.down = True
     rep = Replicator(a, {"b": b}, EventLog(None, "syncer", "t"), ReplicatorConfig(retry_s=0.01, max_retry_s=0.05))
     t0 = time.monotonic()

@@ -15,6 +15,7 @@ from storage.regions import verify_region
 from storage.store import open_store
 from pipeline.types import CommitRecord
 from workers.common.events import EventLog
+from workers.launch import Schedule
 from workers.syncer.replicate import Replicator, ReplicatorConfig
 
 CFG = ReplicatorConfig(retry_s=0.01, max_retry_s=0.05, inflight=4)
@@ -206,7 +207,7 @@ def test_a_learner_waits_for_its_regions_copy_instead_of_hammering(tmp_path, mon
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     create_run(home, {n: p.detach().numpy().copy() for n, p in model.named_parameters()},
-               RunSettings(fragments=2, sync_every=4), embedding_tensors=())
+               RunSettings(schedule=Schedule(fragments=2, sync_every=4)), embedding_tensors=())
     replicate_static(home, region)
     replicate_commit(home, region, 0)          # the region's copy ends at commit 0
     rec1 = CommitLog(home).read(1)

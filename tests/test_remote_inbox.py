@@ -14,7 +14,7 @@ from pipeline.codec import CodecConfig, encode
 from pipeline.types import DeltaHeader
 from storage.layout import spill_key
 from storage.store import open_store
-from workers.launch import RunSettings, create_run
+from workers.launch import RunSettings, Schedule, create_run
 from workers.syncer.ingest import Ingest
 from workers.syncer.records import Refusal, Source
 from workers.syncer.remote_inbox import RemoteInbox
@@ -63,7 +63,7 @@ def _run(tmp_path):
     home = open_store(str(tmp_path / "home"))
     rng = np.random.default_rng(0)
     init = {"a.weight": rng.normal(0, 0.02, size=(8, 4)).astype(np.float32)}
-    desc = create_run(home, init, RunSettings(fragments=1, sync_every=2), embedding_tensors=())
+    desc = create_run(home, init, RunSettings(schedule=Schedule(fragments=1, sync_every=2)), embedding_tensors=())
     return home, desc
 
 

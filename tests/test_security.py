@@ -35,7 +35,7 @@ from workers.bus.bus import BusConfig, LearnerLink, Message
 from workers.common.events import EventLog, read_events
 from workers.bus.keys import (KeyRing, Roster, add_member, configure as keys_configure, ensure_identities,
                           generate_identity, key_paths, load_identity, write_identity)
-from workers.launch import RunSettings, create_run
+from workers.launch import RunSettings, Schedule, create_run
 from workers.learner.learner import Learner, LearnerConfig
 from workers.learner.receiver import Receiver
 from workers.common.refold import rebuild
@@ -61,7 +61,7 @@ def signed(tmp_path):
     """A signed one-fragment run: (store, descriptor, bus config, identities by name)."""
     store = open_store(str(tmp_path / "store"))
     ids = ensure_identities(tmp_path / "keys", ["syncer", *LEARNERS])
-    desc = create_run(store, _init(), RunSettings(fragments=1, sync_every=1), embedding_tensors=(),
+    desc = create_run(store, _init(), RunSettings(schedule=Schedule(fragments=1, sync_every=1)), embedding_tensors=(),
                       syncer=ids["syncer"], learners=[ids[n].public for n in LEARNERS])
     bus = BusConfig(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
     return store, desc, bus, ids
@@ -70,7 +70,7 @@ def signed(tmp_path):
 def _blob(desc, learner: str, seq: int, scale: float = 0.01, inc: int = 1, base: int = 0):
     h = DeltaHeader(learner, inc, seq, 0, base, 4, 400, seq)
     tensors = {t.name: np.full(t.shape, scale * (seq + 1), np.float32) for t in desc.layout.tensors}
-    return h, encode("delta", h.to_dict(), tensors, CodecConfig(scheme="int8"))
+    return h, encode("delta", h.to_dict(), tensors, CodecConfig(scheme="int8", format=1))   # _altered edits format 1
 
 
 def _signed(desc, ident, learner: str, seq: int, **kw):
@@ -326,7 +326,8 @@ def test_norm_guard_drops_outliers_and_replay_agrees(tmp_path):
         NormGuardConfig(factor=1.0)
     store = open_store(str(tmp_path / "store"))
     ids = ensure_identities(tmp_path / "keys", ["syncer", "l0"])
-    desc = create_run(store, _init(), RunSettings(fragments=1, sync_every=1, norm_guard=cfg), embedding_tensors=(),
+    desc = create_run(store, _init(), RunSettings(schedule=Schedule(fragments=1, sync_every=1), guard=cfg),
+                      embedding_tensors=(),
                       syncer=ids["syncer"], learners=[ids["l0"].public])
     scales = [0.01, 0.012, 0.011, 5.0, 0.01]     # the fourth is ~400x the others
     for seq, scale in enumerate(scales):
@@ -360,7 +361,8 @@ def _learner(store, keys=None, lid="l0") -> Learner:
 def test_unsigned_and_signed_runs_cannot_be_mixed(signed, tmp_path):
     store, desc, bus, ids = signed
     plain = open_store(str(tmp_path / "plain"))
-    plain_desc = create_run(plain, _init(), RunSettings(fragments=1, sync_every=1), embedding_tensors=())
+    plain_desc = create_run(plain, _init(), RunSettings(schedule=Schedule(fragments=1, sync_every=1)),
+                            embedding_tensors=())
     ring = KeyRing(ids["l0"], ids["syncer"].public)
     with pytest.raises(ValueError, match="is signed"):
         _learner(store).start()

@@ -27,7 +27,7 @@ from storage.store import open_store
 from workers.cluster import ClusterConfig, LocalCluster, create_job_run, global_eval_loss
 from workers.commands import _check_shard, _shard_spec
 from workers.job.job import JobSettings
-from workers.launch import RunSettings
+from workers.launch import RunSettings, Schedule
 from workers.learner.shards import split_bus
 from workers.bus.bus import BusConfig
 
@@ -85,8 +85,8 @@ def _descriptor(syncers: int, fragments: int = 4) -> RunDescriptor:
     from workers.job.model import build_model, EMBEDDING_TENSORS
     from pipeline.fragment import specs_from_arrays
     init = {n: p.detach().numpy() for n, p in build_model(TINY, 0).named_parameters()}
-    return RunSettings(fragments=fragments, sync_every=8, model=TINY.to_dict(), job=job.to_dict(),
-                       syncers=syncers).descriptor("r1", specs_from_arrays(init), EMBEDDING_TENSORS)
+    return RunSettings(schedule=Schedule(fragments=fragments, sync_every=8), model=TINY.to_dict(),
+                       job=job.to_dict(), syncers=syncers).descriptor("r1", specs_from_arrays(init), EMBEDDING_TENSORS)
 
 
 def test_descriptor_records_the_shard_count_and_n1_bytes_are_unchanged():
@@ -108,7 +108,8 @@ def test_descriptor_records_the_shard_count_and_n1_bytes_are_unchanged():
 def test_unsharded_run_keeps_its_layout(tmp_path):
     store = open_store(str(tmp_path / "store"))
     job = JobSettings(steps=10, batch_size=4, max_bytes=300_000, shards=1)
-    create_job_run(store, RunSettings(fragments=3, sync_every=6, model=TINY.to_dict(), job=job.to_dict()),
+    create_job_run(store, RunSettings(schedule=Schedule(fragments=3, sync_every=6), model=TINY.to_dict(),
+                                      job=job.to_dict()),
                    TINY, 0, None, ["l0"])
     keys = set(store.list("log/")) | set(store.list("hints/")) | set(store.list("shards/"))
     assert keys == {commit_key(0), commit_key(1), commit_key(2), "hints/log-head"}
@@ -203,7 +204,8 @@ def test_one_shard_dies_and_restarts_alone(tmp_path):
     uri = str(tmp_path / "store")
     store = open_store(uri)
     job = JobSettings(steps=400, batch_size=4, lr=3e-3, max_bytes=300_000, shards=2)
-    settings = RunSettings(fragments=4, sync_every=8, model=TINY.to_dict(), job=job.to_dict(), syncers=2)
+    settings = RunSettings(schedule=Schedule(fragments=4, sync_every=8), model=TINY.to_dict(), job=job.to_dict(),
+                           syncers=2)
     desc, _ = create_job_run(store, settings, TINY, 0, None, ["l0", "l1"])
     with LocalCluster(ClusterConfig(uri, tmp_path, syncers=2)) as cluster:
         s0, s1 = cluster.syncer_names()
@@ -251,8 +253,9 @@ def test_a_shard_syncer_owns_its_fragments_only(tmp_path):
     from workers.learner.shards import ShardedTracker
     store = open_store(str(tmp_path / "store"))
     job = JobSettings(steps=10, batch_size=4, max_bytes=300_000, shards=1)
-    desc, model = create_job_run(store, RunSettings(fragments=4, sync_every=8, model=TINY.to_dict(),
-                                                    job=job.to_dict(), syncers=2), TINY, 0, None, ["l0"])
+    settings = RunSettings(schedule=Schedule(fragments=4, sync_every=8), model=TINY.to_dict(), job=job.to_dict(),
+                           syncers=2)
+    desc, model = create_job_run(store, settings, TINY, 0, None, ["l0"])
     s1 = Syncer(store, SyncerConfig(syncer_id="s1", shard=1))
     assert isinstance(getattr(s1.store, "shard_view", s1.store), ShardStore) and s1.ingest.owned == {1, 3} and s1.rounds.owned == {1, 3}
     opened = [p for t in range(1, 40) for _, p in s1.rounds.tick(t * 0.1)]   # 0.1 s per global step

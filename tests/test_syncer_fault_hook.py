@@ -18,7 +18,7 @@ from storage.errors import NotFound
 from storage.layout import delta_key, spill_key
 from storage.log import CommitLog
 from storage.store import open_store
-from workers.launch import RunSettings, create_run
+from workers.launch import RunSettings, Schedule, create_run
 from workers.syncer.syncer import Syncer, SyncerConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -32,7 +32,7 @@ def _run(tmp_path):
     store = open_store(str(tmp_path / "store"))
     rng = np.random.default_rng(0)
     init = {"a.weight": rng.normal(size=(8, 4)).astype(np.float32), "b.weight": rng.normal(size=(16,)).astype(np.float32)}
-    desc = create_run(store, init, RunSettings(fragments=1, sync_every=2), embedding_tensors=())
+    desc = create_run(store, init, RunSettings(schedule=Schedule(fragments=1, sync_every=2)), embedding_tensors=())
     return store, desc
 
 

@@ -16,7 +16,7 @@ from storage.layout import spill_key
 from storage.log import CommitLog
 from storage.store import open_store
 from workers.bus.bus import BusConfig, LearnerLink, Message
-from workers.launch import RunSettings, create_run
+from workers.launch import RunSettings, Schedule, create_run
 from workers.syncer.syncer import Syncer, SyncerConfig
 
 from runhelpers import free_port, syncer_thread
@@ -29,7 +29,7 @@ def tiny(tmp_path):
     store = open_store(str(tmp_path / "store"))
     rng = np.random.default_rng(0)
     init = {"a.weight": rng.normal(size=(8, 4)).astype(np.float32), "b.weight": rng.normal(size=(16,)).astype(np.float32)}
-    desc = create_run(store, init, RunSettings(fragments=1, sync_every=1), embedding_tensors=())
+    desc = create_run(store, init, RunSettings(schedule=Schedule(fragments=1, sync_every=1)), embedding_tensors=())
     bus = BusConfig(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
     return store, desc, bus
 

@@ -18,7 +18,7 @@ from storage.log import CommitLog, claim_epoch
 from storage.store import open_store
 from workers.bus.bus import Message
 from workers.common.deltas import round_input
-from workers.launch import RunSettings, create_run
+from workers.launch import RunSettings, Schedule, create_run
 from workers.syncer.committer import Committer, CommitterConfig, KeyConflict
 from workers.syncer.ingest import Ingest
 from workers.syncer.records import BELOW_HIGH_WATER, Quarantined, Refusal, Source
@@ -42,7 +42,7 @@ def run(tmp_path):
     rng = np.random.default_rng(0)
     init = {"a.weight": rng.normal(0, 0.02, size=(8, 4)).astype(np.float32),
             "b.weight": rng.normal(0, 0.02, size=(16,)).astype(np.float32)}
-    desc = create_run(store, init, RunSettings(fragments=1, sync_every=2), embedding_tensors=())
+    desc = create_run(store, init, RunSettings(schedule=Schedule(fragments=1, sync_every=2)), embedding_tensors=())
     io = ThreadPoolExecutor(max_workers=2)
     yield store, desc, io
     io.shutdown(wait=True)

@@ -31,6 +31,7 @@ from pipeline.types import DeltaHeader, TensorSpec
 from storage.layout import SPILL_PREFIX
 from storage.store import open_store
 from workers.common.versions import decode_version, encode_version
+from workers.launch import Schedule
 from workers.learner.sender import Sender, SenderConfig
 
 from runhelpers import Recorder
@@ -234,7 +235,8 @@ def test_a_syncer_on_a_pool_stores_the_same_bytes(tmp_path, small_jobs):
     from workers.launch import RunSettings, create_run
     rng = np.random.default_rng(0)
     init = {n: (rng.standard_normal(s) * 0.02).astype(np.float32) for n, s in SHAPES.items()}
-    create_run(open_store(str(tmp_path / "base")), init, RunSettings(fragments=1, sync_every=1, run_id="threads-syncer"),
+    create_run(open_store(str(tmp_path / "base")), init, RunSettings(schedule=Schedule(fragments=1, sync_every=1),
+                                                                     run_id="threads-syncer"),
                embedding_tensors=("emb.w",))
     serial = _syncer_store_after_rounds(tmp_path / "base", tmp_path / "t1", threads=1)
     pooled = _syncer_store_after_rounds(tmp_path / "base", tmp_path / "t3", threads=3)

@@ -19,7 +19,7 @@ from storage.log import CommitLog
 from storage.store import open_store
 from storage.wrapper import StoreWrapper
 from workers.common.versions import FETCH_WINDOW, VersionTracker
-from workers.launch import RunSettings, create_run
+from workers.launch import RunSettings, Schedule, create_run
 
 
 class Counting(StoreWrapper):
@@ -49,7 +49,8 @@ def run(tmp_path):
     store = open_store(str(tmp_path / "run"))
     rng = np.random.default_rng(0)
     desc = create_run(store, {"a": rng.standard_normal(8).astype(np.float32),
-                              "b": rng.standard_normal(4).astype(np.float32)}, RunSettings(fragments=2, sync_every=4))
+                              "b": rng.standard_normal(4).astype(np.float32)},
+                      RunSettings(schedule=Schedule(fragments=2, sync_every=4)))
     counting = Counting(store)
     tracker = VersionTracker(counting, desc)
     tracker.latest()

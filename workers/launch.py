@@ -19,11 +19,10 @@ import numpy as np
 
 from pipeline.checksum import tensor_digest
 from pipeline.fold import published
-from pipeline.codec import RUN_FORMAT, CodecConfig
+from pipeline.codec import CodecConfig
 from pipeline.descriptor import LearnerRules, RunDescriptor, VersionsConfig
-from pipeline.marks import MARKS_LINEAGE
 from pipeline.fragment import FragmentLayout, fragment_offsets, make_layout, specs_from_arrays
-from pipeline.guard import NEW_RUN_VERSION, NormGuardConfig
+from pipeline.guard import NormGuardConfig
 from pipeline.merge import MergeConfig, default_embedding_tensors
 from pipeline.outer import OuterConfig
 from pipeline.policy import PolicyConfig
@@ -41,69 +40,78 @@ from workers.bus.signing import sign_commit
 from workers.common.versions import encode_version
 
 
+STRATEGIES = ("balanced", "layerwise", "roundrobin")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """``[schedule]``: P fragments, each synced every H steps (SPEC §2), cut by ``strategy``.
+    ``sync_every`` none: 4 x fragments, the demo job's sweep (docs/results.md "Rounds, defaults and quality")."""
+
+    fragments: int = 4
+    sync_every: int | None = None
+    strategy: str = "balanced"
+
+    def __post_init__(self) -> None:
+        if self.fragments < 1:
+            raise ValueError(f"fragments must be >= 1, got {self.fragments}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.sync_every is not None and self.sync_every < self.fragments:
+            raise ValueError(f"sync_every (H={self.sync_every}) must be >= fragments (P={self.fragments}): "
+                             "each fragment needs its own step offset")
+
+    @property
+    def h(self) -> int:
+        return self.sync_every if self.sync_every is not None else 4 * self.fragments
+
+
 @dataclass(frozen=True)
 class RunSettings:
-    """What a user chooses for a run, flat (``descriptor`` maps it to the descriptor's sections, in
-    one place; the sections validate it)."""
+    """What ``create_run`` takes: the schedule and the descriptor's own sections, each holding its
+    one set of defaults (workers/run_config.py builds it from flags or a file). ``merge``'s
+    embedding tensors are filled in from the model at creation; ``guard`` off:
+    ``NormGuardConfig(enabled=False)`` (always recorded, so replay knows the run's guard)."""
 
-    fragments: int = 4                 # P
-    sync_every: int = 8                # H (each fragment synced every H steps)
-    overlap: int = 2                   # tau (the paper's main setting)
-    quorum: int = 1                    # K
-    compression: str = "int4"
-    block_size: int = 64
-    zstd_level: int = 3
-    codec_format: int = RUN_FORMAT     # tensor blob format of the run's deltas and versions (docs/formats.md)
-    version_dtype: str = "bf16"        # versions travel in bf16; the syncer keeps fp32 master state
-    merge: str = "rda"
-    strategy: str = "balanced"
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    grace_gamma: float = PolicyConfig.gamma
-    grace_cap_s: float = 0.0
-    retain_versions: int = 16
-    mixing_alpha: float = 0.0
-    keep_progress: bool = False        # learners keep their steps since the answer
+    schedule: Schedule = Schedule()
+    policy: PolicyConfig = PolicyConfig()
+    codec: CodecConfig = CodecConfig()
+    versions: VersionsConfig = VersionsConfig()
+    merge: MergeConfig = MergeConfig()
+    outer: OuterConfig = OuterConfig()
+    learner: LearnerRules = LearnerRules()
+    guard: NormGuardConfig = NormGuardConfig()
     seed: int = 0
     run_id: str = ""
-    norm_guard: NormGuardConfig | None = None     # None: the default guard, on (pipeline/guard.py); off: enabled=False
     model: dict[str, Any] = field(default_factory=dict)
     job: dict[str, Any] | None = None  # the default job's settings (workers/job/job.py JobSettings.to_dict())
     extra: dict[str, Any] = field(default_factory=dict)   # free-form notes, never read
     regions: RegionsConfig | None = None   # the run topology; None: one region, this store
     syncers: int = 1                   # syncer shards: shard i owns fragments p % syncers == i
-    marks: int = MARKS_LINEAGE         # exactly-once rule (pipeline/marks.py); 1: the issue-11 rule
 
     def __post_init__(self) -> None:
         if {"security", "norm_guard", "job"} & set(self.extra):
             raise ValueError("extra must not hold 'security', 'norm_guard' or 'job': they are sections of the "
-                             "descriptor (pass the keys to create_run, norm_guard and job to RunSettings)")
-        if self.fragments < 1:
-            raise ValueError(f"fragments must be >= 1, got {self.fragments}")
-        CodecConfig(self.compression, self.block_size, self.zstd_level, self.codec_format)   # refused early
-        if self.sync_every < self.fragments:
-            raise ValueError(f"sync_every (H={self.sync_every}) must be >= fragments (P={self.fragments}): "
-                             "each fragment needs its own step offset")
+                             "descriptor (pass the keys to create_run, guard and job to RunSettings)")
+        for name, cls in (("schedule", Schedule), ("policy", PolicyConfig), ("codec", CodecConfig),
+                          ("versions", VersionsConfig), ("merge", MergeConfig), ("outer", OuterConfig),
+                          ("learner", LearnerRules), ("guard", NormGuardConfig)):
+            if not isinstance(getattr(self, name), cls):
+                raise ValueError(f"RunSettings.{name} must be a {cls.__name__}, got {getattr(self, name)!r}")
 
     def descriptor(self, run_id: str, specs: Sequence, embedding_tensors: Sequence[str],
                    security: RunSecurity | None = None) -> RunDescriptor:
-        """The run descriptor these settings make for a model of ``specs`` (the one mapping from
-        settings to sections; ``ValueError`` from the section that refuses a value)."""
-        layout = make_layout(specs, self.fragments, self.strategy)
+        """The run descriptor these settings make for a model of ``specs`` (the sections as they
+        are; the layout, H's offsets and the embedding tensors derived here)."""
+        p, h = self.schedule.fragments, self.schedule.h
+        layout = make_layout(specs, p, self.schedule.strategy)
         return RunDescriptor(
             run_id=run_id, seed=self.seed, model=dict(self.model), job=None if self.job is None else dict(self.job),
             extra=dict(self.extra), security=security, regions=self.regions, syncers=self.syncers,
-            layout=FragmentLayout(tuple(specs), tuple(tuple(f) for f in layout), self.strategy),
-            schedule=ScheduleConfig(self.sync_every, tuple(fragment_offsets(self.fragments, self.sync_every))),
-            policy=PolicyConfig(self.quorum, self.overlap, self.grace_gamma, self.grace_cap_s),
-            codec=CodecConfig(self.compression, self.block_size, self.zstd_level, self.codec_format),
-            versions=VersionsConfig(self.version_dtype, self.retain_versions, self.marks),
-            merge=MergeConfig(self.merge, frozenset(embedding_tensors)),
-            outer=OuterConfig(self.outer_lr, self.outer_momentum),
-            learner=LearnerRules(self.mixing_alpha, self.keep_progress),
-            # Always recorded, so replay knows the run's guard (issue 11 item 2: on unless turned off).
-            # (version 3: per-step norms and round agreement,old runs keep the map they wrote)
-            guard=self.norm_guard if self.norm_guard is not None else NormGuardConfig(version=NEW_RUN_VERSION))
+            layout=FragmentLayout(tuple(specs), tuple(tuple(f) for f in layout), self.schedule.strategy),
+            schedule=ScheduleConfig(h, tuple(fragment_offsets(p, h))), policy=self.policy, codec=self.codec,
+            versions=self.versions, merge=MergeConfig(self.merge.method, frozenset(embedding_tensors)),
+            outer=self.outer, learner=self.learner, guard=self.guard)
 
 
 def check_quorum(quorum: int, learners: int) -> None:

@@ -407,8 +407,8 @@ def _run_baseline(args, cfg: RunConfig, out: Path) -> int:
     if mode == "dp":
         res = dp_baseline(cfg.model, cfg.job, learners, seed, events)
     else:
-        outer = OuterSettings(sync_every=cfg.schedule.h, fragments=1, latency=0, outer_lr=cfg.outer.lr,
-                              outer_momentum=cfg.outer.momentum)
+        outer = OuterSettings(sync_every=cfg.schedule.h, fragments=1, latency=0, outer=cfg.outer, merge=cfg.merge,
+                              learner=cfg.learner)
         res = diloco_baseline(cfg.model, cfg.job, learners, seed, events, outer)
     events.close()
     summary = {"ok": True, "status": "ok", "mode": mode, "run_uri": None, "learners": learners,

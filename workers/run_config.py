@@ -4,20 +4,20 @@ to the run descriptor.
 The sections that the descriptor records are the descriptor's own config classes (``policy``,
 ``codec``, ``versions``, ``merge``, ``outer``, ``learner``, ``guard``; SPEC §2-6), with the job's
 (``job``: workers/job/job.py, ``model``: workers/job/model.py); three sections belong to the launcher
-alone: ``run`` (what to run and where), ``schedule`` (P, H and how tensors are cut) and ``roles``
-(how the processes behave on this machine). ``ddiloco run --print-config`` prints the resolved tree
-as TOML; ``--config FILE`` reads one; flags override the file. The short flags of earlier releases
-(``--quorum``, ``--compression``...) stay as aliases (``ALIASES``).
+alone: ``run`` (what to run and where), ``schedule`` (P, H and how tensors are cut: workers/launch.py,
+which ``create_run`` takes) and ``roles`` (how the processes behave on this machine). Each knob's
+default is its section class's, defined once there. ``ddiloco run --print-config`` prints the
+resolved tree as TOML; ``--config FILE`` reads one; flags override the file. The short flags of
+earlier releases (``--quorum``, ``--compression``...) stay as aliases (``ALIASES``).
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-from pipeline.codec import RUN_FORMAT, SCHEMES, VERSIONS as CODEC_FORMATS, CodecConfig
+from pipeline.codec import SCHEMES, VERSIONS as CODEC_FORMATS, CodecConfig
 from pipeline.descriptor import LearnerRules, VersionsConfig
-from pipeline.guard import NEW_RUN_VERSION, NormGuardConfig
-from pipeline.marks import MARKS_LINEAGE
+from pipeline.guard import NormGuardConfig
 from pipeline.merge import MergeConfig
 from pipeline.outer import OuterConfig
 from pipeline.policy import PolicyConfig
@@ -25,11 +25,9 @@ from pipeline.regions import RegionsConfig
 from workers.job.job import LR_SCHEDULES, JobSettings
 from workers.job.model import GPTConfig
 from .config import Alias
-from .launch import RunSettings, check_quorum
+from .launch import STRATEGIES, RunSettings, Schedule, check_quorum
 
 MODES = ("decoupled", "dp", "diloco")
-STRATEGIES = ("balanced", "layerwise", "roundrobin")
-DEMO_BATCH_SIZE = 16   # on 2 cores a version then lands <= 2 of the demo's steps after its answer (docs/results.md "Rounds, defaults and quality")
 
 
 @dataclass(frozen=True)
@@ -66,29 +64,6 @@ class RunOptions:
 
 
 @dataclass(frozen=True)
-class Schedule:
-    """``[schedule]``: P fragments, each synced every H steps (SPEC §2), cut by ``strategy``.
-    ``sync_every`` none: 4 x fragments, the demo job's sweep (docs/results.md "Rounds, defaults and quality")."""
-
-    fragments: int = 4
-    sync_every: int | None = None
-    strategy: str = "balanced"
-
-    def __post_init__(self) -> None:
-        if self.fragments < 1:
-            raise ValueError(f"fragments must be >= 1, got {self.fragments}")
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        if self.sync_every is not None and self.sync_every < self.fragments:
-            raise ValueError(f"sync_every (H={self.sync_every}) must be >= fragments (P={self.fragments}): "
-                             "each fragment needs its own step offset")
-
-    @property
-    def h(self) -> int:
-        return self.sync_every if self.sync_every is not None else 4 * self.fragments
-
-
-@dataclass(frozen=True)
 class Roles:
     """``[roles]``: how the role processes behave here (never recorded in the run): ``slow``
     stretches every learner step, ``pace`` pads it to that many seconds; ``poll``/``spill_poll``:
@@ -120,21 +95,18 @@ class Roles:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """The whole of a ``ddiloco run``: every knob once, with its one default (defaults that differ
-    from a section class's own are what new runs use; that class's default is kept for the runs
-    and hand-built configs written before)."""
+    """The whole of a ``ddiloco run``: every knob once, with its one default (its section class's)."""
 
     run: RunOptions = RunOptions()
     schedule: Schedule = Schedule()
-    policy: PolicyConfig = PolicyConfig(overlap=2)               # tau = 2, the paper's main setting
-    codec: CodecConfig = CodecConfig(format=RUN_FORMAT)
-    versions: VersionsConfig = VersionsConfig(dtype="bf16", marks=MARKS_LINEAGE)   # fp32 master state stays with the syncer
+    policy: PolicyConfig = PolicyConfig()
+    codec: CodecConfig = CodecConfig()
+    versions: VersionsConfig = VersionsConfig()
     merge: MergeConfig = MergeConfig()
-    # DiLoCo's 0.7/0.9 are tuned for H in the hundreds; at this job's H=16, 0.5 measured better (README).
-    outer: OuterConfig = OuterConfig(momentum=0.5)
+    outer: OuterConfig = OuterConfig()
     learner: LearnerRules = LearnerRules()
-    guard: NormGuardConfig = NormGuardConfig(version=NEW_RUN_VERSION)
-    job: JobSettings = JobSettings(batch_size=DEMO_BATCH_SIZE)
+    guard: NormGuardConfig = NormGuardConfig()
+    job: JobSettings = JobSettings()
     model: GPTConfig = GPTConfig()
     roles: Roles = Roles()
 
@@ -164,14 +136,9 @@ class RunConfig:
         """The settings ``create_run`` takes (the descriptor's sections come from here)."""
         cfg = self.resolved()
         return RunSettings(
-            fragments=cfg.schedule.fragments, sync_every=cfg.schedule.h, strategy=cfg.schedule.strategy,
-            overlap=cfg.policy.overlap, quorum=cfg.policy.quorum, grace_gamma=cfg.policy.gamma,
-            grace_cap_s=cfg.policy.cap_s, compression=cfg.codec.scheme, block_size=cfg.codec.block_size,
-            zstd_level=cfg.codec.zstd_level, codec_format=cfg.codec.format, version_dtype=cfg.versions.dtype,
-            retain_versions=cfg.versions.retain, marks=cfg.versions.marks, merge=cfg.merge.method,
-            outer_lr=cfg.outer.lr, outer_momentum=cfg.outer.momentum, mixing_alpha=cfg.learner.mixing_alpha,
-            keep_progress=cfg.learner.keep_progress, norm_guard=cfg.guard, seed=cfg.run.seed,
-            model=cfg.model.to_dict(), job=cfg.job.to_dict(), regions=regions, syncers=cfg.run.syncers)
+            schedule=cfg.schedule, policy=cfg.policy, codec=cfg.codec, versions=cfg.versions, merge=cfg.merge,
+            outer=cfg.outer, learner=cfg.learner, guard=cfg.guard, seed=cfg.run.seed, model=cfg.model.to_dict(),
+            job=cfg.job.to_dict(), regions=regions, syncers=cfg.run.syncers)
 
 
 # Derived, never set: the job's data shards are the learners; merge's embedding tensors come from the model.

@@ -24,6 +24,7 @@ from typing import Callable
 
 import numpy as np
 
+from pipeline.policy import PolicyConfig
 from .scenarios import _ALL_BAD, _BASE, Bounds, Fault, Scenario
 
 KINDS = ("kill-learner", "pause-learner", "slow-learner", "kill-syncer", "second-syncer", "blackhole", "rogue",
@@ -40,7 +41,8 @@ def schedule(seed: int, index: int, learners: int = 3, steps: int = 420) -> Scen
     # stay live); a third run the sync agent in a child process, whose SIGKILL the learner survives.
     quorum = 2 if rng.random() < 0.25 else 1
     agent = bool(rng.random() < 0.35)
-    spec = dataclasses.replace(_BASE, learners=learners, steps=steps, seed=seed, quorum=quorum, sync_process=agent)
+    spec = dataclasses.replace(_BASE, learners=learners, steps=steps, seed=seed, policy=PolicyConfig(quorum=quorum),
+                               sync_process=agent)
     victim = f"l{int(rng.integers(1, learners))}"
     faults: list[Fault] = []
     slow: dict[str, float] = {}

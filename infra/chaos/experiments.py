@@ -31,7 +31,9 @@ from typing import Callable
 
 import numpy as np
 
+from pipeline.descriptor import LearnerRules
 from pipeline.policy import PolicyConfig
+from workers.launch import Schedule
 from workers.common.events import Tail
 from workers.tools.utilisation import latency_steps, p50, useful_steps
 from .harness import ChaosRun, RunSpec
@@ -135,8 +137,8 @@ def hetero(out: Path, seed: int = 0, quick: bool = False) -> dict:
     result = {}
     for label, (k, gamma, keep) in configs.items():
         # The demo job's round shape (P=4, H=16: workers/run.py) so utilisation reads as it would there.
-        spec = RunSpec(learners=4, steps=steps, quorum=k, grace_gamma=gamma, seed=seed, slow=1.0, keep_progress=keep,
-                       fragments=4, sync_every=16)
+        spec = RunSpec(learners=4, steps=steps, seed=seed, slow=1.0, schedule=Schedule(fragments=4, sync_every=16),
+                       policy=PolicyConfig(quorum=k, gamma=gamma), learner=LearnerRules(keep_progress=keep))
         with ChaosRun(spec, out / label.replace("=", "").replace("+", "-")) as run:
             run.create()
             run.start_syncer()
@@ -187,7 +189,7 @@ def _dp_train(spec: RunSpec, phases: list[tuple[int, int]], seed: int) -> float:
     from .harness import MODELS
     torch.set_num_threads(1)
     gcfg, batch, max_bytes = MODELS[spec.model]
-    job = JobSettings(steps=1, batch_size=batch, lr=spec.lr, max_bytes=max_bytes, shards=spec.shards or spec.learners)
+    job = JobSettings(steps=1, batch_size=batch, max_bytes=max_bytes, shards=spec.shards or spec.learners)
     corpus = Corpus(job.data_config(gcfg.block_size))
     model = build_model(gcfg, seed)
     opt = make_optimizer(model, job)

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from pipeline.descriptor import RunDescriptor
+from pipeline.descriptor import LearnerRules, RunDescriptor, VersionsConfig
+from pipeline.policy import PolicyConfig
 from pipeline.types import CommitRecord
 from storage.errors import StoreError
 from storage.log import CommitLog
@@ -30,7 +31,7 @@ from workers.cluster import (LEARNER_ROLE, SYNCER_ROLE, ClusterConfig, DrainStat
 from workers.common.placement import Placement, learner_names
 from workers.job.job import JobSettings
 from workers.bus.keys import SYNCER, ensure_identities, key_paths
-from workers.launch import RunSettings
+from workers.launch import RunSettings, Schedule
 from workers.job.model import GPTConfig
 from .faulty_syncer import crash_count
 from .proxy import Relay
@@ -45,16 +46,18 @@ MODELS = {
 @dataclass(frozen=True)
 class RunSpec:
     """What run a scenario or experiment drives. ``slow`` stretches a learner's steps (``--slow``);
-    per-learner factors in ``slow_by`` override ``slow`` (a straggler)."""
+    per-learner factors in ``slow_by`` override ``slow`` (a straggler). The run's own rules are the
+    launcher's sections with their defaults (workers/launch.py RunSettings), but for the schedule:
+    P = 3, H = 6, so that a run of a few hundred tiny steps makes many merges of every fragment."""
 
     learners: int = 2
     steps: int = 400
     slow: float = 2.0                  # every learner (keeps a 2-core machine from saturating)
     slow_by: tuple[tuple[str, float], ...] = ()
-    fragments: int = 3
-    sync_every: int = 6
-    quorum: int = 1
-    retain_versions: int = 16
+    schedule: Schedule = Schedule(fragments=3, sync_every=6)
+    policy: PolicyConfig = PolicyConfig()
+    versions: VersionsConfig = VersionsConfig()
+    learner: LearnerRules = LearnerRules()
     storage: str = "local"             # "local" | "s3" (a SeaweedFS server owned by the run) | "wan" (below)
     regions: int = 2                   # storage "wan": a SeaweedFS server per region, learner m in r(m mod N),
     wan: str = "rtt=100ms,bw=100mbit"  # and this link on every cross-region path (infra/wan_topology.py)
@@ -66,9 +69,6 @@ class RunSpec:
     poll_s: float = 0.5
     checkpoint_every: int = 10
     retain_bytes: str = "auto"         # the syncer's --retain-bytes (its default; "none": the commit rule only)
-    lr: float = 3e-3
-    grace_gamma: float = 0.5           # 0: no grace window (the round closes as soon as K report)
-    keep_progress: bool = False        # learners keep their steps since the answer
     shards: int | None = None          # data shards of the job (default: learners)
 
     def __post_init__(self) -> None:
@@ -166,12 +166,10 @@ class ChaosRun:
         else:
             self.uri = str(self.out / "store")
         gcfg, batch, max_bytes = MODELS[spec.model]
-        job = JobSettings(steps=spec.steps, batch_size=batch, lr=spec.lr, max_bytes=max_bytes,
-                          shards=spec.shards or spec.learners)
-        settings = RunSettings(fragments=spec.fragments, sync_every=spec.sync_every, quorum=spec.quorum,
-                               retain_versions=spec.retain_versions, seed=spec.seed, model=gcfg.to_dict(),
-                               grace_gamma=spec.grace_gamma, keep_progress=spec.keep_progress,
-                               job=job.to_dict(), regions=self.topology.regions if self.topology else None)
+        job = JobSettings(steps=spec.steps, batch_size=batch, max_bytes=max_bytes, shards=spec.shards or spec.learners)
+        settings = RunSettings(schedule=spec.schedule, policy=spec.policy, versions=spec.versions, learner=spec.learner,
+                               seed=spec.seed, model=gcfg.to_dict(), job=job.to_dict(),
+                               regions=self.topology.regions if self.topology else None)
         self.descriptor, _ = create_job_run(self.store, settings, gcfg, spec.seed, self.keydir, spec.learner_ids(),
                                             also_listed=[ROGUE])
         # The syncer's ports are picked now, after the S3 servers and WAN links bound theirs: a port

@@ -44,6 +44,10 @@ from workers.learner.learner import INCARNATION_EPOCH_NS
 from workers.bus.signing import seal_delta
 from workers.common.versions import VersionTracker
 
+# Format 1 blobs: one raw body, which the tampering below edits in place (any format the syncer
+# reads is refused the same way).
+ROGUE_CODEC = CodecConfig(scheme="int8", format=CODEC_VERSION)
+
 ATTACKS = ("duplicate", "reorder", "truncated", "corrupted", "corrupt-frame", "nan", "inf", "wrong-shape",
            "unknown-fragment", "too-old", "tampered-spill", "mislabeled-spill", "oversized-spill", "oversized")
 
@@ -123,7 +127,7 @@ class Rogue:
 
     def good(self, fragment: int = 0, base: int | None = None, seq: int | None = None) -> tuple[DeltaHeader, bytes]:
         h = self._header(fragment, self.versions()[fragment] if base is None else base, seq)
-        return h, self._sign(encode("delta", h.to_dict(), self._tensors(fragment), CodecConfig(scheme="int8")))
+        return h, self._sign(encode("delta", h.to_dict(), self._tensors(fragment), ROGUE_CODEC))
 
     # -- sending ---------------------------------------------------------------------------------
     def link(self, fresh: bool = False) -> LearnerLink:
@@ -244,12 +248,12 @@ class Rogue:
 
     def _wrong_shape(self, p: int) -> list[Injection]:
         h = self._header(p, self.versions()[p])
-        blob = self._sign(encode("delta", h.to_dict(), self._tensors(p, shape_off=True), CodecConfig(scheme="int8")))
+        blob = self._sign(encode("delta", h.to_dict(), self._tensors(p, shape_off=True), ROGUE_CODEC))
         return [self._note("wrong-shape", h, "bus", "", blob, ("dropped:shape-mismatch",), self.send(h, blob))]
 
     def _unknown_fragment(self, p: int) -> list[Injection]:
         h = self._header(self.desc.num_fragments + 7, 0)
-        blob = self._sign(encode("delta", h.to_dict(), self._tensors(p), CodecConfig(scheme="int8")))
+        blob = self._sign(encode("delta", h.to_dict(), self._tensors(p), ROGUE_CODEC))
         return [self._note("unknown-fragment", h, "bus", "", blob, ("rejected:unknown-fragment",), self.send(h, blob))]
 
     def _too_old(self, p: int) -> list[Injection]:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pipeline.descriptor import VersionsConfig
+from workers.launch import Schedule
 from .harness import RunSpec
 
 ACTIONS = ("kill-learner", "restart-learner", "pause-learner", "kill-syncer", "second-syncer", "s3-down",
@@ -81,11 +83,12 @@ class Scenario:
 # progress invariants (progress.py) rightly fail. At H = 6 a 120 ms round period was within reach
 # of a loaded machine's hiccups (an announcement heard 100 ms late misses its round: 13 steps
 # without a merge against a 2H = 12 bound). Padding, not stretching, keeps the pace when busy.
-_BASE = RunSpec(learners=3, steps=420, slow=1.0, pace_s=0.02, sync_every=12)
+_BASE = RunSpec(learners=3, steps=420, slow=1.0, pace_s=0.02, schedule=Schedule(fragments=3, sync_every=12))
 _ALL_BAD = "duplicate,reorder,truncated,corrupted,corrupt-frame,nan,inf,wrong-shape,unknown-fragment,too-old," \
            "tampered-spill,mislabeled-spill,oversized-spill,oversized,duplicate"
 # the two region scenarios' run: 2 regions x 2 learners over the WAN, 0.2 s paced steps (see region-partition)
-_REGION_RUN = dataclasses.replace(_BASE, learners=4, steps=190, slow=1.0, storage="wan", pace_s=0.2, sync_every=30)
+_REGION_RUN = dataclasses.replace(_BASE, learners=4, steps=190, slow=1.0, storage="wan", pace_s=0.2,
+                                  schedule=Schedule(fragments=3, sync_every=30))
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
@@ -145,7 +148,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              "objects: each is rejected or recorded with its reason and nothing else changes",
              # A short retained window, so that the too-old attack's base falls out of it after a few
              # rounds even when tiny learners outpace the syncer's merges (loaded machines).
-             dataclasses.replace(_BASE, learners=2, retain_versions=6),
+             dataclasses.replace(_BASE, learners=2, versions=VersionsConfig(retain=6)),
              (Fault(2.0, "rogue", _ALL_BAD),), Bounds(max_commit_gap_s=5.0)),
     Scenario("region-partition", "cut a region off for 20 s",
              "2 regions (a SeaweedFS server each) x 2 learners over rtt 100 ms / 100 Mbit/s links; every link "

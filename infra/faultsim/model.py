@@ -11,10 +11,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pipeline.codec import CodecConfig
+from pipeline.descriptor import RunDescriptor, VersionsConfig
 from pipeline.guard import NormGuardConfig
-from pipeline.descriptor import RunDescriptor
+from pipeline.outer import OuterConfig
+from pipeline.policy import PolicyConfig
 from storage.store import ObjectStore
-from workers.launch import RunSettings, create_run
+from workers.launch import RunSettings, Schedule, create_run
 
 from .world import SimConfig, stable_seed
 
@@ -61,13 +64,12 @@ def create_sim_run(store: ObjectStore, cfg: SimConfig) -> RunDescriptor:
     (its rules: the launcher's defaults, or the older ones ``cfg.marks``/``cfg.guard_version`` name)."""
     model = build_model(cfg.seed)
     init = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
-    rules = {}
-    if cfg.marks is not None:
-        rules["marks"] = cfg.marks
-    if cfg.guard_version is not None:
-        rules["norm_guard"] = NormGuardConfig(cap=None if cfg.guard_version == 1 else NormGuardConfig.cap,
-                                              version=cfg.guard_version)
-    settings = RunSettings(fragments=cfg.fragments, sync_every=cfg.sync_every, overlap=cfg.overlap,
-                           quorum=cfg.quorum, compression="int4", block_size=32, seed=cfg.seed,
-                           run_id=f"faultsim-{cfg.seed}", **rules)
+    versions = VersionsConfig() if cfg.marks is None else VersionsConfig(marks=cfg.marks)
+    guard = NormGuardConfig() if cfg.guard_version is None else NormGuardConfig(
+        cap=None if cfg.guard_version == 1 else NormGuardConfig.cap, version=cfg.guard_version)
+    settings = RunSettings(schedule=Schedule(cfg.fragments, cfg.sync_every),
+                           policy=PolicyConfig(quorum=cfg.quorum, overlap=cfg.overlap),
+                           codec=CodecConfig("int4", block_size=32), versions=versions, guard=guard,
+                           # momentum 0.9: the worlds every seed count of docs/faultsim.md was measured in
+                           outer=OuterConfig(momentum=0.9), seed=cfg.seed, run_id=f"faultsim-{cfg.seed}")
     return create_run(store, init, settings, embedding_tensors=())

@@ -29,6 +29,7 @@ from storage.log import CommitLog
 from storage.store import ObjectStore, open_store
 from storage.wrapper import READS, StoreWrapper
 from workers.common.versions import VersionTracker, encode_version
+from workers.launch import Schedule
 
 
 class SlowStore(StoreWrapper):
@@ -83,7 +84,7 @@ def bench_versions(directory: str, rtt_ms: float = 20.0, commits: tuple[int, ...
     rng = np.random.default_rng(0)
     base = open_store(directory)
     init = {f"t{p}": rng.standard_normal(values_per_fragment).astype(np.float32) for p in range(fragments)}
-    desc = create_run(base, init, RunSettings(fragments=fragments, sync_every=fragments))
+    desc = create_run(base, init, RunSettings(schedule=Schedule(fragments=fragments, sync_every=fragments)))
     slow = SlowStore(base, rtt_ms / 1000)
     rows = []
     with ThreadPoolExecutor(threads, thread_name_prefix="bench-fetch") as pool:

@@ -22,9 +22,10 @@ import numpy as np
 import torch
 
 from pipeline.codec import round_to_bf16
+from pipeline.descriptor import LearnerRules
 from pipeline.fragment import fragment_offsets, make_layout, specs_from_arrays
 from pipeline.merge import MergeConfig, merge_fragment, token_weights
-from pipeline.outer import nesterov_step
+from pipeline.outer import OuterConfig, nesterov_step
 from workers.job.data import Corpus, evaluate
 from workers.common.events import EventLog
 from workers.job.job import JobSettings, make_optimizer, set_lr
@@ -33,15 +34,15 @@ from workers.job.model import EMBEDDING_TENSORS, GPTConfig, build_model
 
 @dataclass(frozen=True)
 class OuterSettings:
-    """The outer loop of the baselines: H, P, version latency in steps, outer lr and momentum."""
+    """The outer loop of the baselines: H, P and the version latency in steps, with the run's own
+    sections for the outer optimizer, the merge and what a replica does when a version lands."""
 
-    sync_every: int = 16
-    fragments: int = 1
+    sync_every: int = 16           # the demo's H: 4 x P for P = 4 (workers/launch.py Schedule)
+    fragments: int = 1             # 1: lock-step DiLoCo
     latency: int = 0
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.5
-    merge: str = "rda"
-    keep_progress: bool = False    # replicas keep their steps since the answer when the version lands
+    outer: OuterConfig = OuterConfig()
+    merge: MergeConfig = MergeConfig()
+    learner: LearnerRules = LearnerRules()
 
     def __post_init__(self) -> None:
         if self.fragments < 1 or self.sync_every < self.fragments:
@@ -86,7 +87,7 @@ def diloco_baseline(gcfg: GPTConfig, job: JobSettings, learners: int, seed: int,
     init = {n: p.detach().numpy().copy() for n, p in models[0].named_parameters()}
     layout = make_layout(specs_from_arrays(init), outer.fragments, "balanced")
     offsets = fragment_offsets(outer.fragments, outer.sync_every)
-    cfg = MergeConfig(outer.merge, frozenset(EMBEDDING_TENSORS))
+    cfg = MergeConfig(outer.merge.method, frozenset(EMBEDDING_TENSORS))
     master = {n: a.astype(np.float32) for n, a in init.items()}
     momentum = {n: np.zeros_like(a) for n, a in master.items()}
     published = {n: round_to_bf16(a) for n, a in master.items()}
@@ -123,7 +124,7 @@ def diloco_baseline(gcfg: GPTConfig, job: JobSettings, learners: int, seed: int,
             w = token_weights([c_tokens[m][p] for m in range(learners)], [c_steps[m][p] for m in range(learners)])
             g = merge_fragment(grads, w, cfg)
             new_p, new_b = nesterov_step({n: master[n] for n in names}, {n: momentum[n] for n in names}, g,
-                                         outer.outer_lr, outer.outer_momentum)
+                                         outer.outer.lr, outer.outer.momentum)
             master.update(new_p)
             momentum.update(new_b)
             version = {n: round_to_bf16(new_p[n]) for n in names}
@@ -132,7 +133,7 @@ def diloco_baseline(gcfg: GPTConfig, job: JobSettings, learners: int, seed: int,
         for item in [a for a in arriving if a[0] == step]:
             arriving.remove(item)
             for m, model in enumerate(models):
-                _land(model, item[1], item[2], at_answer[m], c_steps[m], c_tokens[m], outer.keep_progress)
+                _land(model, item[1], item[2], at_answer[m], c_steps[m], c_tokens[m], outer.learner.keep_progress)
         if (step + 1) % 10 == 0:
             events.emit("step", step=step + 1, tokens=tokens)
         if (step + 1) % eval_every == 0:
@@ -145,6 +146,6 @@ def diloco_baseline(gcfg: GPTConfig, job: JobSettings, learners: int, seed: int,
     return {"mode": "diloco" if outer.fragments == 1 and outer.latency == 0 else "rounds-model",
             "tokens": tokens, "initial_eval_loss": init_eval, "final_eval_loss": final,
             "wall_s": time.monotonic() - t_start, "sync_every": outer.sync_every, "fragments": outer.fragments,
-            "latency_steps": outer.latency, "outer_lr": outer.outer_lr, "outer_momentum": outer.outer_momentum,
+            "latency_steps": outer.latency, "outer_lr": outer.outer.lr, "outer_momentum": outer.outer.momentum,
             # one fragment up (int4 ~ 1/8 of fp32) and down (bf16) per H/P steps
             "bytes_per_learner_per_step": (frag_bytes / 8 + frag_bytes / 2) * outer.fragments / outer.sync_every}
