@@ -171,11 +171,11 @@ def test_utilisation_recovers_only_when_merges_resume_at_the_old_level():
     events = {"l0": _events("l0", 239, deltas)}
     marks = [{"t": 6.0, "who": "syncer", "what": "kill", "detail": ""},
              {"t": 8.0, "who": "syncer", "what": "restart", "detail": ""}]
-    ok = progress.utilisation_recovers(_obs(records, events, marks), H, 1)
+    ok = progress.utilisation_recovers(_obs(records, events, marks), H, 1, overlap=1)
     assert ok.ok and ok.data["windows"], ok.detail
     # after the fault (step 80) merges resume, but only every third answer: utilisation a third of before
     sparse = [r for r in records if r.inputs[0].learner_step < 80 or r.seq % 3 == 0]
-    bad = progress.utilisation_recovers(_obs(sparse, events, marks), H, 1)
+    bad = progress.utilisation_recovers(_obs(sparse, events, marks), H, 1, overlap=1)
     assert not bad.ok and "undisturbed" in bad.detail
 
 
@@ -194,7 +194,7 @@ def test_a_learner_faults_recovery_is_judged_against_the_other_learners_over_the
         kept = [i for n, inputs in recs.items() for i in inputs
                 if not (n in thin and i.learner_step in window and i.seq % 3)]
         records = [_merge(k, 0, i.round, i) for k, i in enumerate(sorted(kept, key=lambda i: i.learner_step))]
-        return progress.utilisation_recovers(_obs(records, evs, marks), H, 1)
+        return progress.utilisation_recovers(_obs(records, evs, marks), H, 1, overlap=1)
 
     assert run(set()).ok
     alone = run({"l1"})                           # only the paused learner stays low: a slow recovery

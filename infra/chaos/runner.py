@@ -392,7 +392,7 @@ def _check_and_report(run: ChaosRun, sc: Scenario, spec, out: Path, seed: int, i
         inv.no_blocking(obs, b.stall_factor, b.stall_abs_s),
         inv.bad_inputs_rejected(obs),
         *progress.progress_checks(obs, run.descriptor.schedule.sync_every, run.descriptor.policy.quorum,
-                                  run.descriptor.num_fragments),
+                                  run.descriptor.num_fragments, run.descriptor.policy.overlap),
         *[EXTRA_CHECKS[name](run, obs) for name in sc.checks],
     ]
     if skipped:

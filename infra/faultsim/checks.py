@@ -129,7 +129,7 @@ def check_run(res: SimResult) -> list[Check]:
     H, K, P = d.schedule.sync_every, d.policy.quorum, d.num_fragments
     checks = [inv.commit_sequence(obs.records, P), inv.token_ledger(obs, res.store),
               inv.replay_bitexact(res.store, d)]
-    checks += progress.progress_checks(obs, H, K, P)
+    checks += progress.progress_checks(obs, H, K, P, d.policy.overlap)
     if obs.injections:
         checks.append(inv.bad_inputs_rejected(obs, progress.short_of_quorum(obs, K)))
     return checks + sim_checks(res, obs)
