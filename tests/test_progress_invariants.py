@@ -132,7 +132,22 @@ def test_drops_truthful_tells_overtaken_work_from_true_duplicates():
         DroppedRecord("l0/1/5", "l0", "k", "c" * 64, "superseded", 60),))
     good = progress.drops_truthful([_merge(0, 0, 11, _inp("l0", 6, 11, 6, base=1)), honest, older],
                                    {"l0/1/0": 0, "l0/1/5": 1})
-    assert good.ok and good.data == {"harmless": 1, "lost": 1, "violations": []}
+    assert good.ok and good.data == {"harmless": 1, "lost": 1, "evicted": 0, "violations": []}
+
+
+def test_drops_truthful_refuses_work_called_lost_that_a_newer_merged_delta_carries():
+    """An evicted delta is counted lost; if a newer delta of its lineage (same life, same base) was
+    merged, that one holds its steps, so "lost" is untrue: what a sender that keeps sent-but-unacked
+    deltas instead of superseding them does while the store is down (the evict-unacked mutant)."""
+    events = {"l0": _events("l0", 30, [(3, 0, 1, 9, 6), (4, 0, 1, 15, 12), (5, 0, 2, 21, 6)])}
+    bases = progress.produced_bases(_obs([], events))
+    carried = _merge(0, 0, 15, _inp("l0", 4, 15, 12, base=1))
+    bad = progress.drops_truthful([carried], bases, evicted=["l0/1/3"])
+    assert not bad.ok and "l0/1/3 evicted" in bad.detail and "superseded work called lost" in bad.detail
+    # evicted and nothing newer of its lineage merged (a newer base's delta does not carry its steps): lost, truly
+    other = _merge(0, 0, 21, _inp("l0", 5, 21, 6, base=2))
+    ok = progress.drops_truthful([other], bases, evicted=["l0/1/3"])
+    assert ok.ok and ok.data["evicted"] == 1, ok.detail
 
 
 def test_quorum_minimum_counts_distinct_learners():

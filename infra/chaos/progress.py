@@ -503,10 +503,19 @@ def utilisation_recovers(obs: Observation, H: int, fragments: int, *, overlap: i
 
 # -- (d) -------------------------------------------------------------------------------------------
 
-def drops_truthful(records: Sequence[CommitRecord], bases: Mapping[str, int] | None = None) -> Check:
-    """(d). ``bases``: each produced delta's base version (from the learners' ``delta`` events; a
-    drop record does not hold it), so "a newer delta of its lineage was merged" is checked on the
-    lineage itself; without it, any newer merged delta of the same learner life is taken."""
+def drops_truthful(records: Sequence[CommitRecord], bases: Mapping[str, int] | None = None,
+                   evicted: Iterable[str] = ()) -> Check:
+    """(d), both ways. ``bases``: each produced delta's base version (from the learners' ``delta``
+    events; a drop record does not hold it), so "a newer delta of its lineage was merged" is checked
+    on the lineage itself; without it, any newer merged delta of the same learner life is taken.
+
+    ``evicted``: the deltas a learner's sender evicted to bound its memory, which the ledger counts
+    lost. If a newer delta of the same lineage (learner life and base) was merged, it carried the
+    evicted one's steps (a delta is cumulative since its base, SPEC §3): the work was not lost and
+    the sender should have superseded it. Counting carried work lost is the mirror lie of calling
+    lost work harmless; it is how a sender that keeps sent-but-unacked deltas instead of
+    superseding them shows (while the store is down nothing is acked, the bound fills, and every
+    new answer is evicted though the next one carries it)."""
     bases = bases or {}
     merged_ids = {i.delta_id for r in records if r.kind == "merge" for i in r.inputs}
     newest: dict[tuple, int] = {}          # (learner, incarnation, base) -> newest merged seq
@@ -535,14 +544,29 @@ def drops_truthful(records: Sequence[CommitRecord], bases: Mapping[str, int] | N
                 continue
             problems.append(f"commit {r.seq}: {d.delta_id} dropped {category!r} (counted harmless) but neither it "
                             f"nor a newer delta of its lineage was ever merged: lost work")
+    evicted = sorted(set(evicted))
+    for did in evicted:
+        learner, inc, seq = _parse_id(did)
+        base = bases.get(did)
+        if did not in merged_ids and base is not None and newest.get((learner, inc, base), -1) > seq:
+            problems.append(f"{did} evicted at its learner (counted lost) but a newer delta of its lineage (base "
+                            f"{base}) was merged and carries its steps: superseded work called lost")
     return Check("progress-drops-truthful", not problems, problems[0] if problems else
                  f"{harmless} harmless drops each carried by a merged copy or a newer delta of its lineage; "
-                 f"{lost} drops counted lost", {"harmless": harmless, "lost": lost, "violations": problems[:10]})
+                 f"{lost} drops counted lost; {len(evicted)} evicted at a learner, none of them carried by a "
+                 f"newer merged delta", {"harmless": harmless, "lost": lost, "evicted": len(evicted),
+                                         "violations": problems[:10]})
 
 
 def _parse_id(delta_id: str) -> tuple[str, int, int]:
     learner, inc, seq = delta_id.rsplit("/", 2)
     return learner, int(inc), int(seq)
+
+
+def evicted_deltas(obs: Observation) -> set[str]:
+    """Every delta a learner's sender evicted (its ``delta-evicted`` events)."""
+    return {e["delta"] for ev in obs.learner_events.values() for e in ev
+            if e.get("event") == "delta-evicted" and "delta" in e}
 
 
 def produced_bases(obs: Observation) -> dict[str, int]:
@@ -568,4 +592,5 @@ def progress_checks(obs: Observation, H: int, K: int, fragments: int, overlap: i
     """The five progress invariants of issue 25, in order (a)-(e); ``overlap`` is the run's tau."""
     return [learner_progress(obs, H, K), fragment_progress(obs, H, fragments, K),
             utilisation_recovers(obs, H, fragments, overlap=overlap, short=short_of_quorum(obs, K)),
-            drops_truthful(obs.records, produced_bases(obs)), quorum_minimum(obs.records, K)]
+            drops_truthful(obs.records, produced_bases(obs), evicted_deltas(obs)),
+            quorum_minimum(obs.records, K)]
