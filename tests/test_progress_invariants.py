@@ -194,6 +194,28 @@ def test_utilisation_recovers_only_when_merges_resume_at_the_old_level():
     assert not bad.ok and "undisturbed" in bad.detail
 
 
+def test_the_undisturbed_level_never_asks_more_than_the_overlap_allows():
+    """Early in a run the grace window, not yet calibrated, spends less of the tau-step overlap and
+    versions come back sooner (real runs: 0.87-0.91 before the first fault, 0.79-0.83 after, fault or
+    not). The reference is capped at (H - tau)/H; a real loss after the fault still fails."""
+    pre, pre_d = _healthy(steps=80, tau=0)            # every step carried: 1.0
+    post, post_d = _healthy(steps=240, tau=2)         # 2 of H = 6 steps lost a round: 0.67, tau = 2's promise
+    inputs = pre + [i for i in post if i.learner_step - i.c_steps + 1 >= 80]
+    deltas = pre_d + [d for d in post_d if d[3] >= 80]
+    events = {"l0": _events("l0", 239, deltas)}
+    marks = [{"t": 6.0, "who": "syncer", "what": "kill", "detail": ""},
+             {"t": 8.0, "who": "syncer", "what": "restart", "detail": ""}]
+
+    def judge(kept, overlap):
+        return progress.utilisation_recovers(_obs([_merge(k, 0, i.round, i) for k, i in enumerate(kept)], events, marks),
+                                             H, 1, overlap=overlap)
+    assert not judge(inputs, 0).ok                    # uncapped: held to the early stretch's 1.0
+    capped = judge(inputs, 2)
+    assert capped.ok and capped.data["windows"][0]["undisturbed"] == round(4 / 6, 3), capped.detail
+    lossy = [i for i in inputs if i.learner_step < 80 or i.seq % 2]     # every other answer lost after the fault
+    assert not judge(lossy, 2).ok
+
+
 def test_a_learner_faults_recovery_is_judged_against_the_other_learners_over_the_same_time():
     """A burst of other work on a small machine lowers every learner's utilisation at once: after
     l1's pause, a window where l0 is as low as l1 is the machine, not the fault; l1 alone low is."""
