@@ -41,9 +41,7 @@ from typing import Iterable, Sequence
 
 from pipeline.types import CommitRecord
 from .invariants import Check, Observation, _lives_of, _minus
-from .truthful import drops_truthful, evicted_deltas, produced_bases, quorum_minimum
-
-__all__ = ["drops_truthful", "evicted_deltas", "produced_bases", "quorum_minimum"]   # (d), (e): run from here
+from .truthful import drops_truthful, evicted_deltas, produced_bases, quorum_minimum  # noqa: F401  (d), (e): run and re-exported here
 
 REPAIRS = ("resume", "restart", "restore", "up", "heal", "start")   # a mark that ends a fault (its ``what``)
 FAULTS = ("pause", "kill", "blackhole", "down", "partition", "slow", "skew")
