@@ -67,3 +67,37 @@ def test_the_round_book_measures_each_learners_answer_lag_and_the_spread(tmp_pat
     assert book.answer_spread(now + 10.0) == 0.0
     # only the last few openings per fragment are kept
     assert len(book.opened_at) <= 4 * desc.num_fragments
+
+
+def test_a_backlog_of_held_answers_does_not_widen_the_spread_but_a_lasting_lag_does(tmp_path):
+    """After a store outage the answers held meanwhile arrive seconds after their rounds opened: a
+    few samples that say nothing about how fast a learner answers. With an average of the lags they
+    held every grace window at its cap for about a second and a half; the median of the last
+    LAG_SAMPLES ignores them, and still follows a learner whose answers all come later from now on."""
+    from workers.syncer.rounds import LAG_SAMPLES
+    store = open_store(str(tmp_path / "s"))
+    init = {"a": np.zeros((4, 4), np.float32), "b": np.zeros((8,), np.float32)}
+    desc = create_run(store, init, RunSettings(schedule=Schedule(fragments=2, sync_every=4)), embedding_tensors=())
+    book = RoundBook(desc, live_timeout_s=50.0, initial_step_s=STEP)
+    now = 0.0
+
+    def rounds(n, home_lag, far_lag):
+        nonlocal now
+        done = 0
+        while done < n:
+            now += STEP
+            for r, p in book.tick(now):
+                book.answered("home", p, r, now + home_lag)
+                book.answered("far", p, r, now + far_lag)
+                book.heartbeat("home", STEP, now)
+                book.heartbeat("far", STEP, now)
+                done += 1
+    rounds(LAG_SAMPLES, 0.01, 0.03)
+    assert abs(book.answer_spread(now) - 0.02) < 1e-6
+    held = list(book.opened_at.items())[-3:]          # three rounds whose answers the outage held
+    for (p, r), t in held:
+        book.answered("far", p, r, t + 5.0)
+        book.answered("home", p, r, t + 4.0)
+    assert abs(book.answer_spread(now) - 0.02) < 1e-6
+    rounds(LAG_SAMPLES // 2 + 1, 0.01, 0.07)           # far's answers now all come 0.06 s after home's
+    assert abs(book.answer_spread(now) - 0.06) < 1e-6

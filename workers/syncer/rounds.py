@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from pipeline.policy import Ewma
@@ -35,6 +36,7 @@ BURST_GAP_S = 0.25      # arrivals of one learner in one loop turn this close to
 DELTA_SPAN_S = 1.0      # a pace sample from deltas spans at least this long (two listings or more) ...
 DELTA_SPAN_STEPS = 8    # ... and at least this many of the learner's steps
 PACE_FACTOR = 2.0       # one delta sample changes a learner's period by at most this factor
+LAG_SAMPLES = 9         # a learner's answer lag: the median of its last this many answers
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,18 @@ class _Pace:
     delta_s: float = 0.0         # its period measured from its deltas (0: not yet)
     anchor: tuple[int, float] | None = None   # (newest step, arrival) of the burst the next sample starts at
     burst: _Burst | None = None  # the latest burst of its deltas
-    lag_s: float | None = None   # smoothed time from a round opening to this learner's answer arriving
+    lags: deque = field(default_factory=lambda: deque(maxlen=LAG_SAMPLES))   # round opening -> its answer, s
+
+    @property
+    def lag_s(self) -> float | None:
+        """How long this learner's answers take to arrive after their round opens: the median of
+        its last LAG_SAMPLES (None: none yet). A median, not an average: after a store outage or a
+        stalled syncer loop the few answers held meanwhile arrive seconds after their rounds opened,
+        and an average of them widened every grace window to its cap for a second and a half (24
+        rounds at 20 ms steps beside two busy loops: each answer then lost 8-9 of 12 steps, the
+        s3-outage scenario's progress-recovery check failed); a learner across a link answers late
+        every round, which moves the median within LAG_SAMPLES // 2 + 1 answers."""
+        return statistics.median(self.lags) if self.lags else None
 
     @property
     def period_s(self) -> float:
@@ -164,9 +177,7 @@ class RoundBook:
         opened = self.opened_at.get((fragment, round_id))
         if opened is None or now < opened:
             return
-        pace = self.learners.setdefault(learner, _Pace(now))
-        lag = now - opened
-        pace.lag_s = lag if pace.lag_s is None else pace.lag_s + 0.2 * (lag - pace.lag_s)
+        self.learners.setdefault(learner, _Pace(now)).lags.append(now - opened)
 
     def answer_spread(self, now: float) -> float:
         """How much later the slowest live learner's answers arrive than the fastest's (0 with
