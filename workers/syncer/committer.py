@@ -8,11 +8,12 @@ commit statistics. Storage is the truth: every commit names inputs persisted und
 permanent ``delta_key`` (or ``quarantine/<sha256>``) and the version object it publishes, written
 *before* the commit (data before the commit that names it); a refused append (``Fenced``) stops
 this syncer because a newer epoch owns the run. Runs on the syncer's loop thread; object writes
-of one commit go in parallel on the shared ``io`` pool.
+of one commit go in parallel on the shared ``io`` pool, and checkpoints are written there.
 """
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections import Counter
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -58,7 +59,7 @@ class CommitStats:
 @dataclass(frozen=True)
 class CommitterConfig:
     retry_s: float = 0.5          # first backoff when the store is unavailable
-    max_retry_s: float = 5.0
+    max_retry_s: float = 2.0      # SyncerConfig's (workers/syncer/syncer.py says why)
     checkpoint_every: int = 25    # commits between checkpoints
 
 
@@ -87,6 +88,9 @@ class Committer:
         self.fenced = False
         self.stats = CommitStats()
         self._written: dict[str, bytes] = {}   # the version blob of the commit being persisted, by key
+        self._ckpt_lock = threading.Lock()      # guards the two below (``checkpoint_soon``)
+        self._ckpt_next: SyncerState | None = None   # the state waiting to be checkpointed
+        self._ckpt_busy = False                 # a checkpoint write is queued or running on ``io``
 
     def begin(self, epoch: int, log: CommitLog, state: SyncerState, window: NormWindow | None) -> None:
         """Take over the run at ``epoch`` (claimed with ``log``) from the recovered state and window."""
@@ -182,13 +186,43 @@ class Committer:
         return seq % self.cfg.checkpoint_every == 0
 
     def checkpoint(self) -> None:
+        """Checkpoint the current state now, on the calling thread (recovery's salvaged state)."""
+        self._write_checkpoint(self.state)
+
+    def checkpoint_soon(self) -> None:
+        """Checkpoint the current state on the ``io`` pool: serialising, sealing and writing a
+        state (1.5 MB for the chaos model) took 100-150 ms of the loop thread beside two busy
+        loops, every ``checkpoint_every`` commits, and each such stall cost every learner that
+        many steps of its next answer. States are immutable (pipeline/fold.py), so the snapshot
+        is this one; one write at a time, in order, and a checkpoint due while one is written
+        replaces any older one still waiting (the newest state is the one worth having)."""
+        with self._ckpt_lock:
+            self._ckpt_next = self.state
+            if self._ckpt_busy:
+                return
+            self._ckpt_busy = True
+        self.io.submit(self._drain_checkpoints)
+
+    def _drain_checkpoints(self) -> None:
         try:
-            payload = self.state.to_bytes()
+            while True:
+                with self._ckpt_lock:
+                    state, self._ckpt_next = self._ckpt_next, None
+                    if state is None:
+                        return
+                self._write_checkpoint(state)
+        finally:
+            with self._ckpt_lock:
+                self._ckpt_busy = False
+
+    def _write_checkpoint(self, state: SyncerState) -> None:
+        try:
+            payload = state.to_bytes()
             if self.signer is not None:   # a restored state decides every later merge: only our own is trusted
-                payload = seal_checkpoint(payload, self.state.last_seq, self.signer, self.descriptor.run_id)
-            write_checkpoint(self.store, self.state.last_seq, payload)
-            self.events.emit("checkpoint", seq=self.state.last_seq)
-            self.after_checkpoint(self.state.last_seq)   # in the background; never blocks merging
+                payload = seal_checkpoint(payload, state.last_seq, self.signer, self.descriptor.run_id)
+            write_checkpoint(self.store, state.last_seq, payload)
+            self.events.emit("checkpoint", seq=state.last_seq)
+            self.after_checkpoint(state.last_seq)   # in the background; never blocks merging
         except StoreError as exc:
             self.events.emit("store-error", op="checkpoint", error=str(exc))
 
