@@ -12,7 +12,9 @@ Two users of ``storage.retention`` (which decides what may go, and why):
   horizon moves to a newer checkpoint (never into the newest ``min_commits`` = 100) and the
   checkpoints between it and the newest two go - so the store stops growing long before 1000
   commits (at the paper's 5B parameters the 1000-commit rule alone kept about a terabyte).
-  A failure is reported and retried after the next checkpoint; it never stops the syncer.
+  A failure is reported and retried after the next checkpoint; it never stops the syncer, nor
+  crowds it: the pass pauses between its requests so that it takes at most ``duty`` (a quarter)
+  of the time (``Paced``).
 - an operator: ``ddiloco gc RUN_URI`` lists what would be deleted, one line per object with its
   reason, and deletes only with ``--delete``. Safe while the run is going on (same rules).
 
@@ -56,11 +58,14 @@ class RetentionConfig:
     keep_bytes: int | Literal["auto"] | None = "auto"   # ... unless they outgrow this (None: no byte limit) ...
     min_commits: int = 100            # ... and never fewer than these, whatever the budget (4 checkpoints' worth)
     keep_age_s: float | None = None   # what only commits older than this name goes too (None: no age limit)
+    duty: float = 0.25                # the share of time a pass may work; it pauses the rest (``Paced``)
 
     def __post_init__(self) -> None:
         if self.keep_bytes not in ("auto", None) and (not isinstance(self.keep_bytes, int)
                                                       or isinstance(self.keep_bytes, bool) or self.keep_bytes < 0):
             raise ValueError(f"keep_bytes must be 'auto', None or an int >= 0, got {self.keep_bytes!r}")
+        if not isinstance(self.duty, (int, float)) or isinstance(self.duty, bool) or not 0 < self.duty <= 1:
+            raise ValueError(f"retention duty must lie in (0, 1] (the share of time a pass may work), got {self.duty!r}")
         if not isinstance(self.min_commits, int) or self.min_commits < 0:
             raise ValueError(f"min_commits must be an int >= 0, got {self.min_commits!r}")
         if self.keep_age_s is not None and not (isinstance(self.keep_age_s, (int, float)) and self.keep_age_s > 0):
@@ -114,12 +119,47 @@ class SizeNoting:
         return f"SizeNoting({self._store!r})"
 
 
+class Paced:
+    """``store`` as a background pass uses it: after each request it pauses so that the pass works
+    at most ``duty`` of the time - the work since its last pause (requests and the pass's own
+    reading of them) times (1 - duty) / duty. Why: a pass of 100-200 requests (the log since the
+    horizon, listings, deletes) on the syncer's I/O pool took 1.4-3.2 s beside two busy loops, and
+    while it ran the loop thread got too little of the process's share of two cores (and of the
+    interpreter) to close rounds: a fragment went 36-60 global steps without a merge (bound
+    2H = 24) in three of the four s3-outage runs of 900 steps whose syncer began a pass. Paced, a pass
+    takes four times as long; nothing waits for it."""
+
+    def __init__(self, store: ObjectStore, duty: float, sleep: Callable[[float], None],
+                 clock: Callable[[], float] = time.monotonic):
+        self._store, self._duty, self._sleep, self._clock = store, duty, sleep, clock
+        self._since = clock()          # when the pass last resumed work
+        self.uri = store.uri
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._store, name)
+        if not callable(attr) or self._duty >= 1:
+            return attr
+
+        def paced(*args, **kwargs):
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                work = self._clock() - self._since
+                self._sleep(max(0.0, work) * (1 - self._duty) / self._duty)
+                self._since = self._clock()
+        return paced
+
+
 class SyncerRetention:
-    """Runs retention after a checkpoint on ``executor``; at most one pass at a time."""
+    """Runs retention after a checkpoint on ``executor``; at most one pass at a time. ``pace``: the
+    sleep a pass pauses with (``Paced``; None: it never pauses - the fault simulation runs its
+    passes inline on simulated time, where pausing would stall the syncer's turn instead)."""
 
     def __init__(self, store: ObjectStore, cfg: RetentionConfig, events: EventLog, executor: Executor,
-                 wall: Callable[[], float] = time.time, sizes: dict[str, int] | None = None):
+                 wall: Callable[[], float] = time.time, sizes: dict[str, int] | None = None,
+                 pace: Callable[[float], None] | None = time.sleep):
         self.store, self.cfg, self.events, self.executor, self.wall = store, cfg, events, executor, wall
+        self.pace = pace
         self._scan_from = 0
         self._busy = threading.Lock()
         self.passes = 0
@@ -138,13 +178,14 @@ class SyncerRetention:
             self._busy.release()
 
     def _pass(self, seq: int) -> None:
+        store = self.store if self.pace is None else Paced(self.store, self.cfg.duty, self.pace)
         try:
-            plan = plan_retention(self.store, self.cfg.keep_checkpoints, self.cfg.keep_versions,
+            plan = plan_retention(store, self.cfg.keep_checkpoints, self.cfg.keep_versions,
                                   scan_from=self._scan_from, newest_horizon=seq - self.cfg.keep_commits,
-                                  keep_bytes=self._budget(), floor_horizon=seq - self.cfg.min_commits,
+                                  keep_bytes=self._budget(store), floor_horizon=seq - self.cfg.min_commits,
                                   older_than=None if self.cfg.keep_age_s is None else self.wall() - self.cfg.keep_age_s,
-                                  size_of=self._size)
-            n = apply_retention(self.store, plan)
+                                  size_of=lambda key: self._size(key, store))
+            n = apply_retention(store, plan)
             for key in plan.keys():
                 self._sizes.pop(key, None)
             if plan.horizon >= 0:
@@ -159,17 +200,17 @@ class SyncerRetention:
         finally:
             self._busy.release()
 
-    def _size(self, key: str) -> int:
+    def _size(self, key: str, store: ObjectStore) -> int:
         if key not in self._sizes:
-            self._sizes[key] = object_size(self.store, key)
+            self._sizes[key] = object_size(store, key)
         return self._sizes[key]
 
-    def _budget(self) -> int | None:
+    def _budget(self, store: ObjectStore) -> int | None:
         if self.cfg.keep_bytes != "auto":
             return self.cfg.keep_bytes
         if self._model_bytes is None:        # fixed for the run: read the descriptor once, not every pass
-            self._model_bytes = model_bytes(self.store)
-        return default_keep_bytes(self.store, self._model_bytes, self._size)
+            self._model_bytes = model_bytes(store)
+        return default_keep_bytes(store, self._model_bytes, lambda key: self._size(key, store))
 
 
 def model_bytes(store: ObjectStore) -> int:
