@@ -275,3 +275,32 @@ def test_an_age_limit_lets_go_what_only_older_commits_name(tmp_path):
         parse_duration("7 days")
     with pytest.raises(ValueError, match="keep_age_s must be > 0"):
         RetentionConfig(keep_age_s=0)
+
+
+def test_a_retention_pass_pauses_between_requests_to_work_at_most_its_duty():
+    """A pass of 100-200 requests beside the syncer's loop crowded the loop out on a busy machine
+    (fragments 36-60 global steps without a merge): ``Paced`` sleeps after each request for the work
+    since its last pause times (1 - duty) / duty."""
+    from workers.syncer.gc import Paced
+    t = [0.0]
+    slept = []
+
+    class Slow:
+        uri = "mem://slow"
+
+        def get(self, key):
+            t[0] += 0.1                           # each request takes 0.1 s
+            return b"x"
+
+    def sleep(s):
+        slept.append(round(s, 9))
+        t[0] += s
+    paced = Paced(Slow(), 0.25, sleep, clock=lambda: t[0])
+    assert paced.uri == "mem://slow"
+    t[0] += 0.2                                   # the pass's own work before its first request counts too
+    assert paced.get("a") == b"x" and paced.get("b") == b"x"
+    assert slept == [0.9, 0.3] and abs(t[0] - 1.6) < 1e-9     # 0.4 s of work in 1.6 s: a quarter
+    Paced(Slow(), 1.0, sleep, clock=lambda: t[0]).get("c")
+    assert len(slept) == 2                                    # duty 1: no pauses
+    with pytest.raises(ValueError, match="duty"):
+        RetentionConfig(duty=0.0)

@@ -148,3 +148,51 @@ def test_the_committer_refuses_a_reused_id_and_appends_nothing(run):
     with pytest.raises(KeyConflict) as exc:
         c.persist(commit, [(key, blob)])
     assert exc.value.key == key and CommitLog(store).tail() == tail and c.state.last_seq == tail
+
+
+def test_checkpoints_are_written_off_the_loop_in_order_and_only_the_newest_waiting_one(run):
+    """A checkpoint serialised, sealed and PUT on the loop thread stalled every round for 100-150 ms
+    beside two busy loops: ``checkpoint_soon`` hands it to the I/O pool and returns at once. One
+    write at a time; states due meanwhile wait, and only the newest of them is written."""
+    import threading
+    import time
+    from storage.checkpoints import list_checkpoints, read_checkpoint
+    from pipeline.fold import SyncerState
+    store, desc, io = run
+    gate, writing = threading.Event(), threading.Event()
+
+    class Held:                                   # the store, with checkpoint writes held at a gate
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def put_if_absent(self, key, data):
+            if key.startswith("checkpoints/"):
+                writing.set()
+                assert gate.wait(30)
+            store.put_if_absent(key, data)
+
+        put = put_if_absent
+
+    events = _Events()
+    c = _committer(Held(), desc, io, events)
+    seqs = []
+    for seq in range(3):
+        h = DeltaHeader("l0", 1, seq, 0, c.state.fragments[0].version, 3, 300, 2 + seq)
+        blob, key = _blob(desc, h), delta_key("l0", 1, seq)
+        commit = c.decide(0, [round_input(blob, key, desc)],
+                          CommitMeta(seq=c.state.last_seq + 1, epoch=c.epoch, output_key=c.next_version_key(0),
+                                     round_size=1))
+        assert c.persist(commit, [(key, blob)])
+        c.adopt(commit)
+        seqs.append(commit.record.seq)
+        c.checkpoint_soon()                       # returns while the first write waits at the gate
+        if seq == 0:
+            assert writing.wait(30)
+    assert list_checkpoints(store) == []
+    gate.set()
+    deadline = time.monotonic() + 30
+    while len([e for e, _ in events.seen if e == "checkpoint"]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert list_checkpoints(store) == [seqs[0], seqs[2]]        # the middle one was replaced while waiting
+    assert [f["seq"] for e, f in events.seen if e == "checkpoint"] == [seqs[0], seqs[2]]
+    assert SyncerState.from_bytes(read_checkpoint(store, seqs[2]), desc).last_seq == seqs[2]
