@@ -191,7 +191,36 @@ def test_utilisation_recovers_only_when_merges_resume_at_the_old_level():
     # after the fault (step 80) merges resume, but only every third answer: utilisation a third of before
     sparse = [r for r in records if r.inputs[0].learner_step < 80 or r.seq % 3 == 0]
     bad = progress.utilisation_recovers(_obs(sparse, events, marks), H, 1, overlap=1)
-    assert not bad.ok and "undisturbed" in bad.detail
+    assert not bad.ok and "a lasting loss" in bad.detail, bad.detail       # the settled level never came back
+    # only the 4H..8H steps after the fault (ended at step 85: recovered 0.5 s after the restart) low,
+    # the level back after them: a slow recovery, judged against the lower of the two levels
+    slow = [r for r in records if not 85 + 4 * H <= r.inputs[0].learner_step < 85 + 8 * H or r.seq % 3 == 0]
+    late = progress.utilisation_recovers(_obs(slow, events, marks), H, 1, overlap=1)
+    assert not late.ok and "undisturbed" in late.detail and "lasting" not in late.detail, late.detail
+
+
+def test_a_run_that_settles_lower_after_a_fault_is_judged_against_its_settled_level():
+    """Learners that start together answer in the same step of the syncer's clock until a fault,
+    and at different ones after it (the grace window then waits for the later one): a level a
+    run never returns to, fault or not. The window 4H..8H after the fault is held to the lower of
+    the two calm levels; the level after is held to the one before within twice the tolerance."""
+    pre, pre_d = _healthy(steps=60, tau=0)            # every step carried: 1.0
+    post, post_d = _healthy(steps=240, tau=1)         # 5 of 6 steps carried ...
+
+    def thinned(i, k):                                # ... and every other answer one fewer: 0.75
+        return dataclasses.replace(i, c_steps=i.c_steps - 1) if k % 2 else i
+    after = [thinned(i, k) for k, i in enumerate(i for i in post if i.learner_step - i.c_steps + 1 >= 60)]
+    events = {"l0": _events("l0", 239, pre_d + [d for d in post_d if d[3] >= 60])}
+    marks = [{"t": 6.0, "who": "syncer", "what": "kill", "detail": ""},
+             {"t": 8.0, "who": "syncer", "what": "restart", "detail": ""}]
+
+    def judge(inputs):
+        return progress.utilisation_recovers(_obs([_merge(k, 0, i.round, i) for k, i in enumerate(inputs)],
+                                                  events, marks), H, 1, overlap=0)
+    ok = judge(pre + after)
+    assert ok.ok and abs(ok.data["windows"][0]["undisturbed"] - 0.75) < 0.01, ok.detail   # not the early 1.0
+    worse = [dataclasses.replace(i, c_steps=1) if k % 2 else i for k, i in enumerate(after)]
+    assert "a lasting loss" in judge(pre + worse).detail      # settled at ~0.5: more than 2 x 1/H below 1.0
 
 
 def test_the_undisturbed_level_never_asks_more_than_the_overlap_allows():
@@ -206,8 +235,13 @@ def test_the_undisturbed_level_never_asks_more_than_the_overlap_allows():
     marks = [{"t": 6.0, "who": "syncer", "what": "kill", "detail": ""},
              {"t": 8.0, "who": "syncer", "what": "restart", "detail": ""}]
 
+    # Judged on the run up to step 150, so that there is no settled stretch after the fault's
+    # recovery (ended at step 85, + 8H) for the level to come from instead: the early stretch alone.
+    short_events = {"l0": _events("l0", 149, [d for d in deltas if d[3] < 150])}
+
     def judge(kept, overlap):
-        return progress.utilisation_recovers(_obs([_merge(k, 0, i.round, i) for k, i in enumerate(kept)], events, marks),
+        return progress.utilisation_recovers(_obs([_merge(k, 0, i.round, i) for k, i in enumerate(kept)
+                                                   if i.learner_step < 150], short_events, marks),
                                              H, 1, overlap=overlap)
     assert not judge(inputs, 0).ok                    # uncapped: held to the early stretch's 1.0
     capped = judge(inputs, 2)

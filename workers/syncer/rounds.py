@@ -71,10 +71,10 @@ class _Pace:
         """How long this learner's answers take to arrive after their round opens: the median of
         its last LAG_SAMPLES (None: none yet). A median, not an average: after a store outage or a
         stalled syncer loop the few answers held meanwhile arrive seconds after their rounds opened,
-        and an average of them widened every grace window to its cap for a second and a half (24
-        rounds at 20 ms steps beside two busy loops: each answer then lost 8-9 of 12 steps, the
-        s3-outage scenario's progress-recovery check failed); a learner across a link answers late
-        every round, which moves the median within LAG_SAMPLES // 2 + 1 answers."""
+        and an average of them widened the grace windows of the next dozen rounds to 70-110 ms
+        (15-30 ms otherwise; 20 ms steps beside two busy loops), whose answers then carried 1-8 of
+        their 12 steps: the s3-outage scenario's progress-recovery check failed. A learner across
+        a link answers late every round, which moves the median within LAG_SAMPLES // 2 + 1 answers."""
         return statistics.median(self.lags) if self.lags else None
 
     @property
