@@ -108,22 +108,33 @@ class LearnerRules:
             raise ValueError(f"learner keep_progress must be a bool, got {self.keep_progress!r}")
 
 
-@dataclass(frozen=True)
-class RunDescriptor:
-    """Everything fixed for a run (see the module docstring). ``layout`` says which tensors form each
-    fragment, ``schedule`` when each falls due (H, offsets t_p); the other sections default to what
-    ``create_run`` chooses without settings (their classes' defaults: one per knob).
-    ``guard``/``security``/``job`` None: none."""
+@dataclass(frozen=True, kw_only=True)
+class RunSections:
+    """The six sections of a run's rules - when a round closes, how deltas are coded, which
+    versions are kept, how deltas merge, the outer step, what a learner does with a version -
+    each with its one set of defaults (its class's). Declared once: the descriptor holds them, and
+    so do the two configurations a run is made from (workers/launch.py ``RunSettings``,
+    workers/run_config.py ``RunConfig``), by inheriting them (keyword-only, so that a subclass
+    may still declare fields without defaults)."""
 
-    run_id: str
-    layout: FragmentLayout
-    schedule: ScheduleConfig
     policy: PolicyConfig = PolicyConfig()
     codec: CodecConfig = CodecConfig()
     versions: VersionsConfig = VersionsConfig()
     merge: MergeConfig = MergeConfig()
     outer: OuterConfig = OuterConfig()
     learner: LearnerRules = LearnerRules()
+
+
+@dataclass(frozen=True)
+class RunDescriptor(RunSections):
+    """Everything fixed for a run (see the module docstring). ``layout`` says which tensors form each
+    fragment, ``schedule`` when each falls due (H, offsets t_p); the rule sections (``RunSections``)
+    default to what ``create_run`` chooses without settings (their classes' defaults: one per knob).
+    ``guard``/``security``/``job`` None: none."""
+
+    run_id: str
+    layout: FragmentLayout
+    schedule: ScheduleConfig
     guard: NormGuardConfig | None = None
     security: RunSecurity | None = None
     job: dict[str, Any] | None = None      # the default job's settings (workers/job/job.py JobSettings)

@@ -74,9 +74,17 @@ def _knob_type(hint: Any) -> tuple[type, bool] | None:
 
 
 def sections(tree: type) -> dict[str, type]:
-    """The section classes of ``tree``, by section name, in declaration order."""
+    """The section classes of ``tree``, by section name, in declaration order - or in the tree's
+    ``SECTION_ORDER`` when it declares one (inherited sections, such as pipeline/descriptor.py's
+    ``RunSections``, otherwise come before the tree's own: ``[run]`` would print after the rules)."""
     hints = typing.get_type_hints(tree)
-    return {f.name: hints[f.name] for f in dataclasses.fields(tree)}
+    names = [f.name for f in dataclasses.fields(tree)]
+    order = getattr(tree, "SECTION_ORDER", None)
+    if order is not None:
+        if sorted(order) != sorted(names):
+            raise ValueError(f"{tree.__name__}.SECTION_ORDER {list(order)} must name each of its sections once: {names}")
+        names = list(order)
+    return {name: hints[name] for name in names}
 
 
 def knobs(tree: type, skip: Iterable[str] = ()) -> list[Knob]:

@@ -20,7 +20,7 @@ import numpy as np
 from pipeline.checksum import tensor_digest
 from pipeline.fold import published
 from pipeline.codec import CodecConfig
-from pipeline.descriptor import LearnerRules, RunDescriptor, VersionsConfig
+from pipeline.descriptor import LearnerRules, RunDescriptor, RunSections, VersionsConfig
 from pipeline.fragment import FragmentLayout, fragment_offsets, make_layout, specs_from_arrays
 from pipeline.guard import NormGuardConfig
 from pipeline.merge import MergeConfig, default_embedding_tensors
@@ -67,19 +67,13 @@ class Schedule:
 
 
 @dataclass(frozen=True)
-class RunSettings:
+class RunSettings(RunSections):
     """What ``create_run`` takes: the schedule and the descriptor's own sections, each holding its
     one set of defaults (workers/run_config.py builds it from flags or a file). ``merge``'s
     embedding tensors are filled in from the model at creation; ``guard`` off:
     ``NormGuardConfig(enabled=False)`` (always recorded, so replay knows the run's guard)."""
 
     schedule: Schedule = Schedule()
-    policy: PolicyConfig = PolicyConfig()
-    codec: CodecConfig = CodecConfig()
-    versions: VersionsConfig = VersionsConfig()
-    merge: MergeConfig = MergeConfig()
-    outer: OuterConfig = OuterConfig()
-    learner: LearnerRules = LearnerRules()
     guard: NormGuardConfig = NormGuardConfig()
     seed: int = 0
     run_id: str = ""

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
-from pipeline.codec import SCHEMES, VERSIONS as CODEC_FORMATS, CodecConfig
-from pipeline.descriptor import LearnerRules, VersionsConfig
+from pipeline.codec import SCHEMES, VERSIONS as CODEC_FORMATS
+from pipeline.descriptor import RunSections
 from pipeline.guard import NormGuardConfig
-from pipeline.merge import MergeConfig
-from pipeline.outer import OuterConfig
-from pipeline.policy import PolicyConfig
 from pipeline.regions import RegionsConfig
 from workers.job.job import LR_SCHEDULES, JobSettings
 from workers.job.model import GPTConfig
@@ -94,17 +92,14 @@ class Roles:
 
 
 @dataclass(frozen=True)
-class RunConfig:
+class RunConfig(RunSections):
     """The whole of a ``ddiloco run``: every knob once, with its one default (its section class's)."""
+
+    SECTION_ORDER: ClassVar[tuple[str, ...]] = ("run", "schedule", "policy", "codec", "versions", "merge", "outer",
+                                                "learner", "guard", "job", "model", "roles")
 
     run: RunOptions = RunOptions()
     schedule: Schedule = Schedule()
-    policy: PolicyConfig = PolicyConfig()
-    codec: CodecConfig = CodecConfig()
-    versions: VersionsConfig = VersionsConfig()
-    merge: MergeConfig = MergeConfig()
-    outer: OuterConfig = OuterConfig()
-    learner: LearnerRules = LearnerRules()
     guard: NormGuardConfig = NormGuardConfig()
     job: JobSettings = JobSettings()
     model: GPTConfig = GPTConfig()
