@@ -192,6 +192,9 @@ def test_utilisation_recovers_only_when_merges_resume_at_the_old_level():
     sparse = [r for r in records if r.inputs[0].learner_step < 80 or r.seq % 3 == 0]
     bad = progress.utilisation_recovers(_obs(sparse, events, marks), H, 1, overlap=1)
     assert not bad.ok and "a lasting loss" in bad.detail, bad.detail       # the settled level never came back
+    # ... unless fewer than K learners trained then (a learner killed for good in a K = 2 run): no level
+    short = progress.utilisation_recovers(_obs(sparse, events, marks), H, 1, overlap=1, short=[(8.0, 30.0)])
+    assert "a lasting loss" not in short.detail, short.detail
     # only the 4H..8H steps after the fault (ended at step 85: recovered 0.5 s after the restart) low,
     # the level back after them: a slow recovery, judged against the lower of the two levels
     slow = [r for r in records if not 85 + 4 * H <= r.inputs[0].learner_step < 85 + 8 * H or r.seq % 3 == 0]

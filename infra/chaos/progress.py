@@ -375,7 +375,7 @@ def _step_at(life: Life, t: float) -> int | None:
 
 
 def _level(obs: Observation, life: Life, faults: Sequence[tuple[float, float]], H: int, fragments: int,
-           overlap: int):
+           overlap: int, short: Sequence[tuple[float, float]] = ()):
     """(share(lo, hi), undisturbed level or None, last step that may start a window, (level before
     the first fault, level after the last) or None) of ``life``.
 
@@ -396,7 +396,8 @@ def _level(obs: Observation, life: Life, faults: Sequence[tuple[float, float]], 
     (before the first fault and after the last one's recovery, each at least 4H steps), and the
     stretch after is held to the one before within twice the tolerance (``utilisation_recovers``):
     a fault whose damage lasts (a learner whose every other answer is lost from then on) still
-    shows, as a level that never comes back rather than a slow recovery.
+    shows, as a level that never comes back rather than a slow recovery. Steps taken while fewer
+    than K learners trained (``short``) are no level at all: nothing can merge then by design.
     """
     per = [carried(obs.records, life.learner, life.incarnation, p) for p in range(fragments)]
 
@@ -411,6 +412,8 @@ def _level(obs: Observation, life: Life, faults: Sequence[tuple[float, float]], 
             continue
         disturbed.append((sa if sa is not None else 0, (sb if sb is not None else life.last_step) + 8 * H))
     calm = [s for s in range(2 * H, max(end, 0)) if not any(x <= s <= y for x, y in disturbed)]
+    if short:
+        calm = [s for s in calm if not any(a <= (_wall(life, s) or -math.inf) <= b for a, b in short)]
     cap = (H - overlap) / H
 
     def level(steps: Sequence[int]) -> float | None:
@@ -474,7 +477,7 @@ def utilisation_recovers(obs: Observation, H: int, fragments: int, *, overlap: i
     faults = [(a, max([b] + [y for x, y in blind if x <= b <= y or a <= x <= b]), who) for a, b, who in faults]
     period = global_period(obs)
     every = lives(obs)
-    levels = {id(life): _level(obs, life, [(a, b) for a, b, _ in faults], H, fragments, overlap)
+    levels = {id(life): _level(obs, life, [(a, b) for a, b, _ in faults], H, fragments, overlap, short)
               for life in every}
     learners = {life.learner for life in every}
     problems, measured = [], []
