@@ -193,11 +193,12 @@ def test_s3_outage(tmp_path):
     # Sized for a busy 2-core machine: at 20 ms steps the syncer must commit every 88 ms, about what
     # one commit over S3 takes there beside two busy loops, and rounds queue behind any hiccup (a
     # fragment 36 global steps without a merge in 2 of 6 runs of 900 steps); 40 ms steps leave it
-    # room. The outage starts 3 s in, so that the level before it is 4H calm steps and the recovery
-    # check has both levels to judge by (infra/chaos/progress.py ``_level``).
+    # room. The outage starts 4 s in (about step 95 of 500), so that the recovery check has a calm
+    # stretch of 4H steps on either side to take levels from (infra/chaos/progress.py ``_level``;
+    # at 3 s the stretch before was 46 steps, too short to be one).
     sc = _fast(get("s3-outage"))
     sc = dataclasses.replace(sc, spec=dataclasses.replace(sc.spec, pace_s=0.04),
-                             faults=tuple(dataclasses.replace(f, at_s=3.0) for f in sc.faults))
+                             faults=tuple(dataclasses.replace(f, at_s=4.0) for f in sc.faults))
     report = run_scenario(sc, tmp_path, say=lambda s: None)
     checks = _assert_ok(report)
     marks = {m["what"]: m["t"] for m in report["timeline"] if m["who"] == "s3"}
