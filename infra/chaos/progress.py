@@ -503,6 +503,7 @@ def utilisation_recovers(obs: Observation, H: int, fragments: int, *, overlap: i
             expect = level - max(drop or 0.0, 0.0)
             measured.append({"life": f"{life.learner}/{life.incarnation}", "fault_end_step": sb,
                              "window": [lo, hi], "utilisation": round(got, 3), "undisturbed": round(level, 3),
+                             "levels": None if stretches is None else [round(x, 3) for x in stretches],
                              "control_drop": None if drop is None else round(drop, 3)})
             # A round loses a whole number of a learner's steps (answer to version), so a window's
             # share moves in quanta of 1/H as the learner's steps drift against the global clock
