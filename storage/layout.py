@@ -19,6 +19,8 @@ is one directory level deep, where every backend (SeaweedFS included) lists in b
     probe/<token>                               conformance probe scratch objects (deleted)
     region.marker                               which region's copy of a run this store is (create-if-absent)
     failovers/0000000007                        a region failover's record, by its epoch (create-if-absent)
+    proposals/initial-model                     a learner's own initial weights, before the run exists (create-if-absent)
+    learner-state/<learner>                     where a learner id stands, for its next life (overwritten, advisory)
 
 A sharded run (descriptor ``syncers`` N >= 2, issue 15) gives syncer shard i its own partition
 under ``shards/s<iiii>/``: its ``epochs/``, ``log/``, ``hints/`` (head hint, round clock),
@@ -60,6 +62,8 @@ INCARNATION_PREFIX = "incarnations/"   # learner lives, claimed create-if-absent
 HINT_PREFIX = "hints/"
 REGION_MARKER_KEY = "region.marker"   # which region's copy this store is (storage/regions.py, issue 25)
 FAILOVER_PREFIX = "failovers/"        # explicit region failovers (workers/syncer/home.py, issue 25)
+PROPOSAL_KEY = "proposals/initial-model"   # storage/proposal.py: version 0 from a learner's model (issue 28)
+LEARNER_STATE_PREFIX = "learner-state/"    # storage/learner_state.py: resume records (issue 28)
 SHARD_PREFIX = "shards/"            # a sharded run's per-shard partitions (shard_key)
 # What each syncer shard owns a copy of (the rest of a run is shared by every shard).
 SHARDED_PREFIXES = (EPOCH_PREFIX, LOG_PREFIX, HINT_PREFIX, CHECKPOINT_PREFIX, SPILL_PREFIX)
@@ -151,6 +155,12 @@ def member_key(learner: str) -> str:
     """The membership record of a learner added after the run was created."""
     check_learner_id(learner)
     return MEMBER_PREFIX + learner
+
+
+def learner_state_key(learner: str) -> str:
+    """The resume record of a learner id (storage/learner_state.py)."""
+    check_learner_id(learner)
+    return LEARNER_STATE_PREFIX + learner
 
 
 def quarantine_key(checksum: str) -> str:
