@@ -38,13 +38,15 @@ import torch
 from pipeline.fragment import extract
 from pipeline.descriptor import RunDescriptor
 from pipeline.types import DeltaHeader, check_learner_id
-from storage.layout import read_descriptor
+from storage.learner_state import LearnerState, read_state
 from storage.log import claim_incarnation
 from storage.regions import learner_region_store
 from storage.store import ObjectStore, open_store
 from workers.bus.bus import ZMQ, BusConfig, BusCounters, Transport
 from workers.common.events import EventLog
 from workers.bus.keys import KeyRing, Roster
+from workers.learner.bootstrap import StateRecorder, find_run, from_env, stop_requested
+from workers.learner.env import LearnerEnv
 from workers.learner.device_quant import QMAX as _DEVICE_QMAX, quantise_delta
 from workers.learner.io import DeltaSender, VersionReceiver
 from workers.learner.nonfinite import NonFiniteGuard
@@ -80,8 +82,17 @@ class LearnerConfig:
     # False: the sender and receiver run no threads; whoever drives the learner calls their
     # ``turn`` (the fault simulation, on simulated time: infra/faultsim, issue 25).
     threads: bool = True
+    # Issue 28 (workers/learner/bootstrap.py): on a store with no run yet, propose this model as
+    # version 0 and wait up to propose_wait_s for the run; state_every_s: seconds between resume
+    # records (None: none kept, the learner starts at step 0 every life).
+    propose: bool = False
+    propose_wait_s: float = 600.0
+    state_every_s: float | None = None
 
     def __post_init__(self) -> None:
+        if not self.propose_wait_s > 0 or (self.state_every_s is not None and not self.state_every_s > 0):
+            raise ValueError(f"propose_wait_s must be > 0 and state_every_s None or > 0, got {self.propose_wait_s}, "
+                             f"{self.state_every_s}")
         if not isinstance(self.stats_window, int) or self.stats_window < 20:
             raise ValueError(f"stats_window must be an int >= 20, got {self.stats_window!r}")
         if self.poll_s <= 0 or self.drain_s < 0 or self.log_every < 1:
@@ -97,13 +108,21 @@ class LearnerConfig:
 
 
 class Learner:
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, store: str | ObjectStore,
-                 learner_id: str, config: LearnerConfig = LearnerConfig(), bus: BusConfig | None = None,
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, store: str | ObjectStore | None = None,
+                 learner_id: str | None = None, config: LearnerConfig = LearnerConfig(), bus: BusConfig | None = None,
                  events: EventLog | None = None, incarnation: int | None = None,
                  clock: Callable[[], float] = time.monotonic, region: str | None = None,
                  wall: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
                  transport: Transport = ZMQ, descriptor: RunDescriptor | None = None):
         self.model, self.optimizer = model, optimizer
+        if store is None or learner_id is None:   # under `ddiloco launch`: the environment contract (env.py)
+            env = LearnerEnv.from_environ()
+            if env is None:
+                raise ValueError("Learner needs store= and learner_id=, or the environment `ddiloco launch` sets "
+                                 "(DDILOCO_STORE, DDILOCO_LEARNER_ID: docs/running.md \"The environment contract\")")
+            given_store, given_id = store, learner_id
+            store, learner_id, config, bus, events, region = from_env(env, config, bus, events, region)
+            store, learner_id = given_store if given_store is not None else store, given_id or learner_id
         self._given = descriptor     # the run's descriptor when the caller read it already (one read per process)
         self.transport = transport   # what builds its bus sockets (ZeroMQ; the fault simulation's own)
         self.region = region     # issue 14: start() moves to this region's store (None: ``store`` is it)
@@ -121,6 +140,9 @@ class Learner:
         self.params = dict(model.named_parameters())
         self.descriptor: RunDescriptor | None = None
         self.step_count = 0
+        self._first_step = 0     # step_count at start (a resumed life continues its count)
+        self.resumed: LearnerState | None = None   # the record this life continued from (start())
+        self._state: StateRecorder | None = None
         self.seq = 0
         self.base: dict[int, dict[str, np.ndarray]] = {}
         self.base_version: dict[int, int] = {}
@@ -153,7 +175,9 @@ class Learner:
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "Learner":
         self.store = counted(learner_region_store(self.store, self.region))   # every request it makes, counted
-        d = self.descriptor = self._given if self._given is not None else read_descriptor(self.store)
+        d = self.descriptor = self._given if self._given is not None else find_run(
+            self.store, self.id, self.params, self.events, self.cfg.propose, self.cfg.propose_wait_s,
+            sleep=self.sleep)
         here, home = region_names(d, self.store, self.region)
         self.traffic = TrafficMeter(self.events, here, home, {here: self.store},
                                     self.bus.counters if self.bus is not None else None, clock=self.clock)
@@ -172,6 +196,8 @@ class Learner:
         if self.incarnation is None:
             self.incarnation = claim_incarnation(self.store, self.id, floor=tracker.next_incarnation(self.id))
         self._overwrite(values)
+        if self.cfg.state_every_s is not None:
+            self._resume()
         for p in range(d.num_fragments):
             self.base[p] = {n: values[n].copy() for n in d.layout.fragments[p]}
             self.base_version[p] = versions[p]
@@ -193,9 +219,24 @@ class Learner:
                 threads=self.cfg.threads, transport=self.transport))
         self.sender.start()
         self.receiver.start()
+        self._first_step = self.step_count
         self.events.emit("learner-start", incarnation=self.incarnation, pid=os.getpid(),
-                         **({"sync_process": True} if agent else {}), versions={str(p): v for p, v in versions.items()})
+                         **({"sync_process": True} if agent else {}), versions={str(p): v for p, v in versions.items()},
+                         **({"resumed_step": self.step_count} if self.resumed is not None else {}))
+        if self._state is not None:
+            self._state.start()
         return self
+
+    def _resume(self) -> None:
+        """Continue this id's step count and token total from its resume record (storage/learner_state.py)."""
+        self.resumed = read_state(self.store, self.id)
+        if self.resumed is not None:
+            self.step_count, self.tokens = self.resumed.step, self.resumed.tokens
+            self.events.emit("learner-resumed", step=self.step_count, tokens=self.tokens,
+                             from_incarnation=self.resumed.incarnation)
+        self._state = StateRecorder(
+            self.store, lambda: LearnerState(self.id, self.incarnation, self.step_count, self.tokens, self.wall()),
+            self.cfg.state_every_s, self.events, threads=self.cfg.threads)
 
     def close(self, flush: bool = True) -> bool:
         """Stop; first wait up to ``drain_s`` for every delta to be durable. True if all were.
@@ -213,6 +254,8 @@ class Learner:
             self.sender.stop()
         if self.receiver is not None:
             self.receiver.stop()
+        if self._state is not None:
+            self._state.stop()        # the last record: the next life starts where this one ended
         # Stats first, then the store's counters: a spill still in flight (the sender's join timed
         # out) counts its bytes at the store before the sender counts it, so the final report's
         # bytes_written always covers the bytes_spilled reported here (issue 14 accounting).
@@ -328,6 +371,17 @@ class Learner:
                              latency_s=round(self.wall() - a.committed_at, 4) if a.committed_at else None)
         return n
 
+    def range(self, steps: int):
+        """The step indices still to take, up to ``steps`` in all, from where this learner stands (a
+        resumed life continues its count, issue 28). Ends early once the process is asked to stop
+        (SIGTERM/SIGINT: ``ddiloco launch``'s Ctrl-C; workers/learner/bootstrap.py ``stop_requested``),
+        so that the script reaches ``close()``, which drains and records where the learner stands."""
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+            raise ValueError(f"learner {self.id}: range(steps) needs an int >= 0, got {steps!r}")
+        stop = stop_requested()
+        while self.step_count < steps and not stop.is_set():
+            yield self.step_count
+
     def step(self, closure: Callable[[], torch.Tensor], tokens: int) -> float:
         """One inner step. ``closure`` computes the loss (forward); ``tokens`` it consumed (> 0)."""
         if not isinstance(tokens, (int, np.integer)) or isinstance(tokens, bool) or tokens <= 0:   # SPEC §4 weights
@@ -360,7 +414,7 @@ class Learner:
             self.c_tokens[p] += tokens
         self.tokens += tokens
         self.step_count += 1
-        if self.step_count in (4, 16):    # the first measured pace reaches the syncer's clock at once
+        if self.step_count - self._first_step in (4, 16):   # this life's first pace reaches the syncer's clock at once
             self.sender.beat_soon()
         if self.step_count % d.schedule.sync_every == 0:
             self._report_traffic()        # one outer step: H inner steps (SPEC §2)

@@ -1,0 +1,147 @@
+"""How a learner that brings its own model finds its run, and where a restarted one resumes (issue 28).
+
+- ``from_env``: what ``Learner(model, optimizer)`` takes from the environment contract
+  (workers/learner/env.py) when no store or id is given.
+- ``find_run``: the run's descriptor - and, with ``propose``, when no run exists yet, the learner's
+  own weights proposed as version 0 (storage/proposal.py, create-if-absent: one proposal lands),
+  then a bounded wait until whoever creates the run (``ddiloco launch``) has written it. Every
+  learner then loads version 0 from the run, the proposer too (SPEC §7 "One initial model").
+- ``StateRecorder``: the learner's resume record (storage/learner_state.py), written from its own
+  thread every few seconds and once at close - never from ``step``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from pipeline.descriptor import RunDescriptor
+from storage.errors import NotFound, StoreError
+from storage.layout import read_descriptor
+from storage.learner_state import LearnerState, write_state
+from storage.proposal import propose, run_complete, syncer_started, wait_for_run
+from storage.store import ObjectStore, open_store
+from workers.bus.bus import BusConfig, BusCounters
+from workers.bus.keys import KeyRing, load_identity, load_public
+from workers.common.events import EventLog
+from workers.learner.env import LearnerEnv
+
+POLL_S = 0.2
+
+
+def from_env(env: LearnerEnv, config, bus: BusConfig | None, events: EventLog | None, region: str | None):
+    """(store, learner id, config, bus, events, region) of a learner from the contract, each filled
+    only where the caller gave nothing."""
+    store = open_store(env.store, s3_endpoint=env.s3_endpoint, create=False)
+    keys = config.keys
+    if keys is None and env.key:
+        try:
+            keys = KeyRing(load_identity(env.key), load_public(env.syncer_key))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"DDILOCO_KEY / DDILOCO_SYNCER_KEY: {exc}") from None
+    config = dataclasses.replace(config, keys=keys, propose=config.propose or env.propose,
+                                 propose_wait_s=env.propose_wait_s if env.propose else config.propose_wait_s,
+                                 state_every_s=config.state_every_s if config.state_every_s is not None
+                                 else (env.state_every_s or None))
+    if bus is None and env.ingest:
+        bus = BusConfig(env.ingest, env.announce, counters=BusCounters())
+    return (store, env.learner_id, config, bus, events or EventLog(env.log, "learner", env.learner_id),
+            region or env.region)
+
+
+SYNCER_WAIT_S = 60.0   # how long a proposer waits for the new run's syncer to start, at most
+
+
+def find_run(store: ObjectStore, learner: str, params: dict[str, torch.nn.Parameter], events: EventLog,
+             propose_model: bool, timeout_s: float, clock: Callable[[], float] = time.monotonic,
+             sleep: Callable[[float], None] = time.sleep) -> RunDescriptor:
+    """The run at ``store`` once it is complete (descriptor and every fragment's version 0); see the
+    module docstring. ``NotFound`` at once without ``propose_model``, after ``timeout_s`` with it.
+
+    A learner that found no run (a new launch) also waits, up to ``SYNCER_WAIT_S``, until the
+    run's syncer has claimed its epoch, as ``ddiloco run`` starts learners once their syncer is up:
+    learners of a short run otherwise trained to their end before the syncer opened a round, and
+    their work reached the model in one outer step. Once a run exists, no learner waits for anyone."""
+    try:
+        return read_descriptor(store) if not propose_model else _wait_complete(store, read_descriptor(store))
+    except NotFound:
+        if not propose_model:
+            raise
+    tensors = {n: p.detach().cpu().numpy().astype(np.float32, copy=True) for n, p in params.items()}
+    won = propose(store, learner, tensors)
+    events.emit("initial-model-proposed", accepted=won, params=int(sum(a.size for a in tensors.values())))
+    desc = wait_for_run(store, timeout_s, clock, sleep)
+    deadline = clock() + SYNCER_WAIT_S
+    while not syncer_started(store, desc) and clock() < deadline:
+        sleep(POLL_S)
+    return desc
+
+
+def _wait_complete(store: ObjectStore, desc: RunDescriptor) -> RunDescriptor:
+    """``desc`` once its run's creation finished (another launcher may be writing it right now)."""
+    return desc if run_complete(store, desc) else wait_for_run(store, 60.0)
+
+
+class StateRecorder:
+    """Writes ``read()``'s LearnerState every ``every_s`` seconds when it changed, on its own thread;
+    ``stop`` writes the last one. A failed write is reported once per failure run and retried later:
+    the record is advisory, training never waits for it."""
+
+    def __init__(self, store: ObjectStore, read: Callable[[], LearnerState], every_s: float, events: EventLog,
+                 threads: bool = True):
+        self.store, self.read, self.every_s, self.events = store, read, every_s, events
+        self._stop = threading.Event()
+        self._last: tuple[int, int] | None = None
+        self._failing = False
+        self._thread = threading.Thread(target=self._run, name="learner-state", daemon=True) if threads else None
+
+    def start(self) -> None:
+        if self._thread is not None:
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.write()
+
+    def write(self) -> bool:
+        state = self.read()
+        if self._last == (state.incarnation, state.step):
+            return True
+        try:
+            write_state(self.store, state)
+        except StoreError as exc:
+            if not self._failing:
+                self.events.emit("learner-state-failed", error=str(exc)[:300])
+            self._failing = True
+            return False
+        self._failing = False
+        self._last = (state.incarnation, state.step)
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.write()
+
+
+_STOP: threading.Event | None = None
+
+
+def stop_requested() -> threading.Event:
+    """An event set once this process gets SIGTERM or SIGINT (``ddiloco launch`` sends SIGTERM on
+    Ctrl-C, SLURM and Kubernetes before a kill), so that a training loop ends at a step boundary and
+    reaches ``Learner.close`` (drain, resume record). Handlers are installed once, from the main
+    thread only; elsewhere the event is never set and the signals keep their own handlers."""
+    global _STOP
+    if _STOP is None:
+        _STOP = threading.Event()
+        if threading.current_thread() is threading.main_thread():
+            import signal
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: _STOP.set())
+    return _STOP
