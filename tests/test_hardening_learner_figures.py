@@ -10,7 +10,7 @@ from infra.benchmark import bandwidth_figures, parse_seeds, quality_figures, spr
 from pipeline.types import CommitRecord, DroppedRecord, InputRecord
 from workers.launch import Schedule
 from workers.tools.logview import LogTotals, token_figures, totals_lines
-from workers.run import _publish_to_applied
+from workers.tools.run_figures import publish_to_applied as _publish_to_applied
 
 
 def merged(learner, inc, seq, base, tokens, steps=1):

@@ -114,6 +114,7 @@ class Life:
     how: str = ""
     killed: bool = False
     seen: list[dict] = field(default_factory=list)
+    script: tuple[list[str], dict[str, str]] | None = None   # spawn_script's command and extra environment
 
     def events(self) -> list[dict]:
         """This life's events so far (its log lines written after it was spawned)."""
@@ -213,15 +214,32 @@ class LocalCluster:
         if self.alive(name):
             raise RuntimeError(f"{name} is already running (pid {self.life(name).popen.pid}): stop it first")
         log = self.log_path(name)
+        store = ["--store", self.cfg.store, *(["--s3-endpoint", self.cfg.s3_endpoint] if self.cfg.s3_endpoint else [])]
+        cmd = [sys.executable, "-m", module, *argv, *store, "--log", str(log)]
+        return self._popen(name, role, cmd, nice, self.env, subprocess.DEVNULL,
+                           lambda p, tail: Life(name, role, p, self.clock(), list(argv), module, nice, tail))
+
+    def spawn_script(self, name: str, cmd: Sequence[str], env: Mapping[str, str], nice: int = 0) -> Life:
+        """Start a learner that is the user's own command (``ddiloco launch``): ``env`` is added to
+        the cluster's environment (the contract of workers/learner/env.py, its ``DDILOCO_LOG`` =
+        ``OUT/logs/<name>.jsonl``); its stdout goes to ``OUT/logs/<name>.out``. ``restart`` repeats it."""
+        if self.alive(name):
+            raise RuntimeError(f"{name} is already running (pid {self.life(name).popen.pid}): stop it first")
+        with open(self.logs / f"{name}.out", "a") as out:
+            return self._popen(name, LEARNER_ROLE, list(cmd), nice, {**self.env, **env}, out,
+                               lambda p, tail: Life(name, LEARNER_ROLE, p, self.clock(), [], "", nice, tail,
+                                                    script=(list(cmd), dict(env))))
+
+    def _popen(self, name: str, role: str, cmd: list[str], nice: int, env: Mapping[str, str], stdout,
+               make: Callable[[subprocess.Popen, Tail], Life]) -> Life:
+        log = self.log_path(name)
         _end_torn_line(log)
         tail = Tail(log)
         tail.read()           # this life's events are those written after this point
-        store = ["--store", self.cfg.store, *(["--s3-endpoint", self.cfg.s3_endpoint] if self.cfg.s3_endpoint else [])]
-        cmd = [sys.executable, "-m", module, *argv, *store, "--log", str(log)]
         with open(self.logs / f"{name}.stderr", "a") as err:
-            p = subprocess.Popen(cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+            p = subprocess.Popen(cmd, env=dict(env), stdout=stdout, stderr=err, start_new_session=True,
                                  preexec_fn=(lambda: os.nice(nice)) if nice else None)
-        life = Life(name, role, p, self.clock(), list(argv), module, nice, tail)
+        life = make(p, tail)
         self.lives.setdefault(name, []).append(life)
         self._note(name, "start", f"pid {p.pid}")
         return life
@@ -265,6 +283,8 @@ class LocalCluster:
         if last.running():
             raise RuntimeError(f"{name} is still running (pid {last.popen.pid}): stop or kill it before a restart")
         self.poll()
+        if last.script is not None:
+            return self.spawn_script(name, *last.script, nice=last.nice)
         return self.spawn(name, last.role, last.argv, last.module, last.nice)
 
     # -- readiness -------------------------------------------------------------------------------
