@@ -35,6 +35,7 @@ from typing import Callable
 from pipeline.descriptor import RunDescriptor
 from pipeline.types import CommitRecord
 from storage.layout import read_descriptor
+from storage.proposal import wait_for_run
 from storage.regions import learner_region_store
 from storage.store import open_store
 from workers.bus.bus import BusConfig, BusCounters
@@ -153,6 +154,9 @@ def configure_syncer(parser: argparse.ArgumentParser,
     parser.add_argument("--shard", metavar="I/N", type=_shard_spec, default=None,
                         help="be syncer shard I of a run of N shards (ddiloco run --syncers N): own the fragments "
                              "p with p %% N == I, with its own epochs and log (docs/scale.md \"Sharded syncer\")")
+    parser.add_argument("--wait-for-run", type=float, default=None, metavar="SECONDS",
+                        help="wait up to SECONDS for the run to be created (ddiloco launch starts the syncer while "
+                             "its learners propose the initial model; storage/proposal.py)")
     parser.add_argument("--failover-from-region", metavar="NAME", default=None,
                         help="take over as the run's home in the region whose copy --store is, from the lost home "
                              "region NAME: adopts what reachable regions hold beyond this copy and claims an epoch "
@@ -175,7 +179,10 @@ def configure_syncer(parser: argparse.ArgumentParser,
         retention = RetentionConfig(enabled=not args.keep_all, keep_checkpoints=args.keep_checkpoints,
                                     keep_commits=args.keep_commits, keep_bytes=keep_bytes, keep_age_s=keep_age)
         store = open_store(args.store, s3_endpoint=args.s3_endpoint, create=False)
-        desc = read_descriptor(store)          # read once per process, handed to what needs it
+        if args.wait_for_run is not None and not args.wait_for_run > 0:
+            raise SystemExit(f"--wait-for-run must be > 0 seconds, got {args.wait_for_run}")
+        # read once per process, handed to what needs it
+        desc = wait_for_run(store, args.wait_for_run) if args.wait_for_run else read_descriptor(store)
         keys = _keyring(args, desc, "syncer", args.id)
         shard = _check_shard(args.shard, desc)
         flag = _stop_flag()

@@ -10,6 +10,7 @@ the syncer's signatures. Without it the run is unsigned for its whole life.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -156,3 +157,14 @@ def create_run(store: ObjectStore, init: Mapping[str, np.ndarray], settings: Run
         for spec in desc.regions.others:
             seed_region(store, open_region(spec, create=True), spec.name)   # its region marker
     return desc
+
+
+def create_from_proposal(store: ObjectStore, settings: RunSettings, *, syncer: Identity | None = None,
+                         learners: Sequence[PublicIdentity] = ()) -> tuple[RunDescriptor, str]:
+    """Create the run from the initial model a learner proposed (storage/proposal.py; ``ddiloco
+    launch``: the learners bring the model, the launcher holds the settings and the syncer's key).
+    ``NotFound`` when nobody proposed yet. Returns (descriptor, the proposing learner's id)."""
+    from storage.proposal import read_proposal
+    proposer, tensors = read_proposal(store)
+    settings = dataclasses.replace(settings, extra={**settings.extra, "initial_model_from": proposer})
+    return create_run(store, tensors, settings, syncer=syncer, learners=learners), proposer
