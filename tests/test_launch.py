@@ -61,13 +61,16 @@ def _replay(out: Path) -> None:
 
 def test_launch_runs_the_minimal_example_and_the_run_replays(tmp_path):
     out = tmp_path / "minimal"
-    done = subprocess.run(_launch_cmd(out, EXAMPLE, 200), capture_output=True, text=True, env=_env(),
+    done = subprocess.run(_launch_cmd(out, EXAMPLE, 200, "--eval"), capture_output=True, text=True, env=_env(),
                           timeout=DEADLINE_S)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "run OK" in done.stdout and "ddiloco replay" in done.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ok"] and summary["mode"] == "launch" and summary["merge_commits"] > 0
     assert summary["initial_model_from"] in ("l0", "l1") and summary["deltas_merged"] > 0
+    # --eval: the same script as the run's evaluator; its held-out loss is in the summary
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"], summary
+    assert "evaluator" not in summary["per_learner"]
     for lid in ("l0", "l1"):
         losses = [e["loss"] for e in _events(out, lid) if e.get("event") == "step"]
         assert losses[-1] < 0.5 * losses[0], f"{lid}'s loss did not go down: {losses[:3]} ... {losses[-3:]}"

@@ -42,7 +42,7 @@ from workers.common.events import Tail, read_events
 from workers.bus.keys import SYNCER, ensure_identities, key_paths
 from .launch import RunSettings, create_run
 
-SYNCER_ROLE, LEARNER_ROLE = "syncer", "learner"
+SYNCER_ROLE, LEARNER_ROLE, EVALUATOR_ROLE = "syncer", "learner", "evaluator"
 DURABLE_EVENTS = ("delta-acked", "delta-spilled")     # a learner's delta is durable at the syncer or in storage
 
 
@@ -209,8 +209,8 @@ class LocalCluster:
     def spawn(self, name: str, role: str, argv: Sequence[str], module: str = "workers.cli", nice: int = 0) -> Life:
         """Start one process: ``python -m module *argv --store URI --log OUT/logs/<name>.jsonl``.
         ``argv`` holds the role's own flags (and its subcommand for ``workers.cli``)."""
-        if role not in (SYNCER_ROLE, LEARNER_ROLE):
-            raise ValueError(f"role must be {SYNCER_ROLE!r} or {LEARNER_ROLE!r}, got {role!r}")
+        if role not in (SYNCER_ROLE, LEARNER_ROLE, EVALUATOR_ROLE):
+            raise ValueError(f"role must be {SYNCER_ROLE!r}, {LEARNER_ROLE!r} or {EVALUATOR_ROLE!r}, got {role!r}")
         if self.alive(name):
             raise RuntimeError(f"{name} is already running (pid {self.life(name).popen.pid}): stop it first")
         log = self.log_path(name)
@@ -219,15 +219,19 @@ class LocalCluster:
         return self._popen(name, role, cmd, nice, self.env, subprocess.DEVNULL,
                            lambda p, tail: Life(name, role, p, self.clock(), list(argv), module, nice, tail))
 
-    def spawn_script(self, name: str, cmd: Sequence[str], env: Mapping[str, str], nice: int = 0) -> Life:
+    def spawn_script(self, name: str, cmd: Sequence[str], env: Mapping[str, str], nice: int = 0,
+                     role: str = LEARNER_ROLE) -> Life:
         """Start a learner that is the user's own command (``ddiloco launch``): ``env`` is added to
         the cluster's environment (the contract of workers/learner/env.py, its ``DDILOCO_LOG`` =
-        ``OUT/logs/<name>.jsonl``); its stdout goes to ``OUT/logs/<name>.out``. ``restart`` repeats it."""
+        ``OUT/logs/<name>.jsonl``); its stdout goes to ``OUT/logs/<name>.out``. ``restart`` repeats it.
+        ``role``: a learner, or the run's evaluator (workers/evaluator.py; never counted as a learner)."""
+        if role not in (LEARNER_ROLE, EVALUATOR_ROLE):
+            raise ValueError(f"a script's role must be {LEARNER_ROLE!r} or {EVALUATOR_ROLE!r}, got {role!r}")
         if self.alive(name):
             raise RuntimeError(f"{name} is already running (pid {self.life(name).popen.pid}): stop it first")
         with open(self.logs / f"{name}.out", "a") as out:
-            return self._popen(name, LEARNER_ROLE, list(cmd), nice, {**self.env, **env}, out,
-                               lambda p, tail: Life(name, LEARNER_ROLE, p, self.clock(), [], "", nice, tail,
+            return self._popen(name, role, list(cmd), nice, {**self.env, **env}, out,
+                               lambda p, tail: Life(name, role, p, self.clock(), [], "", nice, tail,
                                                     script=(list(cmd), dict(env))))
 
     def _popen(self, name: str, role: str, cmd: list[str], nice: int, env: Mapping[str, str], stdout,
@@ -284,7 +288,7 @@ class LocalCluster:
             raise RuntimeError(f"{name} is still running (pid {last.popen.pid}): stop or kill it before a restart")
         self.poll()
         if last.script is not None:
-            return self.spawn_script(name, *last.script, nice=last.nice)
+            return self.spawn_script(name, *last.script, nice=last.nice, role=last.role)
         return self.spawn(name, last.role, last.argv, last.module, last.nice)
 
     # -- readiness -------------------------------------------------------------------------------

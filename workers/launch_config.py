@@ -37,6 +37,8 @@ class LaunchOptions:
     seed: int = 0
     propose_wait: float = 600.0
     state_every: float = 5.0
+    eval: bool = False
+    eval_command: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("learners", "nproc_per_learner", "syncers"):
@@ -89,7 +91,8 @@ ALIASES = (
     Alias("--grace-gamma", "policy.gamma"), Alias("--compression", "codec.scheme"),
     Alias("--codec-format", "codec.format"), Alias("--outer-lr", "outer.lr"),
     Alias("--outer-momentum", "outer.momentum"), Alias("--keep-progress", "learner.keep_progress", True),
-    Alias("--norm-guard", "guard.factor"),
+    Alias("--norm-guard", "guard.factor"), Alias("--eval", "launch.eval", True),
+    Alias("--eval-command", "launch.eval_command"),
 )
 
 CHOICES = {k: v for k, v in RUN_CHOICES.items() if k.split(".")[0] in ("schedule", "codec", "versions", "merge")}
@@ -108,4 +111,7 @@ HELP = {**{k: v for k, v in RUN_HELP.items() if not k.startswith(("run.", "job."
         "launch.keys": "key directory (none: OUT/keys); missing keys are created",
         "launch.seed": "the run's seed (recorded in the descriptor)",
         "launch.propose_wait": "seconds a learner waits for the run to be created from the proposed model",
-        "launch.state_every": "seconds between each learner's resume records"}
+        "launch.state_every": "seconds between each learner's resume records",
+        "launch.eval": "also run the command once as the run's evaluator (DDILOCO_ROLE=evaluator: it follows the "
+                       "global model with workers.evaluator.Evaluator and logs its held-out loss)",
+        "launch.eval_command": "the evaluator's own command instead, as one string (implies launch.eval)"}

@@ -23,6 +23,7 @@ bus and its keys there. With ``--nproc-per-learner N`` the command runs under ``
 from __future__ import annotations
 
 import argparse
+import shlex
 import signal
 import sys
 import time
@@ -38,13 +39,14 @@ from workers.learner.env import LearnerEnv
 from workers.tools.progress import Progress
 from workers.tools.run_figures import write_outputs
 from . import config
-from .cluster import ClusterConfig, LocalCluster, RoleExited
+from .cluster import EVALUATOR_ROLE, ClusterConfig, LocalCluster, RoleExited
 from .launch import create_from_proposal
 from .launch_config import ALIASES, CHOICES, HELP, SKIP, LaunchConfig
 
 LEARNER_NICE = 5          # as `ddiloco run`'s co-located learners (workers/cluster.py ClusterConfig.learner_nice)
 SYNCER_READY_S = 180.0
 DRAIN_S = 60.0
+EVAL_STOP_S = 120.0      # the evaluator's last evaluation of the final model
 PYTHONS = ("python", "python3")
 
 
@@ -95,6 +97,8 @@ def launch(args) -> int:
         return 0
     lc = cfg.launch
     cmd = learner_command(args.command, lc.nproc_per_learner)
+    eval_cmd = (learner_command(shlex.split(lc.eval_command), 1) if lc.eval_command
+                else learner_command(args.command, 1) if lc.eval else None)   # one process: it only reads
     out = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(config.to_toml(cfg, SKIP, header="the settings of this launch"))
@@ -115,8 +119,10 @@ def launch(args) -> int:
             events.emit("run-continued", run_id=desc.run_id, store=store_uri)
             _start_syncers(cluster)
             _start_learners(cluster, names, cmd, lc, keydir)
+            _start_evaluator(cluster, eval_cmd, lc)
         else:   # the syncer imports while the learners build their models; it waits for the run
             _start_learners(cluster, names, cmd, lc, keydir)
+            _start_evaluator(cluster, eval_cmd, lc)
             cluster.start_syncers(["--wait-for-run", str(lc.propose_wait + SYNCER_READY_S)])
             desc = _create(cluster, store, cfg, idents, names, events)
             _wait_syncers(cluster)
@@ -171,6 +177,16 @@ def _start_learners(cluster: LocalCluster, names: list[str], cmd: list[str], lc,
         cluster.spawn_script(lid, cmd, env.to_environ(), nice=LEARNER_NICE)
 
 
+def _start_evaluator(cluster: LocalCluster, cmd: list[str] | None, lc) -> None:
+    """The run's evaluator (workers/evaluator.py): the user's command with DDILOCO_ROLE=evaluator."""
+    if cmd is None:
+        return
+    env = LearnerEnv(store=cluster.cfg.store, learner_id=EVALUATOR_ROLE, s3_endpoint=lc.s3_endpoint,
+                     log=str(cluster.log_path(EVALUATOR_ROLE).resolve()), propose_wait_s=lc.propose_wait,
+                     steps=lc.steps, role=EVALUATOR_ROLE)
+    cluster.spawn_script(EVALUATOR_ROLE, cmd, env.to_environ(), nice=LEARNER_NICE, role=EVALUATOR_ROLE)
+
+
 def _create(cluster: LocalCluster, store, cfg: LaunchConfig, idents: dict, names: list[str], events: EventLog):
     """Wait for a learner's proposal, then create the run from it (the launcher signs version 0)."""
     deadline = time.monotonic() + cfg.launch.propose_wait
@@ -210,6 +226,10 @@ def _watch(cluster: LocalCluster, progress: Progress, max_restarts: int) -> tupl
 
     def show() -> None:
         for name, tail in tails.items():
+            if name == EVALUATOR_ROLE:   # its held-out loss goes in the title, it is no learner row
+                evals = [e["loss"] for e in tail.read() if e.get("event") == "eval" and e.get("loss") is not None]
+                progress.eval_loss = evals[-1] if evals else progress.eval_loss
+                continue
             progress.update(name, tail.read(), cluster.life(name).popen.poll())
     drained = interrupted = False
     try:
@@ -239,6 +259,8 @@ def _watch(cluster: LocalCluster, progress: Progress, max_restarts: int) -> tupl
             drained = status.ok
             if not drained:
                 progress.note(f"not drained after the learners finished: {status}")
+            if EVALUATOR_ROLE in cluster.lives:   # SIGTERM: it evaluates the final model once more, then exits
+                cluster.stop([EVALUATOR_ROLE], timeout_s=EVAL_STOP_S)
     except KeyboardInterrupt:
         interrupted = True
         progress.note("interrupted: stopping the learners (each drains and records where it stands), then the syncer")

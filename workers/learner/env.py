@@ -19,6 +19,7 @@ training script, so that the script takes no ddiloco arguments (issue 28; like t
 | DDILOCO_PROPOSE_WAIT   | seconds to wait for the run to be created from the proposal (600)     |
 | DDILOCO_STATE_EVERY    | seconds between resume records (default 5; 0: none)                    |
 | DDILOCO_STEPS          | the step budget the launcher was given (``LearnerEnv.steps``; a hint)  |
+| DDILOCO_ROLE           | ``learner`` (default) or ``evaluator`` (``ddiloco launch --eval``)      |
 
 Secrets are only ever read from files; a variable holds a path, never a key.
 """
@@ -32,7 +33,8 @@ from pipeline.types import check_learner_id
 
 PREFIX = "DDILOCO_"
 NAMES = ("STORE", "S3_ENDPOINT", "LEARNER_ID", "REGION", "INGEST", "ANNOUNCE", "KEY", "SYNCER_KEY", "LOG",
-         "PROPOSE", "PROPOSE_WAIT", "STATE_EVERY", "STEPS")
+         "PROPOSE", "PROPOSE_WAIT", "STATE_EVERY", "STEPS", "ROLE")
+ROLES = ("learner", "evaluator")
 DEFAULT_STATE_EVERY_S = 5.0
 DEFAULT_PROPOSE_WAIT_S = 600.0
 
@@ -54,8 +56,11 @@ class LearnerEnv:
     propose_wait_s: float = DEFAULT_PROPOSE_WAIT_S
     state_every_s: float = DEFAULT_STATE_EVERY_S
     steps: int | None = None
+    role: str = "learner"
 
     def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"{PREFIX}ROLE must be one of {ROLES}, got {self.role!r}")
         if not self.store:
             raise ValueError(f"{PREFIX}STORE: the run's location is required")
         try:
@@ -93,7 +98,7 @@ class LearnerEnv:
                    propose=propose == "1",
                    propose_wait_s=_number(get, "PROPOSE_WAIT", float, DEFAULT_PROPOSE_WAIT_S),
                    state_every_s=_number(get, "STATE_EVERY", float, DEFAULT_STATE_EVERY_S),
-                   steps=_number(get, "STEPS", int, None))
+                   steps=_number(get, "STEPS", int, None), role=get("ROLE") or "learner")
 
     def to_environ(self) -> dict[str, str]:
         """The variables that say this (what a launcher adds to a script's environment)."""
@@ -101,7 +106,8 @@ class LearnerEnv:
                "REGION": self.region, "INGEST": self.ingest, "ANNOUNCE": self.announce, "KEY": self.key,
                "SYNCER_KEY": self.syncer_key, "LOG": self.log, "PROPOSE": "1" if self.propose else "0",
                "PROPOSE_WAIT": repr(self.propose_wait_s),
-               "STATE_EVERY": repr(self.state_every_s), "STEPS": None if self.steps is None else str(self.steps)}
+               "STATE_EVERY": repr(self.state_every_s), "STEPS": None if self.steps is None else str(self.steps),
+               "ROLE": self.role}
         return {PREFIX + k: v for k, v in out.items() if v}
 
 

@@ -14,7 +14,7 @@ def launch_summary(store, store_uri: str, desc, events: list[dict], wall: float,
     first, last = (evals[0], evals[-1]) if evals else (None, None)
     summary = run_summary(store_uri, desc, events, first["loss"] if first else None,
                           (last["loss"], last.get("versions", {})) if last else None, wall, drained, lc.learners,
-                          lc.insecure, interrupted, evaluated=False)
+                          lc.insecure, interrupted, evaluated=lc.eval or bool(lc.eval_command))
     summary["mode"] = "launch"
     summary["settings"] = {"learners": lc.learners, "nproc_per_learner": lc.nproc_per_learner,
                            "fragments": desc.num_fragments, "sync_every": desc.schedule.sync_every,
