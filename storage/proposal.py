@@ -9,13 +9,15 @@ learner, the proposer included, then loads version 0 from the run, never its own
 proposal is kept afterwards as evidence of where version 0 came from.
 
 Record (docs/formats.md "Initial-model proposal"): envelope kind ``initial-model`` version 1, a
-msgpack map ``{"learner": id, "digest": tensor_digest, "tensors": [[name, dtype, shape, bytes], ...]}``
-with the tensors in name order; reading checks the envelope's checksum and the digest of the
-decoded values, and refuses anything but float32.
+msgpack map ``{"learner": id, "digest": tensor_digest, "tensors": [[name, dtype, shape, bytes], ...],
+"model": {...}}`` with the tensors in name order and ``model`` the learner's model config (a plain
+map, e.g. ``{"hf_config": ...}``; the run descriptor's ``model`` section, so that exports can rebuild
+the model); reading checks the envelope's checksum and the digest of the decoded values, and
+refuses anything but float32.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -36,8 +38,8 @@ PROPOSAL_KIND, PROPOSAL_VERSION = "initial-model", 1
 MAX_PROPOSAL_BYTES = 1 << 31     # the envelope's own limit: a model of up to 2 GiB of float32
 
 
-def encode_proposal(learner: str, tensors: Mapping[str, np.ndarray]) -> bytes:
-    """The sealed record of ``learner``'s initial weights (float32 arrays by name)."""
+def encode_proposal(learner: str, tensors: Mapping[str, np.ndarray], model: Mapping[str, Any] | None = None) -> bytes:
+    """The sealed record of ``learner``'s initial weights (float32 arrays by name) and model config."""
     check_learner_id(learner)
     if not tensors:
         raise ValueError("an initial-model proposal needs at least one tensor")
@@ -48,12 +50,17 @@ def encode_proposal(learner: str, tensors: Mapping[str, np.ndarray]) -> bytes:
             raise ValueError(f"initial model tensor {name!r} is {a.dtype}; runs train float32 models "
                              "(call model.float() before the Learner)")
         rows.append([name, str(a.dtype), list(a.shape), a.tobytes()])
-    return pack_record(PROPOSAL_KIND, PROPOSAL_VERSION,
-                       {"learner": learner, "digest": tensor_digest(tensors), "tensors": rows})
+    try:
+        return pack_record(PROPOSAL_KIND, PROPOSAL_VERSION,
+                           {"learner": learner, "digest": tensor_digest(tensors), "tensors": rows,
+                            "model": dict(model or {})})
+    except TypeError as exc:   # msgpack: a value that is no plain map/list/number/string
+        raise ValueError(f"model_config must be a map of plain values (JSON-like), got one that is not: {exc} "
+                         "(for a Hugging Face config: json.loads(config.to_json_string()))") from None
 
 
-def decode_proposal(blob: bytes, what: str = PROPOSAL_KEY) -> tuple[str, dict[str, np.ndarray]]:
-    """(proposing learner, tensors) of a proposal; ``FormatError`` naming what is wrong."""
+def decode_proposal(blob: bytes, what: str = PROPOSAL_KEY) -> tuple[str, dict[str, np.ndarray], dict[str, Any]]:
+    """(proposing learner, tensors, model config) of a proposal; ``FormatError`` naming what is wrong."""
     _, rec = unpack_record(blob, PROPOSAL_KIND, PROPOSAL_VERSION, max_bytes=MAX_PROPOSAL_BYTES, what=what)
     try:
         learner = check_learner_id(rec["learner"])
@@ -63,24 +70,28 @@ def decode_proposal(blob: bytes, what: str = PROPOSAL_KEY) -> tuple[str, dict[st
                 raise FormatError(f"{what}: tensor {name!r} is {dtype}, not float32")
             tensors[str(name)] = np.frombuffer(data, dtype=np.float32).reshape(tuple(shape)).copy()
         digest = str(rec["digest"])
+        model = rec.get("model", {})
+        if not isinstance(model, dict):
+            raise TypeError(f"model is a {type(model).__name__}, not a map")
     except (KeyError, TypeError, ValueError) as exc:
         raise FormatError(f"{what}: malformed initial-model proposal ({exc.__class__.__name__}: {exc})") from None
     if tensor_digest(tensors) != digest:
         raise FormatError(f"{what}: the tensors do not match the proposal's digest")
-    return learner, tensors
+    return learner, tensors, model
 
 
-def propose(store: ObjectStore, learner: str, tensors: Mapping[str, np.ndarray]) -> bool:
+def propose(store: ObjectStore, learner: str, tensors: Mapping[str, np.ndarray],
+            model: Mapping[str, Any] | None = None) -> bool:
     """Write ``learner``'s weights as the run's initial model unless someone proposed first.
     True when this write landed (ours is the initial model), False when another proposal exists."""
     try:
-        store.put_if_absent(PROPOSAL_KEY, encode_proposal(learner, tensors))
+        store.put_if_absent(PROPOSAL_KEY, encode_proposal(learner, tensors, model))
         return True
     except AlreadyExists:
         return False
 
 
-def read_proposal(store: ObjectStore) -> tuple[str, dict[str, np.ndarray]]:
+def read_proposal(store: ObjectStore) -> tuple[str, dict[str, np.ndarray], dict[str, Any]]:
     """The run's initial-model proposal (``NotFound`` when nobody proposed yet)."""
     return decode_proposal(store.get(PROPOSAL_KEY), f"{store.uri}/{PROPOSAL_KEY}")
 

@@ -100,7 +100,10 @@ def test_safetensors_of_the_tail_has_the_runs_final_loss(run, tmp_path, capsys):
     assert meta["format"] == "pt" and meta["ddiloco.metadata_version"] == str(export.EXPORT_METADATA_VERSION)
     assert set(meta) == {"format", "ddiloco.metadata_version", "ddiloco.run_id", "ddiloco.commit_seq",
                          "ddiloco.fragment_versions", "ddiloco.fragment_commits", "ddiloco.dtype",
-                         "ddiloco.shard_seqs"}
+                         "ddiloco.shard_seqs", "ddiloco.model_config"}
+    # v3 (issue 28): the run's model config travels with the weights (the demo's GPT config here)
+    _, desc = open_run(str(run / "store"))
+    assert info.model_config == desc.model and info.model_config["n_layer"] == 1
 
 
 def test_torch_stays_the_default_and_a_torch_file_has_no_metadata(run, tmp_path, capsys):

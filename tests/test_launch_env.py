@@ -62,8 +62,10 @@ def create_from_proposal_ready(store, model) -> None:
 
 def test_a_proposal_is_checked_against_its_digest_and_its_envelope():
     blob = encode_proposal("l1", {"w": np.arange(6, dtype=np.float32).reshape(2, 3)})
-    learner, tensors = decode_proposal(blob)
-    assert learner == "l1" and tensors["w"].shape == (2, 3) and tensors["w"][1, 2] == 5
+    learner, tensors, model = decode_proposal(blob)
+    assert learner == "l1" and tensors["w"].shape == (2, 3) and tensors["w"][1, 2] == 5 and model == {}
+    assert decode_proposal(encode_proposal("l1", {"w": np.zeros(1, np.float32)}, {"hf_config": {"a": 1}}))[2] == \
+        {"hf_config": {"a": 1}}
     damaged = bytearray(blob)
     damaged[-40] ^= 0x01
     with pytest.raises(FormatError):
@@ -78,7 +80,7 @@ def test_only_the_first_proposal_lands(tmp_path):
         read_proposal(store)
     assert propose(store, "l0", {"w": np.zeros(2, np.float32)}) is True
     assert propose(store, "l1", {"w": np.ones(2, np.float32)}) is False
-    learner, tensors = read_proposal(store)
+    learner, tensors, _ = read_proposal(store)
     assert learner == "l0" and not tensors["w"].any()
     assert store.list("proposals/") == [PROPOSAL_KEY]
 

@@ -165,6 +165,7 @@ def create_from_proposal(store: ObjectStore, settings: RunSettings, *, syncer: I
     launch``: the learners bring the model, the launcher holds the settings and the syncer's key).
     ``NotFound`` when nobody proposed yet. Returns (descriptor, the proposing learner's id)."""
     from storage.proposal import read_proposal
-    proposer, tensors = read_proposal(store)
-    settings = dataclasses.replace(settings, extra={**settings.extra, "initial_model_from": proposer})
+    proposer, tensors, model = read_proposal(store)
+    settings = dataclasses.replace(settings, model={**settings.model, **model},
+                                   extra={**settings.extra, "initial_model_from": proposer})
     return create_run(store, tensors, settings, syncer=syncer, learners=learners), proposer

@@ -58,9 +58,10 @@ SYNCER_WAIT_S = 60.0   # how long a proposer waits for the new run's syncer to s
 
 def find_run(store: ObjectStore, learner: str, params: dict[str, torch.nn.Parameter], events: EventLog,
              propose_model: bool, timeout_s: float, clock: Callable[[], float] = time.monotonic,
-             sleep: Callable[[float], None] = time.sleep) -> RunDescriptor:
+             sleep: Callable[[float], None] = time.sleep, model_config: dict | None = None) -> RunDescriptor:
     """The run at ``store`` once it is complete (descriptor and every fragment's version 0); see the
     module docstring. ``NotFound`` at once without ``propose_model``, after ``timeout_s`` with it.
+    ``model_config``: what rebuilds the model (the descriptor's ``model`` map if this proposal lands).
 
     A learner that found no run (a new launch) also waits, up to ``SYNCER_WAIT_S``, until the
     run's syncer has claimed its epoch, as ``ddiloco run`` starts learners once their syncer is up:
@@ -72,7 +73,7 @@ def find_run(store: ObjectStore, learner: str, params: dict[str, torch.nn.Parame
         if not propose_model:
             raise
     tensors = {n: p.detach().cpu().numpy().astype(np.float32, copy=True) for n, p in params.items()}
-    won = propose(store, learner, tensors)
+    won = propose(store, learner, tensors, model_config)
     events.emit("initial-model-proposed", accepted=won, params=int(sum(a.size for a in tensors.values())))
     desc = wait_for_run(store, timeout_s, clock, sleep)
     deadline = clock() + SYNCER_WAIT_S

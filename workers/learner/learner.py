@@ -113,8 +113,12 @@ class Learner:
                  events: EventLog | None = None, incarnation: int | None = None,
                  clock: Callable[[], float] = time.monotonic, region: str | None = None,
                  wall: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep,
-                 transport: Transport = ZMQ, descriptor: RunDescriptor | None = None):
+                 transport: Transport = ZMQ, descriptor: RunDescriptor | None = None,
+                 model_config: dict | None = None):
         self.model, self.optimizer = model, optimizer
+        # what rebuilds the model, recorded in a run this learner's proposal creates (exports carry it):
+        # e.g. {"hf_config": model.config.to_dict()} for a Hugging Face model (docs/running.md)
+        self.model_config = dict(model_config or {})
         if store is None or learner_id is None:   # under `ddiloco launch`: the environment contract (env.py)
             env = LearnerEnv.from_environ()
             if env is None:
@@ -177,7 +181,7 @@ class Learner:
         self.store = counted(learner_region_store(self.store, self.region))   # every request it makes, counted
         d = self.descriptor = self._given if self._given is not None else find_run(
             self.store, self.id, self.params, self.events, self.cfg.propose, self.cfg.propose_wait_s,
-            sleep=self.sleep)
+            sleep=self.sleep, model_config=self.model_config)
         here, home = region_names(d, self.store, self.region)
         self.traffic = TrafficMeter(self.events, here, home, {here: self.store},
                                     self.bus.counters if self.bus is not None else None, clock=self.clock)

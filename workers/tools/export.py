@@ -6,7 +6,10 @@ checked against its commit's ``output_checksum`` as it loads. ``export`` writes 
 PyTorch state dict (``--format torch``, the default: float32 tensors under the model's own names;
 ``torch.load(weights_only=True)`` reads it) or as safetensors (``--format safetensors``, also chosen
 by an output name ending in ``.safetensors``: the same tensors, plus the run id, the commit and
-each fragment's version in the file's metadata, docs/formats.md "Exported weights"). ``diff``
+each fragment's version in the file's metadata, docs/formats.md "Exported weights"), or as a Hugging
+Face directory (``--format hf``: ``model.safetensors`` and the ``config.json`` the run's learners
+recorded, the ``save_pretrained`` layout ``from_pretrained`` reads). Every safetensors export also
+carries the run's model config (issue 28: self-describing weights). ``diff``
 prints per-tensor norms of the change between two points.
 """
 from __future__ import annotations
@@ -32,13 +35,15 @@ from workers.common.runs import open_run
 from workers.tools.replay_cli import EXIT_DAMAGED, EXIT_USAGE, add_location_args, pipe_safe
 from workers.common.versions import decode_version
 
-FORMATS = ("torch", "safetensors")
+FORMATS = ("torch", "safetensors", "hf")
+HF_CONFIG = "hf_config"   # the descriptor's model map: a Hugging Face config.json (a learner's model_config)
 # safetensors metadata (str -> str): "format" is the key other tools read ("pt": torch tensors);
 # every other key is ours, under "ddiloco.", versioned by EXPORT_METADATA_VERSION (docs/formats.md).
 # v1: commit_seq, and for a sharded run commit_seq -1 plus shard_seqs (added under v1: readers
-# dropped it); v2: shard_seqs always (one seq per syncer shard; [commit_seq] unsharded).
-EXPORT_METADATA_VERSION = 2
-EXPORT_METADATA_READS = (1, 2)
+# dropped it); v2: shard_seqs always (one seq per syncer shard; [commit_seq] unsharded); v3: model_config
+# (the descriptor's model map as JSON: what rebuilds the model).
+EXPORT_METADATA_VERSION = 3
+EXPORT_METADATA_READS = (1, 2, 3)
 META_PREFIX = "ddiloco."
 
 
@@ -144,6 +149,7 @@ def export_metadata(descriptor: RunDescriptor, seq: int | Sequence[int],
         f"{META_PREFIX}fragment_versions": json.dumps({str(p): r.version for p, r in commits.items()}),
         f"{META_PREFIX}fragment_commits": json.dumps({str(p): r.seq for p, r in commits.items()}),
         f"{META_PREFIX}dtype": "float32",
+        f"{META_PREFIX}model_config": json.dumps(descriptor.model, sort_keys=True),
     }
 
 
@@ -156,6 +162,7 @@ class ExportInfo:
     fragment_versions: dict[int, int]
     fragment_commits: dict[int, int]
     shard_seqs: tuple[int, ...] = ()      # one seq per syncer shard, shard order ((commit_seq,) unsharded)
+    model_config: dict | None = None      # the run's model config (v3; None in older files)
 
 
 def read_export_metadata(path: str | Path) -> ExportInfo:
@@ -186,7 +193,8 @@ def read_export_metadata(path: str | Path) -> ExportInfo:
             run_id=meta[f"{META_PREFIX}run_id"], commit_seq=commit_seq,
             fragment_versions={int(p): int(v) for p, v in json.loads(meta[f"{META_PREFIX}fragment_versions"]).items()},
             fragment_commits={int(p): int(v) for p, v in json.loads(meta[f"{META_PREFIX}fragment_commits"]).items()},
-            shard_seqs=shard_seqs)
+            shard_seqs=shard_seqs,
+            model_config=json.loads(meta[f"{META_PREFIX}model_config"]) if int(version) >= 3 else None)
     except (KeyError, ValueError, TypeError, AttributeError) as exc:
         raise FormatError(f"{path}: malformed ddiloco metadata ({exc.__class__.__name__}: {exc})") from None
 
@@ -196,6 +204,8 @@ def write_export(path: Path, fmt: str, values: dict[str, np.ndarray], metadata: 
     file; ``metadata`` goes into a safetensors file (a torch state dict has no place for it)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown export format {fmt!r}: choose from {', '.join(FORMATS)}")
+    if fmt == "hf":
+        raise ValueError("write_export writes one file: a Hugging Face directory is write_hf_export")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     if fmt == "torch":
@@ -206,6 +216,22 @@ def write_export(path: Path, fmt: str, values: dict[str, np.ndarray], metadata: 
         save_file({n: np.ascontiguousarray(a, dtype=np.float32) for n, a in values.items()}, str(tmp),
                   metadata=metadata)
     tmp.replace(path)
+
+
+def write_hf_export(directory: Path, values: dict[str, np.ndarray], metadata: dict[str, str],
+                    descriptor: RunDescriptor) -> None:
+    """``directory/model.safetensors`` and ``directory/config.json`` (the run's ``hf_config``): the
+    layout ``transformers``' ``from_pretrained(directory)`` reads. ValueError when the run has none."""
+    config = descriptor.model.get(HF_CONFIG)
+    if not isinstance(config, dict):
+        raise ValueError(f"run {descriptor.run_id} records no Hugging Face config (its learners passed "
+                         f"model_config={{'{HF_CONFIG}': model.config.to_dict()}}? see examples/hf_causal_lm.py); "
+                         "export --format safetensors instead")
+    directory.mkdir(parents=True, exist_ok=True)
+    write_export(directory / "model.safetensors", "safetensors", values, metadata)
+    tmp = directory / "config.json.tmp"
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tmp.replace(directory / "config.json")
 
 
 @dataclass(frozen=True)
@@ -255,11 +281,12 @@ def configure_export(parser: argparse.ArgumentParser):
                        "sharded run: one per syncer shard, S0,S1,... in shard order)")
     which.add_argument("--latest", action="store_true", help="the end of the log")
     parser.add_argument("-o", "--output", required=True, metavar="PATH",
-                        help="file to write (e.g. model.pt, model.safetensors)")
+                        help="file to write (e.g. model.pt, model.safetensors; a directory for --format hf)")
     parser.add_argument("--format", choices=FORMATS, default=None,
                         help="torch: a state dict for torch.load (the default); safetensors: the same tensors "
                              "with the run id, commit and fragment versions as metadata (the default for an "
-                             "output name ending in .safetensors)")
+                             "output name ending in .safetensors); hf: a directory with model.safetensors and the "
+                             "run's config.json, for transformers' from_pretrained")
     return pipe_safe(export_command)
 
 
@@ -277,7 +304,13 @@ def export_command(args, out: TextIO, err: TextIO) -> int:
     path = Path(args.output)
     fmt = args.format or ("safetensors" if path.suffix == ".safetensors" else "torch")
     try:
-        write_export(path, fmt, values, export_metadata(descriptor, seq, commits))
+        if fmt == "hf":
+            write_hf_export(path, values, export_metadata(descriptor, seq, commits), descriptor)
+        else:
+            write_export(path, fmt, values, export_metadata(descriptor, seq, commits))
+    except ValueError as exc:
+        print(f"error: {exc}", file=err)
+        return EXIT_USAGE
     except OSError as exc:
         print(f"error: cannot write {path}: {exc}", file=err)
         return EXIT_USAGE
