@@ -1,4 +1,4 @@
-"""Issue 11 item 16: the README's "Train your own model" example works as written. The test takes the
+"""Issue 11 item 16: the README's "Your own model without the launcher" example works as written. The test takes the
 code block and the syncer command from README.md itself, runs them in a fresh directory (with a
 small MyModel and my_batches: 200 steps of 512 tokens), then checks what `ddiloco log` and
 `ddiloco replay` say about the run. Old code: the CLI syncer refused the library's unsigned run,
@@ -26,7 +26,7 @@ STEPS, BATCH, WIDTH = 200, 32, 16          # 200 steps x 512 tokens = 102,400 to
 
 def example() -> tuple[str, str, str]:
     """(code before the syncer starts, code after, the syncer command line) from the README."""
-    section = README.read_text().split("## Train your own model", 1)[1].split("\n## ", 1)[0]
+    section = README.read_text().split("## Your own model without the launcher", 1)[1].split("\n## ", 1)[0]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     command = re.search(r"`(ddiloco syncer [^`]*)`", code).group(1)
     before, after = code.split("learner = Learner(", 1)

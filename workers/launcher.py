@@ -85,8 +85,13 @@ def learner_command(command: list[str], nproc: int) -> list[str]:
     is_python = Path(cmd[0]).name in PYTHONS or cmd[0] == sys.executable
     if nproc == 1:
         return [sys.executable, *cmd[1:]] if is_python else cmd
-    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    return [*run, *cmd[1:]] if is_python else [*run, "--no-python", *cmd]
+    # torchrun with every listener of the group on 127.0.0.1 (its own rendezvous store binds every
+    # interface): workers/learner/localrun.py; a group across hosts is started with torchrun itself
+    run = [sys.executable, "-m", "workers.learner.localrun", "--nproc-per-node", str(nproc)]
+    if not is_python:
+        raise SystemExit(f"ddiloco launch --nproc-per-learner {nproc}: the command must be `python SCRIPT.py ...` or "
+                         f"`python -m MODULE ...` (torchrun starts its ranks), got {cmd[0]!r}")
+    return [*run, *cmd[1:]]
 
 
 def launch(args) -> int:

@@ -200,8 +200,8 @@ class _RankZeroLearner(Learner):
         super().__init__(*args, **kwargs)
         self._on_applied = on_applied
 
-    def apply_arrivals(self) -> int:
-        n = super().apply_arrivals()
+    def apply_arrivals(self, arrivals: list | None = None) -> int:
+        n = super().apply_arrivals(arrivals)
         self._on_applied()
         return n
 

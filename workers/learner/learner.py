@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -47,11 +46,12 @@ from workers.common.events import EventLog
 from workers.bus.keys import KeyRing, Roster
 from workers.learner.bootstrap import StateRecorder, find_run, from_env, stop_requested
 from workers.learner.env import LearnerEnv
+from workers.learner.figures import LearnerFigures
 from workers.learner.device_quant import QMAX as _DEVICE_QMAX, quantise_delta
 from workers.learner.io import DeltaSender, VersionReceiver
 from workers.learner.nonfinite import NonFiniteGuard
 from workers.learner.receiver import Receiver
-from workers.learner.sender import Sender, SenderConfig, SenderStats, delta_made
+from workers.learner.sender import Sender, SenderConfig, delta_made
 from workers.learner.shards import learner_tracker, make_receiver, make_sender, split_bus
 from workers.learner.observer import StepObserver, StepParts
 from workers.bus.signing import seal_delta
@@ -107,7 +107,7 @@ class LearnerConfig:
             raise ValueError(f"device_quantise must be one of {DEVICE_QUANTISE}, got {self.device_quantise!r}")
 
 
-class Learner:
+class Learner(LearnerFigures):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, store: str | ObjectStore | None = None,
                  learner_id: str | None = None, config: LearnerConfig = LearnerConfig(), bus: BusConfig | None = None,
                  events: EventLog | None = None, incarnation: int | None = None,
@@ -350,10 +350,11 @@ class Learner:
         self.c_steps[p] = max(0, self.c_steps[p] - steps)
         self.c_tokens[p] = max(0, self.c_tokens[p] - tokens)
 
-    def apply_arrivals(self) -> int:
-        """Apply every version that arrived since the last step; returns how many."""
+    def apply_arrivals(self, arrivals: list | None = None) -> int:
+        """Apply every version that arrived since the last step (``arrivals``: taken already);
+        returns how many."""
         n = 0
-        for a in self.receiver.take():
+        for a in (self.receiver.take() if arrivals is None else arrivals):
             if a.version <= self.base_version[a.fragment]:
                 continue
             if a.round >= 0 and self._owes(a.fragment, (a.epoch, a.round)):
@@ -388,6 +389,23 @@ class Learner:
 
     def step(self, closure: Callable[[], torch.Tensor], tokens: int) -> float:
         """One inner step. ``closure`` computes the loss (forward); ``tokens`` it consumed (> 0)."""
+        mark = self.boundary(tokens)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = closure()
+        loss.backward()
+        value = float(loss.detach())
+        if not self.health.check(self, loss, value):
+            return value   # skipped, nothing counted; reported and repaired (workers/learner/nonfinite.py)
+        self.optimizer.step()
+        self.account(tokens, value, mark)
+        return value
+
+    def boundary(self, tokens: int, arrivals: list | None = None, rounds: dict | None = None) -> tuple:
+        """The step boundary (SPEC §3): answer the open rounds, then apply what arrived (``arrivals``:
+        already taken from the receiver; ``rounds``: the receiver's open rounds as already read - both
+        so that a sharded learner gathers exactly the fragments this boundary reads, workers/learner/fsdp.py).
+        Returns the mark ``account`` takes
+        once the inner step is done; ``step`` is boundary, the inner step, account."""
         if not isinstance(tokens, (int, np.integer)) or isinstance(tokens, bool) or tokens <= 0:   # SPEC §4 weights
             raise ValueError(f"learner {self.id}: step(tokens=...) must be a positive int, got {tokens!r}")
         if self.sender is None:
@@ -400,17 +418,15 @@ class Learner:
             self._window_gap = max(self._window_gap, t0 - self._last_start)
             self._max_gap = max(self._max_gap, t0 - self._last_start)
         self._last_start = t0
-        answered = self.answer_rounds()
+        answered = self.answer_rounds(rounds)
         t_answer = self.clock()
-        applied = self.apply_arrivals()
-        t_apply = self.clock()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = closure()
-        loss.backward()
-        value = float(loss.detach())
-        if not self.health.check(self, loss, value):
-            return value   # skipped, nothing counted; reported and repaired (workers/learner/nonfinite.py)
-        self.optimizer.step()
+        applied = self.apply_arrivals(arrivals)
+        return t0, t_answer, self.clock(), answered, applied
+
+    def account(self, tokens: int, value: float, mark: tuple) -> None:
+        """Count one inner step of ``tokens`` taken after ``boundary`` returned ``mark``: the fragments'
+        counters, the step count, the progress event."""
+        t0, t_answer, t_apply, answered, applied = mark
         t_compute = self.clock()
         d = self.descriptor
         for p in range(d.num_fragments):
@@ -438,12 +454,11 @@ class Learner:
                              bytes_sent=self.sender.stats.bytes_sent + self.sender.stats.bytes_spilled,
                              max_gap_s=round(self._window_gap, 4))   # longest step-to-step gap since the last event
             self._window_gap = 0.0
-        return value
 
-    def answer_rounds(self) -> int:
+    def answer_rounds(self, rounds: dict | None = None) -> int:
         """Answer every round opened since the last step boundary (the newest one per fragment);
         returns how many deltas were handed to the sender."""
-        rounds = self.receiver.opened()
+        rounds = self.receiver.opened() if rounds is None else rounds
         if rounds is self._rounds_seen:
             return 0            # the same object as last step (the sync agent's board had no news): all answered
         self._rounds_seen = rounds
@@ -460,6 +475,11 @@ class Learner:
                     continue
                 n += self._answer(p, opened)
         return n
+
+    def fragments_read(self, rounds: dict, arrivals: list) -> set[int]:
+        """The fragments whose parameters a boundary with these open rounds and arrivals may read:
+        the rounds it owes (an answer's Δ_p) and every arrival's (answered first if owed; mixed)."""
+        return {p for p, opened in rounds.items() if self._owes(p, opened)} | {a.fragment for a in arrivals}
 
     def _owes(self, p: int, opened: tuple[int, int]) -> bool:
         """Whether round ``opened`` = (syncer epoch, round) of fragment ``p`` still wants this
@@ -534,54 +554,3 @@ class Learner:
             held = (src, {n: torch.from_numpy(src[n]).to(self.params[n].device) for n in names})
             self._base_dev[p] = held
         return held[1]
-
-    # -- reporting -------------------------------------------------------------------------------
-    def _report_traffic(self, final: bool = False) -> None:
-        if self.traffic is not None:
-            self.traffic.report(self.incarnation, final, step=self.step_count,
-                                outer_step=self.step_count // self.descriptor.schedule.sync_every)
-
-    def _step_time(self) -> float:
-        recent = list(self.step_times)[-20:]
-        return statistics.median(recent) if recent else 0.0
-
-    def _period(self) -> float:
-        """Step-to-step time (training, data and any pause between steps): the pace the syncer's
-        global clock follows (SPEC §2)."""
-        recent = list(self.gaps)[-20:]
-        return statistics.median(recent) if recent else self._step_time()
-
-    def _heartbeat(self) -> dict:
-        st = self._step_time()
-        return {"learner": self.id, "incarnation": self.incarnation, "step": self.step_count,
-                "step_time_s": self._period(), "tokens_per_s": (self.tokens / max(self.step_count, 1)) / st if st else 0.0,
-                "loss": self.loss_ewma if self.loss_ewma is not None else -1.0}
-
-    def stats(self) -> dict:
-        """Totals, and recent figures over bounded windows. ``evicted``,
-        ``undelivered``, ``spill_errors``/``last_error`` say whether work was lost and why
-        (item 11); ``receiver_failed`` whether versions stopped arriving (item 12)."""
-        s = self.sender.stats if self.sender else SenderStats()
-        r = self.receiver
-        timed, seconds = self._step_total
-        return {
-            "deltas": self.seq, "acked": s.acked, "spilled": s.spilled,
-            "superseded": s.superseded, "superseded_tokens": s.superseded_tokens,
-            "evicted": s.evicted, "evicted_tokens": s.evicted_tokens, "nonfinite_deltas": s.nonfinite,
-            "undelivered": self.sender.undelivered() if self.sender else 0,
-            "spill_errors": s.spill_errors, "last_error": s.last_error,
-            "bytes_sent": s.bytes_sent, "bytes_spilled": s.bytes_spilled, "spill_found": s.spill_found,
-            "bytes_received": r.bytes_received if r else 0,
-            "versions_applied": self.applied, "receiver_errors": r.errors if r else 0,
-            "versions_refused": r.refused if r else 0, "receiver_failed": r.failed if r else None,
-            # announced commits not in this learner's store yet (its region's copy), reads that missed them
-            "versions_awaited": r.awaited if r else 0, "copy_misses": r.copy_misses if r else 0,
-            "copy_wait_s": round(r.copy_wait_s, 4) if r else 0.0,
-            "nonfinite_steps": self.health.skipped, "fragments_reloaded": self.health.reloads,
-            "median_step_s": statistics.median(self.step_times) if self.step_times else 0.0,
-            # tails over the same window (issue 15: p99 <= 1.1x the median with sync on)
-            "p95_step_s": float(np.percentile(self.step_times, 95)) if self.step_times else 0.0,
-            "p99_step_s": float(np.percentile(self.step_times, 99)) if self.step_times else 0.0,
-            "mean_step_s": seconds / timed if timed else 0.0,
-            "max_gap_s": self._max_gap, "median_gap_s": statistics.median(self.gaps) if self.gaps else 0.0,
-        }
