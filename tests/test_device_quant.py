@@ -172,13 +172,13 @@ def _spills(store) -> dict[str, bytes]:
     return {k: store.get(k) for k in store.list(spill_prefix("l0", 1))}
 
 
-def _run(tmp_path, mode: str):
+def _run(tmp_path, mode: str, **cfg):
     """A version of fragment 1 applied, six steps on fixed data, a flush: two deltas spilled."""
-    store = open_store(str(tmp_path / mode))
+    store = open_store(str(tmp_path / (mode + "".join(f"-{k}{v}" for k, v in cfg.items()))))
     model = tiny_model()
     desc = make_run(store, model)
     model.to(DEVICE)
-    learner, _ = start_learner(store, model, device_quantise=mode)
+    learner, _ = start_learner(store, model, device_quantise=mode, **cfg)
     try:
         append_version(store, desc, 1, 1, {t.name: np.full(t.shape, 0.25, np.float32) for t in desc.layout.tensors})
         deadline = time.monotonic() + 20
@@ -203,6 +203,21 @@ def test_learner_on_the_device_path_stores_the_same_deltas(tmp_path):
     spills_off, spills_on = _spills(s_off), _spills(s_on)
     assert len(spills_off) == 2 and spills_on == spills_off
     assert l_on.stats()["spilled"] == 2 and l_on.stats()["nonfinite_deltas"] == 0
+
+
+def test_no_copy_of_the_bases_stays_with_the_parameters_unless_a_bounded_cache_is_asked_for(tmp_path):
+    """Issue 28: an answer uploads its fragment's base for the quantisation only (on a CPU model not
+    even that: the tensors are views of the host bases); with device_base_cache N at most N stay."""
+    s_none, l_none, _ = _run(tmp_path, "on")
+    s_one, l_one, _ = _run(tmp_path, "on", device_base_cache=1)
+    assert _spills(s_none) == _spills(s_one)       # the same delta bytes either way
+    assert l_none._device_base_kept() == {} and list(l_one._device_base_kept()) == [1]
+    if DEVICE.type == "cpu":
+        names = l_one.descriptor.layout.fragments[1]
+        held = l_one._device_base_kept()[1]
+        assert all(held[n].data_ptr() == l_one.base[1][n].__array_interface__["data"][0] for n in names)
+    with pytest.raises(ValueError, match="device_base_cache"):
+        LearnerConfig(device_base_cache=-1)
 
 
 def test_auto_takes_the_device_path_only_off_the_cpu_and_on_refuses_what_it_cannot_do(tmp_path):

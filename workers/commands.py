@@ -44,6 +44,7 @@ from workers.common.events import EventLog
 from workers.bus.keys import SYNCER, KeyRing, key_paths, load_identity, load_public
 from workers.common.metrics import add_metrics_args, start_metrics
 from workers.common.placement import default_shard
+from workers.common.progress_line import MODES, ProgressLine, wanted
 from workers.common.traffic import SINGLE_REGION, SyncerTraffic, TrafficMeter, counted
 from workers.syncer.syncer import Syncer, SyncerConfig
 
@@ -70,6 +71,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--key", metavar="PATH", default=None, help="this role's secret key file (.key_secret)")
     parser.add_argument("--insecure", action="store_true",
                         help="join an unsigned run: no CURVE, no signatures (logged as such)")
+    parser.add_argument("--progress", choices=MODES, default="auto",
+                        help="a short progress line every 5 s (auto: with --log, on a terminal)")
     add_metrics_args(parser)
 
 
@@ -110,7 +113,10 @@ def _bus(args) -> BusConfig | None:
 
 
 def _events(args, role: str, ident: str) -> EventLog:
-    return EventLog(args.log, role, ident, echo=None if args.log else sys.stdout)
+    events = EventLog(args.log, role, ident, echo=None if args.log else sys.stdout)
+    if wanted(args.progress, args.log):    # JSONL to the file, a human line to the terminal
+        events.subscribe(ProgressLine(role, ident))
+    return events
 
 
 CommitHook = Callable[[CommitRecord], None]

@@ -88,8 +88,14 @@ class LearnerConfig:
     propose: bool = False
     propose_wait_s: float = 600.0
     state_every_s: float | None = None
+    # Fragments whose base stays on the model's device between answers (device quantisation): 0, the
+    # default, keeps none - the device holds no second copy of the model; N <= P trades N fragments of
+    # device memory for their host-to-device upload per answer (workers/learner/learner.py _device_base).
+    device_base_cache: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.device_base_cache, int) or self.device_base_cache < 0:
+            raise ValueError(f"device_base_cache must be an int >= 0 (fragments), got {self.device_base_cache!r}")
         if not self.propose_wait_s > 0 or (self.state_every_s is not None and not self.state_every_s > 0):
             raise ValueError(f"propose_wait_s must be > 0 and state_every_s None or > 0, got {self.propose_wait_s}, "
                              f"{self.state_every_s}")
@@ -547,10 +553,20 @@ class Learner(LearnerFigures):
         self.sender.submit(header, delta)
 
     def _device_base(self, p: int, names: list[str]) -> dict[str, torch.Tensor]:
-        """base_p on the parameters' device: copied once per new base (a CPU model: no copy)."""
+        """base_p on the parameters' device for one answer (a CPU model: views, no copy). Bases live
+        in host memory: by default the upload is dropped after the answer, so the device holds no
+        copy of the model beside the parameters (issue 28); ``device_base_cache`` N keeps the uploads
+        of the N fragments answered last (each until its base changes) to save the upload."""
         src = self.base[p]
-        held = self._base_dev.get(p)
+        held = self._base_dev.pop(p, None)
         if held is None or held[0] is not src:
             held = (src, {n: torch.from_numpy(src[n]).to(self.params[n].device) for n in names})
-            self._base_dev[p] = held
+        if self.cfg.device_base_cache:
+            self._base_dev[p] = held              # newest last: the dict's order is the LRU order
+            while len(self._base_dev) > self.cfg.device_base_cache:
+                self._base_dev.pop(next(iter(self._base_dev)))
         return held[1]
+
+    def _device_base_kept(self) -> dict[int, dict[str, torch.Tensor]]:
+        """The base uploads kept on the model's device now (``device_base_cache``; tests, memory figures)."""
+        return {p: held[1] for p, held in self._base_dev.items()}
