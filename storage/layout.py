@@ -21,6 +21,7 @@ is one directory level deep, where every backend (SeaweedFS included) lists in b
     failovers/0000000007                        a region failover's record, by its epoch (create-if-absent)
     proposals/initial-model                     a learner's own initial weights, before the run exists (create-if-absent)
     learner-state/<learner>                     where a learner id stands, for its next life (overwritten, advisory)
+    learner-optimizer/<learner>                 its inner optimizer's state, when kept (overwritten, advisory)
 
 A sharded run (descriptor ``syncers`` N >= 2, issue 15) gives syncer shard i its own partition
 under ``shards/s<iiii>/``: its ``epochs/``, ``log/``, ``hints/`` (head hint, round clock),
@@ -64,6 +65,7 @@ REGION_MARKER_KEY = "region.marker"   # which region's copy this store is (stora
 FAILOVER_PREFIX = "failovers/"        # explicit region failovers (workers/syncer/home.py, issue 25)
 PROPOSAL_KEY = "proposals/initial-model"   # storage/proposal.py: version 0 from a learner's model (issue 28)
 LEARNER_STATE_PREFIX = "learner-state/"    # storage/learner_state.py: resume records (issue 28)
+LEARNER_OPTIMIZER_PREFIX = "learner-optimizer/"   # storage/learner_state.py: kept inner optimizer states
 SHARD_PREFIX = "shards/"            # a sharded run's per-shard partitions (shard_key)
 # What each syncer shard owns a copy of (the rest of a run is shared by every shard).
 SHARDED_PREFIXES = (EPOCH_PREFIX, LOG_PREFIX, HINT_PREFIX, CHECKPOINT_PREFIX, SPILL_PREFIX)
@@ -161,6 +163,12 @@ def learner_state_key(learner: str) -> str:
     """The resume record of a learner id (storage/learner_state.py)."""
     check_learner_id(learner)
     return LEARNER_STATE_PREFIX + learner
+
+
+def learner_optimizer_key(learner: str) -> str:
+    """The kept inner optimizer state of a learner id (storage/learner_state.py)."""
+    check_learner_id(learner)
+    return LEARNER_OPTIMIZER_PREFIX + learner
 
 
 def quarantine_key(checksum: str) -> str:

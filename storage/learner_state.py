@@ -11,20 +11,31 @@ run's latest global version (the paper's recovery); the inner optimizer starts f
 
 Record (docs/formats.md "Learner state"): envelope kind ``learner-state`` version 1, a msgpack map
 ``{"learner", "incarnation", "step", "tokens", "wall"}``, overwritten at ``learner-state/<id>``.
+
+With ``--save-optimizer-every N`` the learner also keeps its inner optimizer's state
+(``learner-optimizer/<id>``, kind ``learner-optimizer`` version 1): ``{"learner", "incarnation", "step",
+"groups": [param group map, ...], "tensors": [[param index, name, dtype, shape, bytes], ...],
+"scalars": [[param index, name, value], ...]}`` - an optimizer ``state_dict`` without pickle.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from pipeline.envelope import pack_record, unpack_record
 from pipeline.errors import FormatError
 from pipeline.types import check_learner_id
 
 from .errors import NotFound
-from .layout import learner_state_key
+from .layout import learner_optimizer_key, learner_state_key
 from .store import ObjectStore
 
 STATE_KIND, STATE_VERSION = "learner-state", 1
+OPTIMIZER_KIND, OPTIMIZER_VERSION = "learner-optimizer", 1
+OPTIMIZER_DTYPES = ("float32", "float64", "float16", "int64", "int32", "bool")
+MAX_OPTIMIZER_BYTES = 1 << 31
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,64 @@ def read_state(store: ObjectStore, learner: str) -> LearnerState | None:
     except NotFound:
         return None
     state = LearnerState.from_bytes(blob, f"{store.uri}/{key}")
+    if state.learner != learner:
+        raise FormatError(f"{store.uri}/{key}: the record names learner {state.learner!r}, not {learner!r}")
+    return state
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """An inner optimizer's ``state_dict`` as plain data: param groups (plain maps), per-parameter
+    tensors (numpy) and scalars, by the optimizer's parameter index."""
+
+    learner: str
+    incarnation: int
+    step: int
+    groups: list[dict[str, Any]]
+    tensors: dict[tuple[int, str], np.ndarray] = field(default_factory=dict)
+    scalars: dict[tuple[int, str], Any] = field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        rows = []
+        for (i, name), a in sorted(self.tensors.items()):
+            a = np.asarray(a)
+            a = a if a.flags.c_contiguous else a.copy(order="C")   # (ascontiguousarray makes a 0-d array 1-d)
+            if str(a.dtype) not in OPTIMIZER_DTYPES:
+                raise ValueError(f"optimizer state {i}.{name} is {a.dtype}: kept dtypes are {OPTIMIZER_DTYPES}")
+            rows.append([i, name, str(a.dtype), list(a.shape), a.tobytes()])
+        try:
+            return pack_record(OPTIMIZER_KIND, OPTIMIZER_VERSION, {
+                "learner": self.learner, "incarnation": self.incarnation, "step": self.step, "groups": self.groups,
+                "tensors": rows, "scalars": [[i, n, v] for (i, n), v in sorted(self.scalars.items())]})
+        except TypeError as exc:
+            raise ValueError(f"the optimizer's state holds a value that is not plain data: {exc}") from None
+
+    @classmethod
+    def from_bytes(cls, blob: bytes, what: str) -> "OptimizerState":
+        _, rec = unpack_record(blob, OPTIMIZER_KIND, OPTIMIZER_VERSION, max_bytes=MAX_OPTIMIZER_BYTES, what=what)
+        try:
+            tensors = {}
+            for i, name, dtype, shape, data in rec["tensors"]:
+                if dtype not in OPTIMIZER_DTYPES:
+                    raise ValueError(f"dtype {dtype!r}")
+                tensors[(int(i), str(name))] = np.frombuffer(data, dtype=dtype).reshape(tuple(shape)).copy()
+            return cls(str(rec["learner"]), int(rec["incarnation"]), int(rec["step"]), list(rec["groups"]), tensors,
+                       {(int(i), str(n)): v for i, n, v in rec["scalars"]})
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FormatError(f"{what}: malformed optimizer state ({exc.__class__.__name__}: {exc})") from None
+
+
+def write_optimizer(store: ObjectStore, state: OptimizerState) -> None:
+    store.put(learner_optimizer_key(state.learner), state.to_bytes())
+
+
+def read_optimizer(store: ObjectStore, learner: str) -> OptimizerState | None:
+    key = learner_optimizer_key(learner)
+    try:
+        blob = store.get(key)
+    except NotFound:
+        return None
+    state = OptimizerState.from_bytes(blob, f"{store.uri}/{key}")
     if state.learner != learner:
         raise FormatError(f"{store.uri}/{key}: the record names learner {state.learner!r}, not {learner!r}")
     return state

@@ -45,7 +45,8 @@ def encode_proposal(learner: str, tensors: Mapping[str, np.ndarray], model: Mapp
         raise ValueError("an initial-model proposal needs at least one tensor")
     rows = []
     for name in sorted(tensors):
-        a = np.ascontiguousarray(tensors[name])
+        a = np.asarray(tensors[name])
+        a = a if a.flags.c_contiguous else a.copy(order="C")   # (ascontiguousarray makes a 0-d array 1-d)
         if a.dtype != np.float32:
             raise ValueError(f"initial model tensor {name!r} is {a.dtype}; runs train float32 models "
                              "(call model.float() before the Learner)")

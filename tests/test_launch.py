@@ -122,7 +122,7 @@ def test_a_killed_learner_is_restarted_alone_and_resumes(tmp_path):
 
 def test_ctrl_c_then_the_same_command_continues_every_learner(tmp_path):
     out = tmp_path / "resume"
-    cmd = _launch_cmd(out, PACED, 300)
+    cmd = _launch_cmd(out, PACED, 300, "--save-optimizer-every", "20")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=_env(PACE_S="0.03"), start_new_session=True)
     try:
@@ -142,6 +142,7 @@ def test_ctrl_c_then_the_same_command_continues_every_learner(tmp_path):
     for lid in ("l0", "l1"):
         resumed = [e for e in _events(out, lid) if e.get("event") == "learner-resumed"]
         assert resumed and resumed[-1]["step"] == stopped[lid], (lid, resumed, stopped)
+        assert resumed[-1]["optimizer_step"] == stopped[lid]     # its AdamW state came back too (at close)
         assert summary["resumed"][lid]["step"] == stopped[lid]
         assert summary["per_learner"][lid]["step"] == 300
     launcher = _events(out, "launcher")

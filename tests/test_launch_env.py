@@ -61,8 +61,9 @@ def create_from_proposal_ready(store, model) -> None:
 
 
 def test_a_proposal_is_checked_against_its_digest_and_its_envelope():
-    blob = encode_proposal("l1", {"w": np.arange(6, dtype=np.float32).reshape(2, 3)})
+    blob = encode_proposal("l1", {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "s": np.float32(2.0).reshape(())})
     learner, tensors, model = decode_proposal(blob)
+    assert tensors["s"].shape == () and tensors["s"] == 2.0      # a scalar parameter stays 0-d
     assert learner == "l1" and tensors["w"].shape == (2, 3) and tensors["w"][1, 2] == 5 and model == {}
     assert decode_proposal(encode_proposal("l1", {"w": np.zeros(1, np.float32)}, {"hf_config": {"a": 1}}))[2] == \
         {"hf_config": {"a": 1}}
@@ -179,3 +180,35 @@ def test_a_resume_record_is_checked(tmp_path):
         read_state(store, "l3")
     with pytest.raises(ValueError, match="step must be an int >= 0"):
         LearnerState("l2", 0, -1, 0, 0.0)
+
+
+def test_a_kept_optimizer_state_comes_back_in_the_next_life(tmp_path):
+    """--save-optimizer-every: AdamW's moments and step count survive a restart (plain data, no pickle);
+    without it, or for another optimizer, the next life starts a fresh one."""
+    uri = str(tmp_path / "run")
+    store = open_store(uri)
+    model = _model(2)
+    create_from_proposal_ready(store, model)
+    cfg = LearnerConfig(state_every_s=1000.0, optimizer_every=3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.95))
+    first = Learner(model, opt, open_store(uri, create=False), "l0", cfg).start()
+    x = torch.randn(4, 8)
+    for _ in first.range(5):
+        first.step(lambda: model(x).square().mean(), tokens=4)
+    first.close()                         # the last snapshot, at step 5
+    before = opt.state_dict()
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.95))
+    second = Learner(model, fresh, open_store(uri, create=False), "l0", cfg).start()
+    after = fresh.state_dict()
+    assert after["param_groups"][0]["betas"] == (0.8, 0.95)
+    for i, st in before["state"].items():
+        for name, v in st.items():
+            assert torch.equal(after["state"][i][name], v), (i, name)
+    second.close()
+    # another optimizer's shape: refused, reported, fresh
+    other = torch.optim.AdamW([model[0].weight], lr=1e-2)
+    third = Learner(model, other, open_store(uri, create=False), "l0", cfg).start()
+    assert other.state_dict()["state"] == {}
+    third.close()
+    with pytest.raises(ValueError, match="needs state_every_s"):
+        LearnerConfig(optimizer_every=10)

@@ -38,6 +38,7 @@ class LaunchOptions:
     propose_wait: float = 600.0
     state_every: float = 5.0
     eval: bool = False
+    save_optimizer_every: int | None = None
     eval_command: str | None = None
 
     def __post_init__(self) -> None:
@@ -46,6 +47,8 @@ class LaunchOptions:
                 raise ValueError(f"launch.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_restarts < 0:
             raise ValueError(f"launch.max_restarts must be >= 0, got {self.max_restarts}")
+        if self.save_optimizer_every is not None and self.save_optimizer_every < 1:
+            raise ValueError(f"launch.save_optimizer_every must be >= 1 steps, got {self.save_optimizer_every}")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"launch.steps must be >= 1, got {self.steps}")
         if not self.propose_wait > 0 or not self.state_every > 0:
@@ -92,7 +95,7 @@ ALIASES = (
     Alias("--codec-format", "codec.format"), Alias("--outer-lr", "outer.lr"),
     Alias("--outer-momentum", "outer.momentum"), Alias("--keep-progress", "learner.keep_progress", True),
     Alias("--norm-guard", "guard.factor"), Alias("--eval", "launch.eval", True),
-    Alias("--eval-command", "launch.eval_command"),
+    Alias("--eval-command", "launch.eval_command"), Alias("--save-optimizer-every", "launch.save_optimizer_every"),
 )
 
 CHOICES = {k: v for k, v in RUN_CHOICES.items() if k.split(".")[0] in ("schedule", "codec", "versions", "merge")}
@@ -114,4 +117,6 @@ HELP = {**{k: v for k, v in RUN_HELP.items() if not k.startswith(("run.", "job."
         "launch.state_every": "seconds between each learner's resume records",
         "launch.eval": "also run the command once as the run's evaluator (DDILOCO_ROLE=evaluator: it follows the "
                        "global model with workers.evaluator.Evaluator and logs its held-out loss)",
+        "launch.save_optimizer_every": "steps between snapshots of each learner's inner optimizer state, kept for "
+                                       "its next life (none: a restarted learner starts a fresh optimizer)",
         "launch.eval_command": "the evaluator's own command instead, as one string (implies launch.eval)"}

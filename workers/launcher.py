@@ -178,7 +178,8 @@ def _start_learners(cluster: LocalCluster, names: list[str], cmd: list[str], lc,
         env = LearnerEnv(store=cluster.cfg.store, learner_id=lid, s3_endpoint=lc.s3_endpoint,
                          ingest=cluster.ingest if lc.bus else "", announce=cluster.announce if lc.bus else "",
                          key=key, syncer_key=syncer_key, log=str(cluster.log_path(lid).resolve()), propose=True,
-                         propose_wait_s=lc.propose_wait, state_every_s=lc.state_every, steps=lc.steps)
+                         propose_wait_s=lc.propose_wait, state_every_s=lc.state_every, steps=lc.steps,
+                         optimizer_every=lc.save_optimizer_every)
         cluster.spawn_script(lid, cmd, env.to_environ(), nice=LEARNER_NICE)
 
 

@@ -22,7 +22,7 @@ import torch
 from pipeline.descriptor import RunDescriptor
 from storage.errors import NotFound, StoreError
 from storage.layout import read_descriptor
-from storage.learner_state import LearnerState, write_state
+from storage.learner_state import LearnerState, OptimizerState, read_optimizer, write_optimizer, write_state
 from storage.proposal import propose, run_complete, syncer_started, wait_for_run
 from storage.store import ObjectStore, open_store
 from workers.bus.bus import BusConfig, BusCounters
@@ -33,10 +33,12 @@ from workers.learner.env import LearnerEnv
 POLL_S = 0.2
 
 
-def from_env(env: LearnerEnv, config, bus: BusConfig | None, events: EventLog | None, region: str | None):
+def from_env(env: LearnerEnv, store, learner_id: str | None, config, bus: BusConfig | None, events: EventLog | None,
+             region: str | None):
     """(store, learner id, config, bus, events, region) of a learner from the contract, each filled
     only where the caller gave nothing."""
-    store = open_store(env.store, s3_endpoint=env.s3_endpoint, create=False)
+    store = store if store is not None else open_store(env.store, s3_endpoint=env.s3_endpoint, create=False)
+    learner_id = learner_id or env.learner_id
     keys = config.keys
     if keys is None and env.key:
         try:
@@ -44,13 +46,13 @@ def from_env(env: LearnerEnv, config, bus: BusConfig | None, events: EventLog | 
         except (OSError, ValueError) as exc:
             raise ValueError(f"DDILOCO_KEY / DDILOCO_SYNCER_KEY: {exc}") from None
     config = dataclasses.replace(config, keys=keys, propose=config.propose or env.propose,
+                                 optimizer_every=config.optimizer_every or env.optimizer_every,
                                  propose_wait_s=env.propose_wait_s if env.propose else config.propose_wait_s,
                                  state_every_s=config.state_every_s if config.state_every_s is not None
                                  else (env.state_every_s or None))
     if bus is None and env.ingest:
         bus = BusConfig(env.ingest, env.announce, counters=BusCounters())
-    return (store, env.learner_id, config, bus, events or EventLog(env.log, "learner", env.learner_id),
-            region or env.region)
+    return (store, learner_id, config, bus, events or EventLog(env.log, "learner", learner_id), region or env.region)
 
 
 SYNCER_WAIT_S = 60.0   # how long a proposer waits for the new run's syncer to start, at most
@@ -87,10 +89,61 @@ def _wait_complete(store: ObjectStore, desc: RunDescriptor) -> RunDescriptor:
     return desc if run_complete(store, desc) else wait_for_run(store, 60.0)
 
 
+def optimizer_snapshot(optimizer: torch.optim.Optimizer, learner: str, incarnation: int, step: int) -> OptimizerState:
+    """A copy of ``optimizer``'s state as plain data (taken on the training thread at a step
+    boundary, so that no step changes it while it is written; the write itself is the recorder's)."""
+    sd = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for i, state in sd["state"].items():
+        for name, v in state.items():
+            if torch.is_tensor(v):
+                v = v.detach().to("cpu", copy=True)
+                tensors[(int(i), name)] = (v.float() if v.dtype == torch.bfloat16 else v).numpy()
+            else:
+                scalars[(int(i), name)] = v
+    groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in sd["param_groups"]]
+    return OptimizerState(learner, incarnation, step, groups, tensors, scalars)
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, state: OptimizerState) -> None:
+    """Put a kept state back (``load_state_dict`` casts it to the parameters' device and dtype);
+    ValueError when it is not this optimizer's (other parameter groups or sizes)."""
+    current = optimizer.state_dict()["param_groups"]
+    if len(current) != len(state.groups) or any(len(a["params"]) != len(b.get("params", ())) for a, b in
+                                                zip(current, state.groups)):
+        raise ValueError(f"the kept optimizer state has {[len(g.get('params', ())) for g in state.groups]} parameters "
+                         f"per group, this optimizer {[len(g['params']) for g in current]}")
+    groups = [{k: tuple(v) if isinstance(cur.get(k), tuple) else v for k, v in g.items()}
+              for g, cur in zip(state.groups, current)]
+    sd: dict = {"state": {}, "param_groups": groups}
+    for (i, name), a in state.tensors.items():
+        sd["state"].setdefault(i, {})[name] = torch.from_numpy(a)
+    for (i, name), v in state.scalars.items():
+        sd["state"].setdefault(i, {})[name] = v
+    try:
+        optimizer.load_state_dict(sd)
+    except (RuntimeError, KeyError, TypeError) as exc:
+        raise ValueError(f"the kept optimizer state does not fit this optimizer: {exc}") from None
+
+
+def resume_optimizer(store: ObjectStore, learner: str, optimizer: torch.optim.Optimizer, events: EventLog) -> int | None:
+    """Load the learner id's kept inner optimizer state: the step it was taken at, or None (none
+    kept, or it does not fit this optimizer: reported, and the optimizer starts fresh)."""
+    kept = read_optimizer(store, learner)
+    if kept is None:
+        return None
+    try:
+        load_optimizer(optimizer, kept)
+    except ValueError as exc:
+        events.emit("learner-optimizer-refused", error=str(exc)[:300])
+        return None
+    return kept.step
+
+
 class StateRecorder:
-    """Writes ``read()``'s LearnerState every ``every_s`` seconds when it changed, on its own thread;
-    ``stop`` writes the last one. A failed write is reported once per failure run and retried later:
-    the record is advisory, training never waits for it."""
+    """Writes ``read()``'s LearnerState every ``every_s`` seconds when it changed, on its own thread,
+    and the newest optimizer snapshot ``offer``ed; ``stop`` writes the last of both. A failed write is
+    reported once per failure run and retried later: the records are advisory, training never waits."""
 
     def __init__(self, store: ObjectStore, read: Callable[[], LearnerState], every_s: float, events: EventLog,
                  threads: bool = True):
@@ -98,6 +151,8 @@ class StateRecorder:
         self._stop = threading.Event()
         self._last: tuple[int, int] | None = None
         self._failing = False
+        self._optimizer: OptimizerState | None = None   # offered, not written yet
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="learner-state", daemon=True) if threads else None
 
     def start(self) -> None:
@@ -110,7 +165,22 @@ class StateRecorder:
             self._thread.join(timeout=10)
         self.write()
 
+    def offer(self, snapshot: OptimizerState) -> None:
+        """The newest optimizer snapshot, written at the recorder's next turn (an older one unwritten
+        is replaced: only the newest matters)."""
+        with self._lock:
+            self._optimizer = snapshot
+
     def write(self) -> bool:
+        with self._lock:
+            snapshot, self._optimizer = self._optimizer, None
+        if snapshot is not None:
+            try:
+                write_optimizer(self.store, snapshot)
+            except StoreError as exc:
+                self.events.emit("learner-state-failed", what="optimizer", error=str(exc)[:300])
+                with self._lock:
+                    self._optimizer = self._optimizer or snapshot   # try again at the next turn
         state = self.read()
         if self._last == (state.incarnation, state.step):
             return True

@@ -18,6 +18,7 @@ training script, so that the script takes no ddiloco arguments (issue 28; like t
 | DDILOCO_PROPOSE        | 1: on a store with no run yet, propose this model as version 0         |
 | DDILOCO_PROPOSE_WAIT   | seconds to wait for the run to be created from the proposal (600)     |
 | DDILOCO_STATE_EVERY    | seconds between resume records (default 5; 0: none)                    |
+| DDILOCO_SAVE_OPTIMIZER_EVERY | steps between snapshots of the inner optimizer's state (unset: none) |
 | DDILOCO_STEPS          | the step budget the launcher was given (``LearnerEnv.steps``; a hint)  |
 | DDILOCO_ROLE           | ``learner`` (default) or ``evaluator`` (``ddiloco launch --eval``)      |
 
@@ -33,7 +34,7 @@ from pipeline.types import check_learner_id
 
 PREFIX = "DDILOCO_"
 NAMES = ("STORE", "S3_ENDPOINT", "LEARNER_ID", "REGION", "INGEST", "ANNOUNCE", "KEY", "SYNCER_KEY", "LOG",
-         "PROPOSE", "PROPOSE_WAIT", "STATE_EVERY", "STEPS", "ROLE")
+         "PROPOSE", "PROPOSE_WAIT", "STATE_EVERY", "STEPS", "ROLE", "SAVE_OPTIMIZER_EVERY")
 ROLES = ("learner", "evaluator")
 DEFAULT_STATE_EVERY_S = 5.0
 DEFAULT_PROPOSE_WAIT_S = 600.0
@@ -57,8 +58,11 @@ class LearnerEnv:
     state_every_s: float = DEFAULT_STATE_EVERY_S
     steps: int | None = None
     role: str = "learner"
+    optimizer_every: int | None = None
 
     def __post_init__(self) -> None:
+        if self.optimizer_every is not None and self.optimizer_every < 1:
+            raise ValueError(f"{PREFIX}SAVE_OPTIMIZER_EVERY must be >= 1 steps, got {self.optimizer_every}")
         if self.role not in ROLES:
             raise ValueError(f"{PREFIX}ROLE must be one of {ROLES}, got {self.role!r}")
         if not self.store:
@@ -98,7 +102,8 @@ class LearnerEnv:
                    propose=propose == "1",
                    propose_wait_s=_number(get, "PROPOSE_WAIT", float, DEFAULT_PROPOSE_WAIT_S),
                    state_every_s=_number(get, "STATE_EVERY", float, DEFAULT_STATE_EVERY_S),
-                   steps=_number(get, "STEPS", int, None), role=get("ROLE") or "learner")
+                   steps=_number(get, "STEPS", int, None), role=get("ROLE") or "learner",
+                   optimizer_every=_number(get, "SAVE_OPTIMIZER_EVERY", int, None))
 
     def to_environ(self) -> dict[str, str]:
         """The variables that say this (what a launcher adds to a script's environment)."""
@@ -107,7 +112,8 @@ class LearnerEnv:
                "SYNCER_KEY": self.syncer_key, "LOG": self.log, "PROPOSE": "1" if self.propose else "0",
                "PROPOSE_WAIT": repr(self.propose_wait_s),
                "STATE_EVERY": repr(self.state_every_s), "STEPS": None if self.steps is None else str(self.steps),
-               "ROLE": self.role}
+               "ROLE": self.role,
+               "SAVE_OPTIMIZER_EVERY": None if self.optimizer_every is None else str(self.optimizer_every)}
         return {PREFIX + k: v for k, v in out.items() if v}
 
 

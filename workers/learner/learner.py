@@ -44,7 +44,8 @@ from storage.store import ObjectStore, open_store
 from workers.bus.bus import ZMQ, BusConfig, BusCounters, Transport
 from workers.common.events import EventLog
 from workers.bus.keys import KeyRing, Roster
-from workers.learner.bootstrap import StateRecorder, find_run, from_env, stop_requested
+from workers.learner.bootstrap import (StateRecorder, find_run, from_env, optimizer_snapshot, resume_optimizer,
+                                      stop_requested)
 from workers.learner.env import LearnerEnv
 from workers.learner.figures import LearnerFigures
 from workers.learner.device_quant import QMAX as _DEVICE_QMAX, quantise_delta
@@ -92,8 +93,15 @@ class LearnerConfig:
     # default, keeps none - the device holds no second copy of the model; N <= P trades N fragments of
     # device memory for their host-to-device upload per answer (workers/learner/learner.py _device_base).
     device_base_cache: int = 0
+    # Steps between snapshots of the inner optimizer's state kept for the next life (needs
+    # state_every_s; None: a resumed life starts a fresh optimizer, as the paper's recovery does).
+    optimizer_every: int | None = None
 
     def __post_init__(self) -> None:
+        if self.optimizer_every is not None and (not isinstance(self.optimizer_every, int) or self.optimizer_every < 1
+                                                 or self.state_every_s is None):
+            raise ValueError(f"optimizer_every must be an int >= 1 and needs state_every_s, got {self.optimizer_every!r} "
+                             f"(state_every_s {self.state_every_s})")
         if not isinstance(self.device_base_cache, int) or self.device_base_cache < 0:
             raise ValueError(f"device_base_cache must be an int >= 0 (fragments), got {self.device_base_cache!r}")
         if not self.propose_wait_s > 0 or (self.state_every_s is not None and not self.state_every_s > 0):
@@ -130,9 +138,8 @@ class Learner(LearnerFigures):
             if env is None:
                 raise ValueError("Learner needs store= and learner_id=, or the environment `ddiloco launch` sets "
                                  "(DDILOCO_STORE, DDILOCO_LEARNER_ID: docs/running.md \"The environment contract\")")
-            given_store, given_id = store, learner_id
-            store, learner_id, config, bus, events, region = from_env(env, config, bus, events, region)
-            store, learner_id = given_store if given_store is not None else store, given_id or learner_id
+            store, learner_id, config, bus, events, region = from_env(env, store, learner_id, config, bus, events,
+                                                                      region)
         self._given = descriptor     # the run's descriptor when the caller read it already (one read per process)
         self.transport = transport   # what builds its bus sockets (ZeroMQ; the fault simulation's own)
         self.region = region     # issue 14: start() moves to this region's store (None: ``store`` is it)
@@ -243,10 +250,16 @@ class Learner(LearnerFigures):
         if self.resumed is not None:
             self.step_count, self.tokens = self.resumed.step, self.resumed.tokens
             self.events.emit("learner-resumed", step=self.step_count, tokens=self.tokens,
-                             from_incarnation=self.resumed.incarnation)
+                             from_incarnation=self.resumed.incarnation,
+                             optimizer_step=resume_optimizer(self.store, self.id, self.optimizer, self.events)
+                             if self.cfg.optimizer_every is not None else None)
         self._state = StateRecorder(
             self.store, lambda: LearnerState(self.id, self.incarnation, self.step_count, self.tokens, self.wall()),
             self.cfg.state_every_s, self.events, threads=self.cfg.threads)
+
+    def _snapshot_optimizer(self) -> None:
+        if self.cfg.optimizer_every is not None and self._state is not None:
+            self._state.offer(optimizer_snapshot(self.optimizer, self.id, self.incarnation, self.step_count))
 
     def close(self, flush: bool = True) -> bool:
         """Stop; first wait up to ``drain_s`` for every delta to be durable. True if all were.
@@ -265,6 +278,7 @@ class Learner(LearnerFigures):
         if self.receiver is not None:
             self.receiver.stop()
         if self._state is not None:
+            self._snapshot_optimizer()
             self._state.stop()        # the last record: the next life starts where this one ended
         # Stats first, then the store's counters: a spill still in flight (the sender's join timed
         # out) counts its bytes at the store before the sender counts it, so the final report's
@@ -410,8 +424,8 @@ class Learner(LearnerFigures):
         """The step boundary (SPEC §3): answer the open rounds, then apply what arrived (``arrivals``:
         already taken from the receiver; ``rounds``: the receiver's open rounds as already read - both
         so that a sharded learner gathers exactly the fragments this boundary reads, workers/learner/fsdp.py).
-        Returns the mark ``account`` takes
-        once the inner step is done; ``step`` is boundary, the inner step, account."""
+        Returns the mark ``account`` takes once the inner step is done: ``step`` is boundary, the
+        inner step, account."""
         if not isinstance(tokens, (int, np.integer)) or isinstance(tokens, bool) or tokens <= 0:   # SPEC §4 weights
             raise ValueError(f"learner {self.id}: step(tokens=...) must be a positive int, got {tokens!r}")
         if self.sender is None:
@@ -444,6 +458,8 @@ class Learner(LearnerFigures):
             self.sender.beat_soon()
         if self.step_count % d.schedule.sync_every == 0:
             self._report_traffic()        # one outer step: H inner steps (SPEC §2)
+        if self.cfg.optimizer_every is not None and self.step_count % self.cfg.optimizer_every == 0:
+            self._snapshot_optimizer()    # a copy at this boundary; its write is the recorder thread's
         self.loss_ewma = value if self.loss_ewma is None else 0.9 * self.loss_ewma + 0.1 * value
         took = self.clock() - t0
         self.step_times.append(took)
