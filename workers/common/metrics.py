@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pipeline.fold import DropReason
@@ -29,6 +29,7 @@ from storage.accounting import CountingStore
 from storage.layout import read_descriptor
 from storage.store import ObjectStore
 from workers.common.events import EventLog
+from workers.common.health import Health, HealthServer
 
 ROUND_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 GRACE_BUCKETS = (0.0, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -52,7 +53,8 @@ class Metrics:
         self.role, self.ident = role, ident
         self.registry = CollectorRegistry()
         self._lock = threading.Lock()
-        self._server = self._thread = None
+        self._server: HealthServer | None = None
+        self.health = Health(role)      # /healthz and /readyz beside /metrics (workers/common/health.py)
         self.url: str | None = None
         self.port: int | None = None
         self.last_error = ""
@@ -218,6 +220,7 @@ class Metrics:
         name = str(rec.get("event", "?"))
         try:
             with self._lock:
+                self.health.observe(rec)
                 self.events.labels(name).inc()
                 handler = self._handlers.get(name)
                 if handler is not None:
@@ -236,25 +239,24 @@ class Metrics:
 
     # -- the endpoint ----------------------------------------------------------------------------
     def serve(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Serve ``/metrics`` on ``host:port`` (0: a free port) from a daemon thread; returns the URL."""
+        """Serve ``/metrics`` (and ``/healthz``, ``/readyz``) on ``host:port`` (0: a free port) from a
+        daemon thread; returns the metrics URL."""
         if not 0 <= port <= 65535:
             raise ValueError(f"--metrics-port must be 0..65535, got {port}")
         try:
-            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+            self._server = HealthServer(self.registry, self.health, host, port)
         except OSError as exc:
             raise OSError(f"metrics: cannot listen on {host}:{port} ({exc.strerror or exc}): pick another "
                           "--metrics-port (0: any free port) or --metrics-host") from None
-        self.port = self._server.server_port
+        self.port = self._server.port
         self.url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}/metrics"
         return self.url
 
     def close(self) -> None:
         """Stop serving (the counters stay readable in ``registry``)."""
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._thread.join(timeout=5)
-            self._server = self._thread = None
+            self._server.close()
+            self._server = None
 
 
 class _Polled:
