@@ -160,6 +160,10 @@ def configure_syncer(parser: argparse.ArgumentParser,
     parser.add_argument("--shard", metavar="I/N", type=_shard_spec, default=None,
                         help="be syncer shard I of a run of N shards (ddiloco run --syncers N): own the fragments "
                              "p with p %% N == I, with its own epochs and log (docs/scale.md \"Sharded syncer\")")
+    parser.add_argument("--create", metavar="LAUNCH.toml", default=None,
+                        help="if the run does not exist, create it from the first learner's proposed model with these "
+                             "settings (a `ddiloco launch --print-config` file), listing every learner whose NAME.key "
+                             "lies beside the syncer's key (Kubernetes, SLURM: workers/syncer/create.py)")
     parser.add_argument("--wait-for-run", type=float, default=None, metavar="SECONDS",
                         help="wait up to SECONDS for the run to be created (ddiloco launch starts the syncer while "
                              "its learners propose the initial model; storage/proposal.py)")
@@ -188,7 +192,10 @@ def configure_syncer(parser: argparse.ArgumentParser,
         if args.wait_for_run is not None and not args.wait_for_run > 0:
             raise SystemExit(f"--wait-for-run must be > 0 seconds, got {args.wait_for_run}")
         # read once per process, handed to what needs it
-        desc = wait_for_run(store, args.wait_for_run) if args.wait_for_run else read_descriptor(store)
+        if args.create:
+            desc = _create_run(args, store)
+        else:
+            desc = wait_for_run(store, args.wait_for_run) if args.wait_for_run else read_descriptor(store)
         keys = _keyring(args, desc, "syncer", args.id)
         shard = _check_shard(args.shard, desc)
         flag = _stop_flag()
@@ -212,6 +219,23 @@ def configure_syncer(parser: argparse.ArgumentParser,
             if metrics is not None:
                 metrics.close()
     return handler
+
+
+def _create_run(args, store) -> RunDescriptor:
+    """``--create``: the run, created from a learner's proposal if it does not exist (signed unless
+    ``--insecure``; waits ``--wait-for-run`` seconds, default an hour)."""
+    from workers.syncer.create import create_when_proposed
+    if args.insecure and (args.key or args.keys):
+        raise SystemExit("--insecure and key options exclude each other")
+    if not args.insecure and not (args.key or args.keys):
+        raise SystemExit("--create makes a signed run: give --keys DIR or --key PATH (or --insecure)")
+    secret = None if args.insecure else Path(args.key) if args.key else key_paths(args.keys, SYNCER)[1]
+    try:
+        ident = load_identity(secret) if secret is not None else None
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"keys: {exc}") from None
+    return create_when_proposed(store, args.create, ident, secret.parent if secret is not None else None,
+                                args.wait_for_run or 3600.0)
 
 
 def _shard_spec(text: str) -> tuple[int, int]:

@@ -14,7 +14,7 @@ from pipeline.descriptor import RunSections
 from pipeline.guard import NormGuardConfig
 from .config import Alias
 from .launch import RunSettings, Schedule, check_quorum
-from .run_config import CHOICES as RUN_CHOICES, HELP as RUN_HELP
+from .sections import SECTION_CHOICES, SECTION_HELP
 
 
 @dataclass(frozen=True)
@@ -98,9 +98,9 @@ ALIASES = (
     Alias("--eval-command", "launch.eval_command"), Alias("--save-optimizer-every", "launch.save_optimizer_every"),
 )
 
-CHOICES = {k: v for k, v in RUN_CHOICES.items() if k.split(".")[0] in ("schedule", "codec", "versions", "merge")}
+CHOICES = SECTION_CHOICES
 
-HELP = {**{k: v for k, v in RUN_HELP.items() if not k.startswith(("run.", "job.", "model.", "roles."))},
+HELP = {**SECTION_HELP,
         "launch.learners": "learners M, each running the command",
         "launch.nproc_per_learner": "ranks per learner: N > 1 runs the command under torchrun --nproc-per-node N",
         "launch.max_restarts": "restarts of each learner that dies (the others never stop)",

@@ -16,14 +16,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pipeline.codec import SCHEMES, VERSIONS as CODEC_FORMATS
 from pipeline.descriptor import RunSections
 from pipeline.guard import NormGuardConfig
 from pipeline.regions import RegionsConfig
 from workers.job.job import LR_SCHEDULES, JobSettings
 from workers.job.model import GPTConfig
 from .config import Alias
-from .launch import STRATEGIES, RunSettings, Schedule, check_quorum
+from .sections import SECTION_CHOICES, SECTION_HELP
+from .launch import RunSettings, Schedule, check_quorum
 
 MODES = ("decoupled", "dp", "diloco")
 
@@ -160,8 +160,7 @@ ALIASES = (
     Alias("--metrics-port", "roles.metrics_port"), Alias("--eval-every", "roles.eval_every"),
 )
 
-CHOICES = {"run.mode": MODES, "schedule.strategy": STRATEGIES, "codec.scheme": SCHEMES, "codec.format": CODEC_FORMATS,
-           "job.lr_schedule": LR_SCHEDULES, "versions.dtype": ("fp32", "bf16"), "merge.method": ("rda", "mean")}
+CHOICES = {"run.mode": MODES, "job.lr_schedule": LR_SCHEDULES, **SECTION_CHOICES}
 
 HELP = {
     "run.learners": "learner processes (M)",
@@ -178,19 +177,6 @@ HELP = {
     "run.keys": "key directory (none: OUT/keys); missing keys are created",
     "run.prices": "price overrides for the cost estimate of a run on S3: a JSON file or inline JSON "
                   "(docs/regions.md \"The price table\")",
-    "schedule.fragments": "fragments P",
-    "schedule.sync_every": "H: steps between two syncs of one fragment (none: 4 x P)",
-    "policy.quorum": "minimum quorum K (<= learners)",
-    "policy.overlap": "tau: steps a fragment's version is expected back after its round (SPEC §3)",
-    "policy.gamma": "gamma of the adaptive grace window (SPEC §4)",
-    "policy.cap_s": "cap of the grace window in seconds (0: one step time)",
-    "codec.format": "tensor blob format of the run's deltas and versions (docs/formats.md \"Tensor blobs\")",
-    "outer.lr": "outer Nesterov learning rate (SPEC §5)",
-    "outer.momentum": "outer Nesterov momentum",
-    "learner.keep_progress": "learners keep their steps since answering a round when its version lands",
-    "learner.mixing_alpha": "weight of a learner's own parameters when a version lands (0: take the version)",
-    "guard.factor": "drop a delta whose per-step norm exceeds this factor x the recent median (docs/algorithm.md)",
-    "guard.enabled": "the norm guard (false: every finite delta is merged)",
     "job.steps": "inner steps per learner",
     "job.lr": "inner AdamW learning rate",
     "job.lr_schedule": "inner lr schedule (cosine: warmup_steps linear warmup, decay to min_lr_ratio x lr)",
@@ -205,4 +191,5 @@ HELP = {
     "roles.sync_process": "each learner's sender and receiver in a child process, off its training loop's GIL",
     "roles.metrics_port": "Prometheus metrics: the syncer at N, learner m at N+1+m (0: free ports, logged)",
     "roles.eval_every": "seconds between global-model evaluations",
+    **SECTION_HELP,
 }
