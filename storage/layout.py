@@ -10,6 +10,7 @@ is one directory level deep, where every backend (SeaweedFS included) lists in b
     log/00000000000000000000                    commit records (create-if-absent, never deleted)
     hints/log-head                              advisory: last known commit seq (overwritten)
     hints/round-clock                           the syncer's global step, for bus-less learners (overwritten)
+    hints/syncer-endpoints                      where the syncer's bus is, for learners that discover it (overwritten)
     hints/retention                             advisory: the retention horizon, written before a deletion (overwritten)
     versions/f00000/v000000000000[-e<epoch>]    fragment versions (written before their commit)
     deltas/<learner>/i0000000000/s000000000000  deltas a commit merged (written before it)
@@ -51,6 +52,7 @@ EPOCH_PREFIX = "epochs/"
 LOG_PREFIX = "log/"
 HEAD_HINT_KEY = "hints/log-head"
 CLOCK_KEY = "hints/round-clock"     # pipeline/schedule.py ClockRecord: where rounds stand (advisory)
+ENDPOINTS_KEY = "hints/syncer-endpoints"   # workers/bus/discovery.py: the syncer's bus endpoints (advisory)
 RETENTION_KEY = "hints/retention"   # the newest retention horizon: replay starts after it
 VERSION_PREFIX = "versions/"
 DELTA_PREFIX = "deltas/"

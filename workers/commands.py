@@ -109,6 +109,8 @@ def _keyring(args, desc: RunDescriptor, role: str, ident: str) -> KeyRing | None
 
 
 def _bus(args) -> BusConfig | None:
+    if getattr(args, "discover", False):   # found in the store (workers/bus/discovery.py), not given
+        return None
     return None if args.no_bus else BusConfig(args.ingest, args.announce, counters=BusCounters())
 
 
@@ -164,6 +166,9 @@ def configure_syncer(parser: argparse.ArgumentParser,
                         help="if the run does not exist, create it from the first learner's proposed model with these "
                              "settings (a `ddiloco launch --print-config` file), listing every learner whose NAME.key "
                              "lies beside the syncer's key (Kubernetes, SLURM: workers/syncer/create.py)")
+    parser.add_argument("--advertise", metavar="HOST", default=None,
+                        help="publish the bus endpoints in the run store for learners started with --discover; HOST "
+                             "replaces a wildcard bind's address ('' : this host's name; workers/bus/discovery.py)")
     parser.add_argument("--wait-for-run", type=float, default=None, metavar="SECONDS",
                         help="wait up to SECONDS for the run to be created (ddiloco launch starts the syncer while "
                              "its learners propose the initial model; storage/proposal.py)")
@@ -205,7 +210,7 @@ def configure_syncer(parser: argparse.ArgumentParser,
         bus = _bus(args)
         syncer = Syncer(store, SyncerConfig(syncer_id=args.id, checkpoint_every=args.checkpoint_every,
                                             retention=retention, threads=args.threads, shard=shard,
-                                            spill_poll_s=args.spill_poll),
+                                            spill_poll_s=args.spill_poll, advertise=args.advertise),
                         bus=bus, events=events, keys=keys,
                         before_commit=before_commit(args, events) if before_commit is not None else None)
         _meter_syncer(syncer, store, bus, events)
@@ -292,6 +297,9 @@ def configure_learner(parser: argparse.ArgumentParser):
                         help="load the model, then wait for this file to exist before joining (a spare machine)")
     parser.add_argument("--data-seed", type=int, default=None, help="the batch order's seed (default: the run's)")
     parser.add_argument("--ack-timeout", type=float, default=2.0, help="seconds before an unacked delta spills")
+    parser.add_argument("--discover", action="store_true",
+                        help="find the syncer's bus in the run store (a syncer started with --advertise) and follow it "
+                             "when it moves, instead of --ingest/--announce")
     parser.add_argument("--poll", type=float, default=0.5, help="seconds between storage polls for versions")
     parser.add_argument("--syncer-key", metavar="PATH", default=None,
                         help="the syncer's public key file (syncer.key) to pin (default: DIR/syncer.key with --keys)")
@@ -348,8 +356,10 @@ def configure_learner(parser: argparse.ArgumentParser):
         flag = _stop_flag()
         events = _events(args, "learner", args.id)
         store, metrics = start_metrics(args, events, "learner", args.id, store, run_id=desc.run_id)
+        if args.discover and args.no_bus:
+            raise SystemExit("--discover finds the bus; --no-bus has none: give one of them")
         cfg = LearnerConfig(sender=SenderConfig(ack_timeout_s=args.ack_timeout), poll_s=args.poll, keys=keys,
-                            sync_process=args.sync_process, agent_cpus=agent_cpus)
+                            sync_process=args.sync_process, agent_cpus=agent_cpus, discover=args.discover)
         try:
             wait_for = args.wait_for
             stats = learner_process(store, args.id, shard, _bus(args), events, steps=args.steps,

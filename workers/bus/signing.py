@@ -35,7 +35,7 @@ from pipeline.errors import FormatError
 from pipeline.types import CommitRecord
 
 DOMAIN = b"ddiloco-sig-v1\0"
-PURPOSES = ("delta", "version", "commit", "checkpoint", "member")
+PURPOSES = ("delta", "version", "commit", "checkpoint", "member", "endpoints")
 SIG_BYTES = 64
 SIGNED_DELTA_KIND, SIGNED_DELTA_VERSION = "signed-delta", 1
 SIGNED_CHECKPOINT_KIND, SIGNED_CHECKPOINT_VERSION = "signed-checkpoint", 1
@@ -160,6 +160,11 @@ def _verify_hex(sig, public_hex: str, domain: str, run_id: str, payload: bytes) 
     except ValueError:
         return False
     return verify(public_hex, domain, run_id, payload, raw)
+
+
+def verify_hex(sig, public_hex: str, purpose: str, run_id: str, payload: bytes) -> bool:
+    """Whether ``sig`` (hex text, as records store it) is ``public_hex``'s signature of the payload."""
+    return _verify_hex(sig, public_hex, purpose, run_id, payload)
 
 
 def commit_signature_ok(record: CommitRecord, public_hex: str, run_id: str) -> bool:

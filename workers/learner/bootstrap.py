@@ -46,6 +46,7 @@ def from_env(env: LearnerEnv, store, learner_id: str | None, config, bus: BusCon
         except (OSError, ValueError) as exc:
             raise ValueError(f"DDILOCO_KEY / DDILOCO_SYNCER_KEY: {exc}") from None
     config = dataclasses.replace(config, keys=keys, propose=config.propose or env.propose,
+                                 discover=config.discover or env.discover,
                                  optimizer_every=config.optimizer_every or env.optimizer_every,
                                  propose_wait_s=env.propose_wait_s if env.propose else config.propose_wait_s,
                                  state_every_s=config.state_every_s if config.state_every_s is not None
@@ -138,6 +139,22 @@ def resume_optimizer(store: ObjectStore, learner: str, optimizer: torch.optim.Op
         events.emit("learner-optimizer-refused", error=str(exc)[:300])
         return None
     return kept.step
+
+
+def discovery_target(config, bus, descriptor: RunDescriptor, store: ObjectStore, events: EventLog):
+    """With ``LearnerConfig.discover``: the BusTarget that finds (and follows) the syncer through the
+    store (workers/bus/discovery.py), read once now; None without it. ValueError for what it cannot do."""
+    if not config.discover:
+        return None
+    if bus is not None:
+        raise ValueError("discover and bus endpoints exclude each other: the endpoints are found in the store")
+    if descriptor.syncers > 1 or config.sync_process or not config.threads:
+        raise ValueError("discovering the syncer needs an unsharded run, no sync_process and the learner's threads "
+                         f"(run {descriptor.run_id}: {descriptor.syncers} syncers)")
+    from workers.bus.discovery import BusTarget
+    target = BusTarget(store, descriptor, events)
+    target.refresh(force=True)
+    return target
 
 
 class StateRecorder:

@@ -20,6 +20,7 @@ training script, so that the script takes no ddiloco arguments (issue 28; like t
 | DDILOCO_STATE_EVERY    | seconds between resume records (default 5; 0: none)                    |
 | DDILOCO_SAVE_OPTIMIZER_EVERY | steps between snapshots of the inner optimizer's state (unset: none) |
 | DDILOCO_STEPS          | the step budget the launcher was given (``LearnerEnv.steps``; a hint)  |
+| DDILOCO_DISCOVER       | 1: find the syncer's bus in the store (workers/bus/discovery.py) instead of INGEST/ANNOUNCE |
 | DDILOCO_ROLE           | ``learner`` (default) or ``evaluator`` (``ddiloco launch --eval``)      |
 
 Secrets are only ever read from files; a variable holds a path, never a key.
@@ -34,7 +35,7 @@ from pipeline.types import check_learner_id
 
 PREFIX = "DDILOCO_"
 NAMES = ("STORE", "S3_ENDPOINT", "LEARNER_ID", "REGION", "INGEST", "ANNOUNCE", "KEY", "SYNCER_KEY", "LOG",
-         "PROPOSE", "PROPOSE_WAIT", "STATE_EVERY", "STEPS", "ROLE", "SAVE_OPTIMIZER_EVERY")
+         "PROPOSE", "PROPOSE_WAIT", "STATE_EVERY", "STEPS", "ROLE", "SAVE_OPTIMIZER_EVERY", "DISCOVER")
 ROLES = ("learner", "evaluator")
 DEFAULT_STATE_EVERY_S = 5.0
 DEFAULT_PROPOSE_WAIT_S = 600.0
@@ -59,8 +60,11 @@ class LearnerEnv:
     steps: int | None = None
     role: str = "learner"
     optimizer_every: int | None = None
+    discover: bool = False
 
     def __post_init__(self) -> None:
+        if self.discover and self.ingest:
+            raise ValueError(f"{PREFIX}DISCOVER and {PREFIX}INGEST exclude each other: the endpoints are found in the store")
         if self.optimizer_every is not None and self.optimizer_every < 1:
             raise ValueError(f"{PREFIX}SAVE_OPTIMIZER_EVERY must be >= 1 steps, got {self.optimizer_every}")
         if self.role not in ROLES:
@@ -93,9 +97,10 @@ class LearnerEnv:
             return None
         if not get("LEARNER_ID"):
             raise ValueError(f"{PREFIX}STORE is set but {PREFIX}LEARNER_ID is not: every learner needs its own id")
-        propose = get("PROPOSE").lower()
-        if propose not in ("", "0", "1"):
-            raise ValueError(f"{PREFIX}PROPOSE must be 0 or 1, got {propose!r}")
+        propose, discover = get("PROPOSE").lower(), get("DISCOVER").lower()
+        for name, v in (("PROPOSE", propose), ("DISCOVER", discover)):
+            if v not in ("", "0", "1"):
+                raise ValueError(f"{PREFIX}{name} must be 0 or 1, got {v!r}")
         return cls(store=get("STORE"), learner_id=get("LEARNER_ID"), s3_endpoint=get("S3_ENDPOINT") or None,
                    region=get("REGION") or None, ingest=get("INGEST"), announce=get("ANNOUNCE"),
                    key=get("KEY") or None, syncer_key=get("SYNCER_KEY") or None, log=get("LOG") or None,
@@ -103,7 +108,7 @@ class LearnerEnv:
                    propose_wait_s=_number(get, "PROPOSE_WAIT", float, DEFAULT_PROPOSE_WAIT_S),
                    state_every_s=_number(get, "STATE_EVERY", float, DEFAULT_STATE_EVERY_S),
                    steps=_number(get, "STEPS", int, None), role=get("ROLE") or "learner",
-                   optimizer_every=_number(get, "SAVE_OPTIMIZER_EVERY", int, None))
+                   optimizer_every=_number(get, "SAVE_OPTIMIZER_EVERY", int, None), discover=discover == "1")
 
     def to_environ(self) -> dict[str, str]:
         """The variables that say this (what a launcher adds to a script's environment)."""
@@ -113,7 +118,8 @@ class LearnerEnv:
                "PROPOSE_WAIT": repr(self.propose_wait_s),
                "STATE_EVERY": repr(self.state_every_s), "STEPS": None if self.steps is None else str(self.steps),
                "ROLE": self.role,
-               "SAVE_OPTIMIZER_EVERY": None if self.optimizer_every is None else str(self.optimizer_every)}
+               "SAVE_OPTIMIZER_EVERY": None if self.optimizer_every is None else str(self.optimizer_every),
+               "DISCOVER": "1" if self.discover else None}
         return {PREFIX + k: v for k, v in out.items() if v}
 
 

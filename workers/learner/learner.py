@@ -44,8 +44,8 @@ from storage.store import ObjectStore, open_store
 from workers.bus.bus import ZMQ, BusConfig, BusCounters, Transport
 from workers.common.events import EventLog
 from workers.bus.keys import KeyRing, Roster
-from workers.learner.bootstrap import (StateRecorder, find_run, from_env, optimizer_snapshot, resume_optimizer,
-                                      stop_requested)
+from workers.learner.bootstrap import (StateRecorder, discovery_target, find_run, from_env, optimizer_snapshot,
+                                      resume_optimizer, stop_requested)
 from workers.learner.env import LearnerEnv
 from workers.learner.figures import LearnerFigures
 from workers.learner.device_quant import QMAX as _DEVICE_QMAX, quantise_delta
@@ -96,6 +96,7 @@ class LearnerConfig:
     # Steps between snapshots of the inner optimizer's state kept for the next life (needs
     # state_every_s; None: a resumed life starts a fresh optimizer, as the paper's recovery does).
     optimizer_every: int | None = None
+    discover: bool = False            # find and follow the syncer's bus through the store (workers/bus/discovery.py)
 
     def __post_init__(self) -> None:
         if self.optimizer_every is not None and (not isinstance(self.optimizer_every, int) or self.optimizer_every < 1
@@ -196,8 +197,9 @@ class Learner(LearnerFigures):
             self.store, self.id, self.params, self.events, self.cfg.propose, self.cfg.propose_wait_s,
             sleep=self.sleep, model_config=self.model_config)
         here, home = region_names(d, self.store, self.region)
-        self.traffic = TrafficMeter(self.events, here, home, {here: self.store},
-                                    self.bus.counters if self.bus is not None else None, clock=self.clock)
+        target = discovery_target(self.cfg, self.bus, d, self.store, self.events)
+        counters = self.bus.counters if self.bus is not None else target.counters if target is not None else None
+        self.traffic = TrafficMeter(self.events, here, home, {here: self.store}, counters, clock=self.clock)
         d.check_writable("learner")            # a newer writer's feature this build lacks: refused by name
         if d.schedule.driver != "syncer":
             raise ValueError(f"run {d.run_id} was created before syncer-driven rounds (driver {d.schedule.driver!r}): "
@@ -230,10 +232,11 @@ class Learner(LearnerFigures):
         else:   # one of each, or one per syncer shard (workers/learner/shards.py: fragment p to shard p % N)
             self.sender = make_sender(self.store, d, self.bus, lambda store, bus: Sender(
                 store, d.codec, self.cfg.sender, self.events, bus, self.id.encode(), self._heartbeat, self.clock,
-                curve=curve, seal=seal, sleep=self.sleep, threads=self.cfg.threads, transport=self.transport))
+                curve=curve, seal=seal, sleep=self.sleep, threads=self.cfg.threads, transport=self.transport,
+                target=target))
             self.receiver = make_receiver(tracker, versions, self.bus, lambda t, known, bus: Receiver(
                 t, known, self.events, bus, self.cfg.poll_s, curve=curve, clock=self.clock, wall=self.wall,
-                threads=self.cfg.threads, transport=self.transport))
+                threads=self.cfg.threads, transport=self.transport, target=target))
         self.sender.start()
         self.receiver.start()
         self._first_step = self.step_count

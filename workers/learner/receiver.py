@@ -69,11 +69,13 @@ class Receiver:
     def __init__(self, tracker: VersionTracker, known: dict[int, int], events: EventLog,
                  bus: BusConfig | None, poll_s: float = 0.5, curve=None, fetch_threads: int = FETCH_THREADS,
                  on_news: Callable[[], None] | None = None, clock: Callable[[], float] | None = None,
-                 wall: Callable[[], float] | None = None, threads: bool = True, transport: Transport = ZMQ):
+                 wall: Callable[[], float] | None = None, threads: bool = True, transport: Transport = ZMQ,
+                 target=None):
         if not isinstance(fetch_threads, int) or isinstance(fetch_threads, bool) or not 1 <= fetch_threads <= 64:
             raise ValueError(f"fetch_threads must be an int in 1..64, got {fetch_threads!r}")
         self.tracker, self.events, self.bus_cfg, self.poll_s, self.curve = tracker, events, bus, poll_s, curve
         self.fetch_threads = fetch_threads
+        self._target = target   # a discovered syncer (workers/bus/discovery.py): re-read here, followed
         # Injected time (None: the time module's, read at each call), and ``threads=False``: no
         # thread, the caller drives ``turn`` (the fault simulation on simulated time, issue 25).
         self._clock, self._wall, self.threads = clock, wall, threads
@@ -214,6 +216,9 @@ class Receiver:
                 self._open(clock.epoch, p, clock.round_at(p, now), guess=True)
 
     def _run(self) -> None:
+        gen = 0
+        if self._target is not None:
+            gen, self.bus_cfg = self._target.generation, self._target.config
         listener = self.transport.listener(self.bus_cfg, curve=self.curve) if self.bus_cfg is not None else None
         # GETs of commits and versions run on this pool: one round trip for many objects
         pool = ThreadPoolExecutor(self.fetch_threads, thread_name_prefix="receiver-fetch")
@@ -221,6 +226,11 @@ class Receiver:
         next_poll = 0.0
         try:
             while not self._stop.is_set():
+                if self._target is not None and (self._target.refresh() or self._target.generation != gen):
+                    gen, self.bus_cfg = self._target.generation, self._target.config   # the syncer moved
+                    if listener is not None:
+                        listener.close()
+                    listener = self.transport.listener(self.bus_cfg, curve=self.curve)
                 found_by = "poll"
                 # Wake for the next poll on time: a re-read for a region's copy is due sooner than
                 # 0.2 s (it used to wait for the next message, up to 0.2 s late, a step boundary missed).

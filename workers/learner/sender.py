@@ -132,8 +132,11 @@ class Sender:
     def __init__(self, store: ObjectStore, codec: CodecConfig, cfg: SenderConfig, events: EventLog,
                  bus: BusConfig | None, identity: bytes, heartbeat: Callable[[], dict],
                  clock: Callable[[], float] = time.monotonic, curve=None, seal: Callable[[bytes], bytes] | None = None,
-                 sleep: Callable[[float], None] = time.sleep, threads: bool = True, transport: Transport = ZMQ):
+                 sleep: Callable[[float], None] = time.sleep, threads: bool = True, transport: Transport = ZMQ,
+                 target=None):
         self.store, self.codec, self.cfg, self.events, self.seal = store, codec, cfg, events, seal
+        # ``target``: a discovered syncer (workers/bus/discovery.py BusTarget); the link follows it
+        self._target, self._target_gen = target, 0
         self.transport = transport   # what builds the bus link (ZeroMQ; the fault simulation's own)
         self.bus_cfg, self.identity, self.heartbeat, self.clock, self.curve = bus, identity, heartbeat, clock, curve
         # ``threads=False``: no thread; the caller drives ``turn`` (the fault simulation, on simulated
@@ -315,13 +318,30 @@ class Sender:
 
     def _open(self) -> None:
         """The bus link (with its hello) and the encode pool, before the first turn."""
-        if self.bus_cfg is not None and self.cfg.bus_enabled:
-            self._link = self.transport.learner(self.bus_cfg, self.identity, curve=self.curve, wake_fd=self._wake_r)
-            self._link.send(Message("hello", {"learner": self.identity.decode(), "incarnation": 0}))
+        if self._target is not None:
+            self._target_gen, self.bus_cfg = self._target.generation, self._target.config
+        self._connect()
         # The codec's jobs run on this pool (numpy releases the GIL): the same bytes at any count.
         self._pool = ThreadPoolExecutor(self.cfg.encode_threads, thread_name_prefix="sender-encode") \
             if self.cfg.encode_threads > 1 else None
         self._map_fn = self._pool.map if self._pool is not None else None
+
+    def _connect(self) -> None:
+        if self.bus_cfg is not None and self.cfg.bus_enabled:
+            self._link = self.transport.learner(self.bus_cfg, self.identity, curve=self.curve, wake_fd=self._wake_r)
+            self._link.send(Message("hello", {"learner": self.identity.decode(), "incarnation": 0}))
+
+    def _follow_target(self) -> None:
+        """The discovered syncer moved: drop the old link, connect to the new endpoints (deltas sent
+        on the old link and not acked spill when their deadline comes, as on any lost link)."""
+        if self._target is None or self._target.generation == self._target_gen:
+            return
+        self._target_gen, self.bus_cfg = self._target.generation, self._target.config
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+        self._connect()
+        self._next_beat = 0.0        # say hello with a heartbeat at once: the new syncer counts it live
 
     def _close(self) -> None:
         if self._pool is not None:
@@ -342,6 +362,7 @@ class Sender:
         ``wait_s``; None: the thread's own short wait), spill what is overdue. Returns the seconds
         until a turn has work again without a new ``submit`` (None: nothing held, no bus)."""
         self._take_new()
+        self._follow_target()
         now = self.clock()
         if self._link is not None and (now >= self._next_beat or self._beat_soon.is_set()):
             self._beat_soon.clear()

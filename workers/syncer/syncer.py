@@ -89,6 +89,9 @@ class SyncerConfig:
     max_pending: int = 64              # candidate deltas held per fragment
     shard: int | None = None           # a sharded run's shard this syncer is (None: unsharded)
     threads: int = 1                   # compute pool for decode, guard, fold, version encode
+    # Publish the bus endpoints in the store for learners that discover the syncer (workers/bus/
+    # discovery.py): the host written for a wildcard bind ("": this host's FQDN); None: not published.
+    advertise: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("spill_poll_s", "heartbeat_s", "live_timeout_s", "retry_s", "max_retry_s", "members_poll_s",
@@ -289,6 +292,20 @@ class Syncer:
             self.ingest.attach(self.bus)
             self.events.emit("syncer-bus", ingest=self.bus.ingest_endpoint, announce=self.bus.announce_endpoint,
                              curve=self.curve is not None, max_message_bytes=self.bus_cfg.max_message_bytes)
+            if self.cfg.advertise is not None:
+                self._advertise()
+
+    def _advertise(self) -> None:
+        """Where learners reach this syncer, in the store (advisory: a failure is reported, not fatal)."""
+        from workers.bus.discovery import advertised, publish
+        host = self.cfg.advertise
+        try:
+            ep = publish(self.store, self.descriptor, self.epoch, self.cfg.syncer_id,
+                         advertised(self.bus.ingest_endpoint, host), advertised(self.bus.announce_endpoint, host),
+                         self.signer, self.wall())
+            self.events.emit("syncer-advertised", ingest=ep.ingest, announce=ep.announce, epoch=ep.epoch)
+        except StoreError as exc:
+            self.events.emit("syncer-advertise-failed", error=str(exc)[:300])
 
     def _announce(self, msg: Message) -> None:
         if self.bus is not None:
