@@ -168,3 +168,12 @@ def test_launch_says_when_no_learner_ever_proposed(tmp_path, script):
                            "--insecure", "--out", str(tmp_path / "x"), "--", "python", str(bad)],
                           capture_output=True, text=True, env=_env(), timeout=120)
     assert done.returncode != 0 and "every learner exited before one proposed its model" in done.stderr
+
+
+def test_launch_refuses_to_continue_a_run_in_the_other_security_mode(tmp_path):
+    from tests.test_evaluator import _run
+    _run(tmp_path)                       # an unsigned run at tmp_path/run
+    done = subprocess.run([sys.executable, "-m", "workers.cli", "launch", "--learners", "1", "--store",
+                           str(tmp_path / "run"), "--out", str(tmp_path / "x"), "--", "python", "x.py"],
+                          capture_output=True, text=True, env=_env(), timeout=120)
+    assert done.returncode != 0 and "is unsigned: continue it with --insecure" in done.stderr, done.stderr[-500:]

@@ -36,6 +36,7 @@ from workers.bus.keys import SYNCER, ensure_identities, key_paths
 from workers.common.events import EventLog, Tail, read_events
 from workers.common.placement import learner_names
 from workers.learner.env import LearnerEnv
+from workers.tools.launch_summary import launch_summary
 from workers.tools.progress import Progress
 from workers.tools.run_figures import write_outputs
 from . import config
@@ -121,6 +122,10 @@ def launch(args) -> int:
     try:
         desc = _existing(store)
         if desc is not None:
+            if (desc.security is None) != lc.insecure:   # a run keeps the mode it was created with
+                raise SystemExit(f"ddiloco launch: run {desc.run_id} at {store_uri} is "
+                                 + ("unsigned: continue it with --insecure" if desc.security is None else
+                                    "signed: continue it without --insecure, with its --keys directory"))
             events.emit("run-continued", run_id=desc.run_id, store=store_uri)
             _start_syncers(cluster)
             _start_learners(cluster, names, cmd, lc, keydir)
@@ -145,7 +150,6 @@ def launch(args) -> int:
         raise
     events.emit("launch-end", drained=drained, interrupted=interrupted, restarts=restarts)
     events.close()
-    from workers.tools.launch_summary import launch_summary
     all_events = [e for f in sorted((out / "logs").glob("*.jsonl")) for e in read_events(f)]
     summary = launch_summary(store, store_uri, desc, all_events, time.time() - t_start, drained, interrupted,
                              lc, restarts)

@@ -134,7 +134,7 @@ class Progress:
         for col in ("learner", "step", "loss", "tokens/s", "versions applied", "acked", "spilled", "status"):
             t.add_column(col, justify="right" if col not in ("learner", "status") else "left")
         for name, r in sorted(self.rows.items()):
-            t.add_row(name, f"{r.step}/{self.steps}", f"{r.loss:.3f}" if r.loss is not None else "-",
+            t.add_row(name, f"{r.step}/{self.steps}" if self.steps else str(r.step), f"{r.loss:.3f}" if r.loss is not None else "-",
                       f"{r.tok_s:,.0f}", " ".join(f"{v}" for _, v in sorted(r.versions.items())) or "-",
                       str(r.acked), str(r.spilled), r.status)
         s = self.syncer
@@ -150,7 +150,8 @@ class Progress:
         if not force and now - self._last_plain < 5.0:
             return
         self._last_plain = now
-        parts = [f"{n} {r.step}/{self.steps} loss {r.loss:.3f}" if r.loss is not None else f"{n} {r.status}"
+        parts = [f"{n} {r.step}{f'/{self.steps}' if self.steps else ''} loss {r.loss:.3f}" if r.loss is not None
+                 else f"{n} {r.status}"
                  for n, r in sorted(self.rows.items())]
         s = self.syncer
         ev = f" | eval {self.eval_loss:.4f}" if self.eval_loss is not None else ""
