@@ -127,3 +127,32 @@ def parse_regions(m: Any, path: str) -> RegionsConfig:
         return RegionsConfig(m["home"], tuple(specs))
     except ValueError as exc:
         raise FormatError(f"{path}: {exc}") from None
+
+
+def parse_region_spec(text: str) -> RegionSpec:
+    """A region from the command line: ``NAME=URI[,endpoint=URL][,profile=NAME]`` (issue 29), e.g.
+    ``r1=s3://bucket-b/run,endpoint=https://s3.eu-west-1.amazonaws.com,profile=eu``. ValueError
+    naming what is wrong; credentials never appear here (a profile names them)."""
+    if not isinstance(text, str) or "=" not in text:
+        raise ValueError(f"--region {text!r}: expected NAME=URI[,endpoint=URL][,profile=NAME]")
+    name, rest = text.split("=", 1)
+    uri, *options = rest.split(",")
+    fields: dict[str, str] = {}
+    for opt in options:
+        key, sep, value = opt.partition("=")
+        if not sep or key not in ("endpoint", "profile") or key in fields or not value:
+            raise ValueError(f"--region {text!r}: {opt!r} is not endpoint=URL or profile=NAME (each at most once)")
+        fields[key] = value
+    try:
+        return RegionSpec(name.strip(), uri.strip(), fields.get("endpoint"), fields.get("profile"))
+    except ValueError as exc:
+        raise ValueError(f"--region {text!r}: {exc}") from None
+
+
+def regions_from_specs(texts) -> RegionsConfig:
+    """The regions of ``--region`` flags, home first (the run's authoritative log lives there)."""
+    specs = tuple(parse_region_spec(t) for t in texts)
+    if len(specs) < 2:
+        raise ValueError(f"--region: a run with regions needs at least two, got {len(specs)} (one region is a plain "
+                         "--store)")
+    return RegionsConfig(specs[0].name, specs)

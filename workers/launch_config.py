@@ -31,6 +31,7 @@ class LaunchOptions:
     store: str | None = None
     s3_endpoint: str | None = None
     syncers: int = 1
+    region_specs: str | None = None    # ';'-joined --region NAME=URI[,endpoint=URL][,profile=NAME], home first
     bus: bool = True
     insecure: bool = False
     keys: str | None = None
@@ -47,6 +48,12 @@ class LaunchOptions:
                 raise ValueError(f"launch.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_restarts < 0:
             raise ValueError(f"launch.max_restarts must be >= 0, got {self.max_restarts}")
+        if self.region_specs is not None:
+            from pipeline.regions import regions_from_specs
+            regions_from_specs(self.region_specs.split(";"))
+            if self.syncers > 1 or self.store is not None:
+                raise ValueError("launch.region_specs names every region's store itself: it takes no launch.store "
+                                 "or launch.syncers")
         if self.save_optimizer_every is not None and self.save_optimizer_every < 1:
             raise ValueError(f"launch.save_optimizer_every must be >= 1 steps, got {self.save_optimizer_every}")
         if self.steps is not None and self.steps < 1:
@@ -75,8 +82,8 @@ class LaunchConfig(RunSections):
             raise ValueError(f"launch.syncers ({self.launch.syncers}) must be <= schedule.fragments "
                              f"({self.schedule.fragments}): every shard owns a fragment")
 
-    def settings(self) -> RunSettings:
-        return RunSettings(schedule=self.schedule, policy=self.policy, codec=self.codec, versions=self.versions,
+    def settings(self, regions=None) -> RunSettings:
+        return RunSettings(regions=regions, schedule=self.schedule, policy=self.policy, codec=self.codec, versions=self.versions,
                            merge=self.merge, outer=self.outer, learner=self.learner, guard=self.guard,
                            seed=self.launch.seed, syncers=self.launch.syncers, extra={"launched_by": "ddiloco launch"})
 
@@ -109,6 +116,8 @@ HELP = {**SECTION_HELP,
                         "run there is continued",
         "launch.s3_endpoint": "S3 endpoint URL (none: AWS_ENDPOINT_URL)",
         "launch.syncers": "syncer shards (docs/scale.md)",
+        "launch.region_specs": "regions on their own stores, home first: NAME=URI[,endpoint=URL][,profile=NAME] "
+                               "joined by ';' (the --region flag, once per region; learner m in region m mod N)",
         "launch.bus": "ZeroMQ for deltas and versions (false: through storage only)",
         "launch.insecure": "no CURVE and no signatures (default: keys in OUT/keys)",
         "launch.keys": "key directory (none: OUT/keys); missing keys are created",

@@ -34,7 +34,8 @@ from storage.layout import read_descriptor
 from storage.store import open_store
 from workers.bus.keys import SYNCER, ensure_identities, key_paths
 from workers.common.events import EventLog, Tail, read_events
-from workers.common.placement import learner_names
+from pipeline.regions import regions_from_specs
+from workers.common.placement import Placement, learner_names
 from workers.learner.env import LearnerEnv
 from workers.tools.launch_summary import launch_summary
 from workers.tools.progress import Progress
@@ -59,6 +60,8 @@ def configure(parser: argparse.ArgumentParser):
     a("--out", default=None, help="output directory (default runs/<time>)")
     a("--summary", default=None, help="also write the summary JSON here")
     a("--plain", action="store_true", help="plain progress lines instead of a live table")
+    a("--region", action="append", default=None, metavar="NAME=URI[,endpoint=URL][,profile=NAME]",
+      help="a region of the run on its own store (once per region, home first; launch.region_specs)")
     config.add_flags(parser, LaunchConfig, skip=SKIP, aliases=ALIASES, helps=HELP, choices=CHOICES)
     a("command", nargs=argparse.REMAINDER, metavar="-- CMD ARGS", help="the training command every learner runs")
     return launch
@@ -69,6 +72,8 @@ def launch_config(args) -> LaunchConfig:
         values = config.read_toml(args.config, LaunchConfig, SKIP) if args.config else {}
         sources = {k: args.config for k in values}
         flags = config.given(args)
+        if getattr(args, "region", None):
+            flags["launch.region_specs"] = ";".join(args.region)
         values.update(flags)
         sources.update({k: f"--{k}" for k in flags})
         return config.build(LaunchConfig, values, sources)
@@ -108,13 +113,17 @@ def launch(args) -> int:
     out = Path(args.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(config.to_toml(cfg, SKIP, header="the settings of this launch"))
-    store_uri = lc.store or str((out / "store").resolve())
-    store = open_store(store_uri, s3_endpoint=lc.s3_endpoint)
+    regions = regions_from_specs(lc.region_specs.split(";")) if lc.region_specs else None
+    home = regions.region(regions.home) if regions is not None else None
+    store_uri = home.uri if home is not None else lc.store or str((out / "store").resolve())
+    s3_endpoint = home.endpoint if home is not None and home.endpoint else lc.s3_endpoint
+    store = open_store(store_uri, s3_endpoint=s3_endpoint)
     names = learner_names(lc.learners)
+    placement = Placement.round_robin(names, [r.name for r in regions.regions] if regions is not None else [])
     keydir = None if lc.insecure else Path(lc.keys or out / "keys").resolve()
     idents = ensure_identities(keydir, [SYNCER, *names]) if keydir is not None else {}
     events = EventLog(out / "logs" / "launcher.jsonl", "launcher", "launcher")
-    cluster = LocalCluster(ClusterConfig(store_uri, out, keydir=keydir, bus=lc.bus, s3_endpoint=lc.s3_endpoint,
+    cluster = LocalCluster(ClusterConfig(store_uri, out, keydir=keydir, bus=lc.bus, s3_endpoint=s3_endpoint,
                                          learner_nice=LEARNER_NICE, syncers=lc.syncers))
     for sig in (signal.SIGINT, signal.SIGTERM):   # Ctrl-C or SIGTERM: stop everything cleanly (finally below)
         signal.signal(sig, signal.default_int_handler)
@@ -128,13 +137,13 @@ def launch(args) -> int:
                                     "signed: continue it without --insecure, with its --keys directory"))
             events.emit("run-continued", run_id=desc.run_id, store=store_uri)
             _start_syncers(cluster)
-            _start_learners(cluster, names, cmd, lc, keydir)
+            _start_learners(cluster, names, cmd, lc, keydir, placement)
             _start_evaluator(cluster, eval_cmd, lc)
         else:   # the syncer imports while the learners build their models; it waits for the run
-            _start_learners(cluster, names, cmd, lc, keydir)
+            _start_learners(cluster, names, cmd, lc, keydir, placement)
             _start_evaluator(cluster, eval_cmd, lc)
             cluster.start_syncers(["--wait-for-run", str(lc.propose_wait + SYNCER_READY_S)])
-            desc = _create(cluster, store, cfg, idents, names, events)
+            desc = _create(cluster, store, cfg, idents, names, events, regions)
             _wait_syncers(cluster)
         events.emit("launch", run_id=desc.run_id, store=store_uri, learners=lc.learners, command=cmd,
                     nproc_per_learner=lc.nproc_per_learner, security="off" if lc.insecure else "signed")
@@ -176,10 +185,12 @@ def _wait_syncers(cluster: LocalCluster) -> None:
         raise SystemExit(f"ddiloco launch: the syncer did not come up: {exc}") from None
 
 
-def _start_learners(cluster: LocalCluster, names: list[str], cmd: list[str], lc, keydir: Path | None) -> None:
+def _start_learners(cluster: LocalCluster, names: list[str], cmd: list[str], lc, keydir: Path | None,
+                    placement: Placement) -> None:
     for lid in names:
         key, syncer_key = (str(key_paths(keydir, lid)[1]), str(key_paths(keydir, SYNCER)[0])) if keydir else (None, None)
-        env = LearnerEnv(store=cluster.cfg.store, learner_id=lid, s3_endpoint=lc.s3_endpoint,
+        env = LearnerEnv(store=cluster.cfg.store, learner_id=lid, s3_endpoint=cluster.cfg.s3_endpoint,
+                         region=placement.region(lid),
                          ingest=cluster.ingest if lc.bus else "", announce=cluster.announce if lc.bus else "",
                          key=key, syncer_key=syncer_key, log=str(cluster.log_path(lid).resolve()), propose=True,
                          propose_wait_s=lc.propose_wait, state_every_s=lc.state_every, steps=lc.steps,
@@ -191,19 +202,20 @@ def _start_evaluator(cluster: LocalCluster, cmd: list[str] | None, lc) -> None:
     """The run's evaluator (workers/evaluator.py): the user's command with DDILOCO_ROLE=evaluator."""
     if cmd is None:
         return
-    env = LearnerEnv(store=cluster.cfg.store, learner_id=EVALUATOR_ROLE, s3_endpoint=lc.s3_endpoint,
+    env = LearnerEnv(store=cluster.cfg.store, learner_id=EVALUATOR_ROLE, s3_endpoint=cluster.cfg.s3_endpoint,
                      log=str(cluster.log_path(EVALUATOR_ROLE).resolve()), propose_wait_s=lc.propose_wait,
                      steps=lc.steps, role=EVALUATOR_ROLE)
     cluster.spawn_script(EVALUATOR_ROLE, cmd, env.to_environ(), nice=LEARNER_NICE, role=EVALUATOR_ROLE)
 
 
-def _create(cluster: LocalCluster, store, cfg: LaunchConfig, idents: dict, names: list[str], events: EventLog):
+def _create(cluster: LocalCluster, store, cfg: LaunchConfig, idents: dict, names: list[str], events: EventLog,
+            regions=None):
     """Wait for a learner's proposal, then create the run from it (the launcher signs version 0)."""
     deadline = time.monotonic() + cfg.launch.propose_wait
     while True:
         try:
             desc, proposer = create_from_proposal(
-                store, cfg.settings(), syncer=idents.get(SYNCER),
+                store, cfg.settings(regions), syncer=idents.get(SYNCER),
                 learners=[idents[n].public for n in names] if idents else ())
             events.emit("run-created", run_id=desc.run_id, initial_model_from=proposer,
                         fragments=desc.num_fragments, sync_every=desc.schedule.sync_every, quorum=desc.policy.quorum,

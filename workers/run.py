@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.regions import RegionSpec, RegionsConfig
+from pipeline.regions import RegionSpec, RegionsConfig, regions_from_specs
 from storage.store import ObjectStore, open_store
 from . import config
 from .cluster import ClusterConfig, LocalCluster, RoleExited, create_job_run, global_eval_loss
@@ -46,6 +46,8 @@ def configure(parser):
     a("--out", default=None, help="output directory (default runs/<time>)")
     a("--summary", default=None, help="also write the summary JSON here")
     a("--plain", action="store_true", help="plain progress lines instead of a live table")
+    a("--region", action="append", default=None, metavar="NAME=URI[,endpoint=URL][,profile=NAME]",
+      help="a region of the run on its own store (once per region, home first; run.region_specs)")
     a("--create-only", action="store_true",
       help="only create the run (descriptor + version 0) and exit; start roles with ddiloco syncer/learner")
     config.add_flags(parser, RunConfig, skip=SKIP, aliases=ALIASES, helps=HELP, choices=CHOICES)
@@ -60,6 +62,8 @@ def run_config(args) -> RunConfig:
         values = config.read_toml(args.config, RunConfig, SKIP) if args.config else {}
         sources = {k: args.config for k in values}
         flags = config.given(args)
+        if getattr(args, "region", None):
+            flags["run.region_specs"] = ";".join(args.region)
         values.update(flags)
         sources.update({k: f"--{k}" for k in flags})
         return config.build(RunConfig, values, sources).resolved()
@@ -99,7 +103,10 @@ SYNCER_READY_S = 180.0   # how long `ddiloco run` waits for its syncers to recov
 
 
 def local_regions(cfg: RunConfig, store_uri: str, out: Path) -> RegionsConfig | None:
-    """``run.regions`` N: home r0 at the run's store, r1..r(N-1) in local directories (None: one region)."""
+    """``run.regions`` N: home r0 at the run's store, r1..r(N-1) in local directories (None: one region);
+    ``run.region_specs`` (``--region``): the regions as given, each on its own store."""
+    if cfg.run.region_specs is not None:
+        return regions_from_specs(cfg.run.region_specs.split(";"))
     if cfg.run.regions == 1:
         return None
     if "://" in store_uri:
@@ -136,8 +143,14 @@ def run(args, topologies=()) -> int:
 
 def _run_decoupled(args, cfg: RunConfig, out: Path, topology) -> int:
     gcfg, job, steps, learners = cfg.model, cfg.job, cfg.job.steps, cfg.run.learners
-    store_uri = topology.store_uri if topology is not None else cfg.run.store or str(out / "store")
-    store = open_store(store_uri, s3_endpoint=cfg.run.s3_endpoint)
+    home = regions_from_specs(cfg.run.region_specs.split(";")).regions[0] if cfg.run.region_specs else None
+    if home is not None and home.profile is not None:
+        raise SystemExit(f"--region {home.name}: the home region's credentials come from the standard AWS "
+                         "variables (every role opens it with them); give profiles to the other regions")
+    store_uri = topology.store_uri if topology is not None else home.uri if home is not None else \
+        cfg.run.store or str(out / "store")
+    s3_endpoint = home.endpoint if home is not None and home.endpoint else cfg.run.s3_endpoint
+    store = open_store(store_uri, s3_endpoint=s3_endpoint)
     keydir = None if cfg.run.insecure else Path(cfg.run.keys or out / "keys")
     names = learner_names(learners)
     regions = topology.regions if topology is not None else local_regions(cfg, store_uri, out)
@@ -156,7 +169,7 @@ def _run_decoupled(args, cfg: RunConfig, out: Path, topology) -> int:
                 security="off" if cfg.run.insecure else "signed",
                 fragments=desc.num_fragments, sync_every=desc.schedule.sync_every, quorum=desc.policy.quorum,
                 compression=desc.codec.scheme, params=int(sum(p.numel() for p in model.parameters())))
-    ccfg = ClusterConfig(store_uri, out, keydir=keydir, bus=cfg.run.bus, s3_endpoint=cfg.run.s3_endpoint,
+    ccfg = ClusterConfig(store_uri, out, keydir=keydir, bus=cfg.run.bus, s3_endpoint=s3_endpoint,
                          learner_nice=LEARNER_NICE, syncers=cfg.run.syncers)
     cluster = topology.cluster(ccfg) if topology is not None else LocalCluster(ccfg)
     t_start = time.time()

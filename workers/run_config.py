@@ -42,6 +42,7 @@ class RunOptions:
     s3_endpoint: str | None = None
     syncers: int = 1
     regions: int = 1
+    region_specs: str | None = None    # ';'-joined --region NAME=URI[,endpoint=URL][,profile=NAME], home first
     bus: bool = True
     insecure: bool = False
     keys: str | None = None
@@ -56,6 +57,12 @@ class RunOptions:
             raise ValueError(f"tokens must be >= 1, got {self.tokens}")
         if self.regions < 1 or self.syncers < 1:
             raise ValueError(f"regions ({self.regions}) and syncers ({self.syncers}) must be >= 1")
+        if self.region_specs is not None:
+            from pipeline.regions import regions_from_specs
+            regions_from_specs(self.region_specs.split(";"))     # refused here, naming the flag, before anything starts
+            if self.regions > 1 or self.syncers > 1 or self.store is not None:
+                raise ValueError("run.region_specs names every region's store itself: it takes no run.regions, "
+                                 "run.syncers or run.store")
         if self.syncers > 1 and self.regions > 1:
             raise ValueError("syncers > 1 with regions > 1 is not supported yet "
                              "(each shard would need its own replicator)")
@@ -170,6 +177,8 @@ HELP = {
     "run.store": "the run's location: a directory or s3://bucket/prefix (none: OUT/store)",
     "run.s3_endpoint": "S3 endpoint URL (none: AWS_ENDPOINT_URL)",
     "run.syncers": "syncer shards: shard i owns the fragments p with p %% N == i (docs/scale.md)",
+    "run.region_specs": "regions on real stores, home first: NAME=URI[,endpoint=URL][,profile=NAME] joined by ';' "
+                        "(the --region flag, once per region; docs/regions.md)",
     "run.regions": "regions: r0 is home (the store), r1.. are directories OUT/regions/rK; learner m runs in "
                    "region m mod N (docs/regions.md; --wan: S3 servers and emulated links)",
     "run.bus": "ZeroMQ for deltas and versions (false: through storage only)",

@@ -192,6 +192,9 @@ class Learner(LearnerFigures):
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "Learner":
+        if self.region is not None and self._given is None and self.cfg.propose:   # the run may not exist yet
+            self._given = find_run(self.store, self.id, self.params, self.events, True, self.cfg.propose_wait_s,
+                                   sleep=self.sleep, model_config=self.model_config)
         self.store = counted(learner_region_store(self.store, self.region))   # every request it makes, counted
         d = self.descriptor = self._given if self._given is not None else find_run(
             self.store, self.id, self.params, self.events, self.cfg.propose, self.cfg.propose_wait_s,
