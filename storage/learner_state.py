@@ -73,15 +73,19 @@ def write_state(store: ObjectStore, state: LearnerState) -> None:
 
 def read_state(store: ObjectStore, learner: str) -> LearnerState | None:
     """The learner id's last recorded state, or None when it never wrote one."""
-    key = learner_state_key(learner)
+    return _read_own(store, learner_state_key(learner), LearnerState.from_bytes, learner)
+
+
+def _read_own(store: ObjectStore, key: str, decode, learner: str):
+    """The record at ``key`` decoded (None when absent); FormatError when it names another learner."""
     try:
         blob = store.get(key)
     except NotFound:
         return None
-    state = LearnerState.from_bytes(blob, f"{store.uri}/{key}")
-    if state.learner != learner:
-        raise FormatError(f"{store.uri}/{key}: the record names learner {state.learner!r}, not {learner!r}")
-    return state
+    record = decode(blob, f"{store.uri}/{key}")
+    if record.learner != learner:
+        raise FormatError(f"{store.uri}/{key}: the record names learner {record.learner!r}, not {learner!r}")
+    return record
 
 
 @dataclass(frozen=True)
@@ -131,12 +135,5 @@ def write_optimizer(store: ObjectStore, state: OptimizerState) -> None:
 
 
 def read_optimizer(store: ObjectStore, learner: str) -> OptimizerState | None:
-    key = learner_optimizer_key(learner)
-    try:
-        blob = store.get(key)
-    except NotFound:
-        return None
-    state = OptimizerState.from_bytes(blob, f"{store.uri}/{key}")
-    if state.learner != learner:
-        raise FormatError(f"{store.uri}/{key}: the record names learner {state.learner!r}, not {learner!r}")
-    return state
+    """The learner id's kept optimizer state, or None."""
+    return _read_own(store, learner_optimizer_key(learner), OptimizerState.from_bytes, learner)

@@ -106,6 +106,21 @@ def knobs(tree: type, skip: Iterable[str] = ()) -> list[Knob]:
     return out
 
 
+def from_args(args, tree: type, skip: Iterable[str], extra: Mapping[str, Any] | None = None):
+    """The tree of a command: its defaults, then ``--config FILE``, then the flags given, then
+    ``extra`` (values a command derives from flags of its own, e.g. repeated ``--region``).
+    ``SystemExit`` naming the file or flag of a refused value."""
+    try:
+        values = read_toml(args.config, tree, skip) if args.config else {}
+        sources = {k: args.config for k in values}
+        flags = {**given(args), **(extra or {})}
+        values.update(flags)
+        sources.update({k: f"--{k}" for k in flags})
+        return build(tree, values, sources)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+
+
 # -- values ---------------------------------------------------------------------------------------
 
 def parse_text(knob: Knob, text: str) -> Any:

@@ -68,17 +68,8 @@ def configure(parser: argparse.ArgumentParser):
 
 
 def launch_config(args) -> LaunchConfig:
-    try:
-        values = config.read_toml(args.config, LaunchConfig, SKIP) if args.config else {}
-        sources = {k: args.config for k in values}
-        flags = config.given(args)
-        if getattr(args, "region", None):
-            flags["launch.region_specs"] = ";".join(args.region)
-        values.update(flags)
-        sources.update({k: f"--{k}" for k in flags})
-        return config.build(LaunchConfig, values, sources)
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from None
+    regions = {"launch.region_specs": ";".join(args.region)} if getattr(args, "region", None) else None
+    return config.from_args(args, LaunchConfig, SKIP, regions)
 
 
 def learner_command(command: list[str], nproc: int) -> list[str]:

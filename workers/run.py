@@ -58,15 +58,10 @@ def configure(parser):
 def run_config(args) -> RunConfig:
     """The run's resolved settings: the tree's defaults, then ``--config FILE``, then the flags
     given (``SystemExit`` naming the file or flag for a refused value)."""
+    regions = {"run.region_specs": ";".join(args.region)} if getattr(args, "region", None) else None
+    cfg = config.from_args(args, RunConfig, SKIP, regions)
     try:
-        values = config.read_toml(args.config, RunConfig, SKIP) if args.config else {}
-        sources = {k: args.config for k in values}
-        flags = config.given(args)
-        if getattr(args, "region", None):
-            flags["run.region_specs"] = ";".join(args.region)
-        values.update(flags)
-        sources.update({k: f"--{k}" for k in flags})
-        return config.build(RunConfig, values, sources).resolved()
+        return cfg.resolved()
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
 
