@@ -44,3 +44,18 @@ def test_the_host_copy_has_the_models_names_and_shards_are_torch_chunks():
     full = torch.arange(7.0)
     assert [len(_local_chunk(full, r, 2)) for r in range(2)] == [4, 3]
     assert [len(_local_chunk(torch.arange(2.0), r, 4)) for r in range(4)] == [1, 1, 0, 0]
+
+
+def test_a_non_finite_step_on_one_rank_is_skipped_by_every_rank(tmp_path):
+    out = tmp_path / "nan"
+    fixture = Path(__file__).resolve().parent / "fixtures" / "fsdp_nan.py"
+    cmd = _launch_cmd(out, fixture, 30, "--nproc-per-learner", "2")
+    cmd[cmd.index("--learners") + 1] = "1"          # one learner of two ranks
+    done = subprocess.run(cmd, capture_output=True, text=True, env=_env(NAN_AT="10"), timeout=DEADLINE_S)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for name in ("l0", "l0.rank1"):
+        events = _events(out, name)
+        assert [e["step"] for e in events if e.get("event") == "nonfinite-step"] == [10], name
+        stop = next(e for e in events if e.get("event") == "fsdp-stop")
+        assert stop["steps"] == 30 and stop["skipped"] == 1, stop
+    _replay(out)

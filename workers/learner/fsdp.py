@@ -23,13 +23,16 @@ broadcast, a sha256 of each changed fragment as all its ranks now hold it (gathe
 the digest of the version it applied (``fsdp-apply`` events: what tests compare).
 
 Memory: the device holds the shards (as FSDP2 does) and, during an answer, one gathered fragment; rank
-0's host holds the host copy (4 B/param) besides the Learner's bases (4 B/param). Not supported (refused
-at start): ``keep_progress``, ``sync_process``; the non-finite guard does not run (FSDP2's gradients
-are sharded).
+0's host holds the host copy (4 B/param) besides the Learner's bases (4 B/param). A step whose loss or
+gradient is non-finite on any rank is skipped by every rank (each checks its own gradient shard; the
+group sums the verdicts) and not counted; the one-process learner's repair of non-finite *weights*
+(workers/learner/nonfinite.py) does not run here. Not supported (refused at start): ``keep_progress``,
+``sync_process``.
 """
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from typing import Callable
 
@@ -114,6 +117,7 @@ class ShardedLearner:
         self.step_count = 0
         self.tokens = 0
         self.applies = 0
+        self.skipped = 0           # steps every rank skipped (a non-finite loss or gradient on some rank)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> "ShardedLearner":
@@ -140,7 +144,7 @@ class ShardedLearner:
         self._gather(sorted(self.params))
         drained = self.learner.close(flush) if self.learner is not None else True
         self.events.emit("fsdp-stop", rank=self.rank, steps=self.step_count, tokens=self.tokens,
-                         applies=self.applies)
+                         applies=self.applies, skipped=self.skipped)
         self.group.close()
         return drained
 
@@ -180,8 +184,18 @@ class ShardedLearner:
         self.optimizer.zero_grad(set_to_none=True)
         loss = closure()
         loss.backward()
-        self.optimizer.step()
         value = float(loss.detach())
+        # Every rank skips together when any rank's loss or local gradient shard is non-finite (the
+        # shards differ per rank, so each checks its own and the group sums the verdicts).
+        bad = not math.isfinite(value) or any(p.grad is not None and not bool(torch.isfinite(p.grad.to_local()).all())
+                                               for p in self.params.values())
+        if self.group.all_sum([int(bad)])[0]:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped += 1
+            self.events.emit("nonfinite-step", rank=self.rank, step=self.step_count, loss=value if math.isfinite(value)
+                             else str(value), action="skipped on every rank")
+            return value
+        self.optimizer.step()
         if self.learner is not None:
             self.learner.account(total, value, mark)
         self.step_count += 1
