@@ -9,17 +9,20 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from storage.errors import StoreError
+from storage.learner_state import read_state
+from storage.store import open_store
+from tests.runhelpers import wait_for
 from workers.common.events import read_events
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "minimal.py"
-PACED = ROOT / "tests" / "fixtures" / "paced_minimal.py"
+GATED = ROOT / "tests" / "fixtures" / "gated_minimal.py"
 DEADLINE_S = 300
 
 
@@ -33,16 +36,22 @@ def _env(**extra: str) -> dict:
     return dict(env, OMP_NUM_THREADS="1", **extra)
 
 
-def _wait(cond, what: str, proc: subprocess.Popen | None = None, timeout: float = DEADLINE_S):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        if proc is not None and proc.poll() is not None:
+def _wait(cond, what: str, proc: subprocess.Popen) -> None:
+    """``wait_for`` (tests/runhelpers.py), failing at once if the launcher exits first."""
+    def check() -> bool:
+        if proc.poll() is not None:
             raise AssertionError(f"the launcher exited ({proc.returncode}) before {what}: {proc.stdout.read()[-3000:]}")
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+        return bool(cond())
+    wait_for(check, DEADLINE_S, what, poll_s=0.1)
+
+
+def _recorded_step(out: Path, lid: str) -> int:
+    """The step in ``lid``'s resume record (storage/learner_state.py), -1 before there is one."""
+    try:
+        state = read_state(open_store(str(out / "store"), create=False), lid)
+    except StoreError:
+        return -1
+    return state.step if state is not None else -1
 
 
 def _events(out: Path, name: str) -> list[dict]:
@@ -93,12 +102,16 @@ def test_launch_runs_the_minimal_example_and_the_run_replays(tmp_path):
 
 def test_a_killed_learner_is_restarted_alone_and_resumes(tmp_path):
     out = tmp_path / "killed"
-    proc = subprocess.Popen(_launch_cmd(out, PACED, 300, "--launch.state_every", "0.2"), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=_env(PACE_S="0.02"), start_new_session=True)
+    gate = tmp_path / "gate"           # both learners hold at step 60 until it exists
+    proc = subprocess.Popen(_launch_cmd(out, GATED, 300, "--launch.state_every", "0.2"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=_env(GATE_AT="60", GATE_FILE=str(gate)),
+                            start_new_session=True)
     try:
-        _wait(lambda: _step(out, "l0") >= 60, "l0 to reach step 60", proc)
+        _wait(lambda: _step(out, "l0") >= 60 and _recorded_step(out, "l0") == 60, "l0 to hold at step 60", proc)
         pid = next(e["pid"] for e in _events(out, "l0") if e.get("event") == "learner-start")
         os.kill(pid, signal.SIGKILL)
+        _wait(lambda: sum(e.get("event") == "learner-start" for e in _events(out, "l0")) == 2, "l0's restart", proc)
+        gate.touch()
         stdout, _ = proc.communicate(timeout=DEADLINE_S)
     finally:
         if proc.poll() is None:
@@ -111,6 +124,7 @@ def test_a_killed_learner_is_restarted_alone_and_resumes(tmp_path):
     assert len(starts) == 2 and starts[1]["incarnation"] > starts[0]["incarnation"]
     resumed = next(e for e in l0 if e.get("event") == "learner-resumed")
     assert resumed["step"] >= 40, resumed           # records every 0.2 s: at most a few steps retrained
+    assert resumed["step"] == 60                     # killed at the gate, after its record said 60
     assert summary["resumed"]["l0"]["step"] == resumed["step"]
     assert summary["per_learner"]["l0"]["step"] == 300
     # nobody else stopped: l1 had one life that ran to its end
@@ -122,9 +136,9 @@ def test_a_killed_learner_is_restarted_alone_and_resumes(tmp_path):
 
 def test_ctrl_c_then_the_same_command_continues_every_learner(tmp_path):
     out = tmp_path / "resume"
-    cmd = _launch_cmd(out, PACED, 300, "--save-optimizer-every", "20")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env(PACE_S="0.03"), start_new_session=True)
+    cmd = _launch_cmd(out, GATED, 300, "--save-optimizer-every", "20")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,   # held at step 40
+                            env=_env(GATE_AT="40", GATE_FILE=str(tmp_path / "never")), start_new_session=True)
     try:
         _wait(lambda: min(_step(out, "l0"), _step(out, "l1")) >= 40, "both learners to reach step 40", proc)
         proc.send_signal(signal.SIGINT)

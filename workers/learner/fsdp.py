@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+from types import SimpleNamespace
 from typing import Callable
 
 import numpy as np
@@ -46,6 +47,7 @@ from workers.learner.bootstrap import stop_requested
 from workers.learner.env import LearnerEnv
 from workers.learner.group import RANK_ROLE, DataParallelGroup, decode_header, encode_header, rank_log_path
 from workers.learner.learner import Learner, LearnerConfig
+from workers.learner.nonfinite import grads_finite
 
 
 def host_module(shapes: dict[str, tuple[int, ...]]) -> torch.nn.Module:
@@ -187,8 +189,8 @@ class ShardedLearner:
         value = float(loss.detach())
         # Every rank skips together when any rank's loss or local gradient shard is non-finite (the
         # shards differ per rank, so each checks its own and the group sums the verdicts).
-        bad = not math.isfinite(value) or any(p.grad is not None and not bool(torch.isfinite(p.grad.to_local()).all())
-                                               for p in self.params.values())
+        shards = [SimpleNamespace(grad=p.grad.to_local()) for p in self.params.values() if p.grad is not None]
+        bad = not math.isfinite(value) or not grads_finite(shards)    # the one-process learner's own test
         if self.group.all_sum([int(bad)])[0]:
             self.optimizer.zero_grad(set_to_none=True)
             self.skipped += 1
