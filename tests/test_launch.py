@@ -80,9 +80,12 @@ def test_launch_runs_the_minimal_example_and_the_run_replays(tmp_path):
     # --eval: the same script as the run's evaluator; its held-out loss is in the summary
     assert summary["final_eval_loss"] < summary["initial_eval_loss"], summary
     assert "evaluator" not in summary["per_learner"]
+    # each learner ends well below the shared version 0's loss; a learner that joined late under load
+    # starts from the run's latest (already trained) versions, so its own first loss is no reference
+    start = summary["initial_eval_loss"]
     for lid in ("l0", "l1"):
         losses = [e["loss"] for e in _events(out, lid) if e.get("event") == "step"]
-        assert losses[-1] < 0.5 * losses[0], f"{lid}'s loss did not go down: {losses[:3]} ... {losses[-3:]}"
+        assert losses[-1] < 0.5 * start, f"{lid} ended at {losses[-3:]}, version 0's held-out loss {start}"
         assert summary["per_learner"][lid]["step"] == 200
     _replay(out)
     # the exported global model loads back into the example's own model
@@ -97,7 +100,7 @@ def test_launch_runs_the_minimal_example_and_the_run_replays(tmp_path):
     model.load_state_dict(torch.load(weights, weights_only=True))
     x = example.batch("held-out", 0)
     with torch.no_grad():
-        assert float(torch.nn.functional.mse_loss(model(x), example.TEACHER(x))) < losses[0]
+        assert float(torch.nn.functional.mse_loss(model(x), example.TEACHER(x))) < 0.5 * start
 
 
 def test_a_killed_learner_is_restarted_alone_and_resumes(tmp_path):
