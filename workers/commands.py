@@ -196,15 +196,15 @@ def configure_syncer(parser: argparse.ArgumentParser,
         store = open_store(args.store, s3_endpoint=args.s3_endpoint, create=False)
         if args.wait_for_run is not None and not args.wait_for_run > 0:
             raise SystemExit(f"--wait-for-run must be > 0 seconds, got {args.wait_for_run}")
+        events = _events(args, "syncer", args.id)
         # read once per process, handed to what needs it
         if args.create:
-            desc = _create_run(args, store)
+            desc = _create_run(args, store, events)
         else:
             desc = wait_for_run(store, args.wait_for_run) if args.wait_for_run else read_descriptor(store)
         keys = _keyring(args, desc, "syncer", args.id)
         shard = _check_shard(args.shard, desc)
         flag = _stop_flag()
-        events = _events(args, "syncer", args.id)
         store, metrics = start_metrics(args, events, "syncer", args.id, store, run_id=desc.run_id)
         store = counted(store)     # issue 14: its requests are reported in accounting events
         bus = _bus(args)
@@ -226,7 +226,7 @@ def configure_syncer(parser: argparse.ArgumentParser,
     return handler
 
 
-def _create_run(args, store) -> RunDescriptor:
+def _create_run(args, store, events: EventLog) -> RunDescriptor:
     """``--create``: the run, created from a learner's proposal if it does not exist (signed unless
     ``--insecure``; waits ``--wait-for-run`` seconds, default an hour)."""
     from workers.syncer.create import create_when_proposed
@@ -240,7 +240,7 @@ def _create_run(args, store) -> RunDescriptor:
     except (OSError, ValueError) as exc:
         raise SystemExit(f"keys: {exc}") from None
     return create_when_proposed(store, args.create, ident, secret.parent if secret is not None else None,
-                                args.wait_for_run or 3600.0)
+                                args.wait_for_run or 3600.0, events=events)
 
 
 def _shard_spec(text: str) -> tuple[int, int]:

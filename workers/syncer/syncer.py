@@ -31,6 +31,7 @@ Commits, versions and checkpoints carry the syncer's signatures.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections import Counter
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -249,7 +250,7 @@ class Syncer:
         # that (epoch, round) orders every opening learners ever heard.
         self.rounds.clock.step = self._last_round(fence_seq - 1) + 1
         paced = self.rounds.resume_pace(self._stored_clock())
-        self.events.emit("syncer-recovered", epoch=epoch, fence_seq=fence_seq, shard=self.cfg.shard,
+        self.events.emit("syncer-recovered", epoch=epoch, fence_seq=fence_seq, shard=self.cfg.shard, pid=os.getpid(),
                          replayed=before.stats.commits + rs.stats.commits, from_checkpoint=before.stats.from_checkpoint,
                          salvaged=len(rs.notes), seconds=round(self.clock() - t0, 3),
                          pace_s=round(self.rounds.period.value, 5) if paced else None)
