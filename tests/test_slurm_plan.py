@@ -147,3 +147,30 @@ def test_a_stopped_role_is_not_requeued_even_if_its_process_fails(tmp_path):
     proc.send_signal(signal.SIGTERM)    # what scancel sends the batch shell
     stdout, _ = proc.communicate(timeout=60)
     assert "l0 exited 143" in stdout and _calls(tmp_path) == [], stdout
+
+
+def test_regions_are_data_each_learner_job_names_its_region(tmp_path):
+    home, r1 = tmp_path / "home", tmp_path / "r1"
+    specs = f"home={home};r1={r1},endpoint=http://127.0.0.1:9/"
+    jobs = plan(_cfg(**{"launch.learners": 3, "launch.insecure": True, "launch.region_specs": specs}), SlurmOptions(),
+                tmp_path / "out", ["python", "t.py"])
+    syncer, learners = jobs[0], jobs[1:4]
+    assert syncer.command[syncer.command.index("--store") + 1] == str(home)      # the home region's store
+    assert [j.env.get("DDILOCO_REGION") for j in learners] == ["home", "r1", "home"]
+    assert all(j.env["DDILOCO_STORE"] == str(home) for j in learners)
+    assert "region_specs" in (tmp_path / "out" / "launch.toml").read_text()   # the syncer's --create reads them
+
+
+def test_the_syncer_creates_a_multi_region_run_from_the_launch_file(tmp_path):
+    import numpy as np
+    from storage.proposal import propose
+    from storage.store import open_store
+    from workers.syncer.create import create_when_proposed
+    home, r1 = tmp_path / "home", tmp_path / "r1"
+    cfg = _cfg(**{"launch.learners": 2, "launch.insecure": True, "launch.region_specs": f"home={home};r1={r1}",
+                  "schedule.fragments": 1})
+    (tmp_path / "run.toml").write_text(config.to_toml(cfg, SKIP))
+    store = open_store(str(home))
+    propose(store, "l0", {"w": np.ones((4, 4), np.float32)})
+    desc = create_when_proposed(store, tmp_path / "run.toml", None, None, timeout_s=30)
+    assert desc.regions is not None and [r.name for r in desc.regions.regions] == ["home", "r1"]

@@ -32,6 +32,8 @@ def configure(parser: argparse.ArgumentParser):
     a("--advertise", default="", help="the host learners connect to (default: the syncer node's name)")
     a("--sbatch-arg", action="append", default=[], metavar="OPTION",
       help="one more sbatch option for every job (repeatable), e.g. --sbatch-arg=--qos=high")
+    a("--region", action="append", default=None, metavar="NAME=URI[,endpoint=URL][,profile=NAME]",
+      help="a region of the run on its own store (once per region, home first; learner m in region m mod N)")
     a("--dry-run", action="store_true", help="write OUT's files and print the sbatch calls without submitting")
     config.add_flags(s, LaunchConfig, skip=SKIP, aliases=ALIASES, helps=HELP, choices=CHOICES)
     a("command", nargs=argparse.REMAINDER, metavar="-- CMD ARGS", help="the training command every learner runs")
@@ -61,7 +63,8 @@ def configure(parser: argparse.ArgumentParser):
 
 
 def _submit(args) -> int:
-    cfg = config.from_args(args, LaunchConfig, SKIP)
+    regions = {"launch.region_specs": ";".join(args.region)} if args.region else None
+    cfg = config.from_args(args, LaunchConfig, SKIP, regions)
     opts = SlurmOptions(partition=args.partition, account=args.account, time_limit=args.time_limit,
                         nodes_per_learner=args.nodes_per_learner, syncer_restarts=args.syncer_restarts,
                         bind=args.bind, advertise=args.advertise, sbatch_args=tuple(args.sbatch_arg))
@@ -88,10 +91,11 @@ def _submit(args) -> int:
 def _drain(out: Path, timeout_s: float) -> int:
     from storage.store import open_store
     from .drain import wait_drained
-    from .submit import read_jobs
+    from .submit import read_jobs, run_store
     from .summary import settings
     jobs, lc = read_jobs(out), settings(out).launch
-    store = open_store(lc.store or str(out.resolve() / "store"), s3_endpoint=lc.s3_endpoint, create=False)
+    uri, endpoint = run_store(out, lc)
+    store = open_store(uri, s3_endpoint=endpoint, create=False)
     why = wait_drained(store, out / "logs", sorted(jobs["learners"]), timeout_s)
     print("drained: every learner's durable delta is committed" if not why else
           f"not drained after {timeout_s:g} s: {why}")

@@ -5,7 +5,8 @@
 1. ``OUT`` (on a filesystem every node mounts) gets the run's settings (``OUT/launch.toml``, the
    same file as ``ddiloco launch --print-config``), keys for the syncer and every learner
    (``OUT/keys``, unless ``--insecure``) and the batch scripts (``OUT/slurm/*.sbatch``,
-   infra/slurm/scripts.py). The store is ``--store`` (S3 across sites) or ``OUT/store``.
+   infra/slurm/scripts.py). The store is ``--store`` (S3 across sites) or ``OUT/store``; with
+   ``--region NAME=URI,...`` (home first) the home region's, and learner m runs in region m mod N.
 2. The syncer's job: ``ddiloco syncer --create OUT/launch.toml --advertise HOST`` on any free port
    - it creates the run from the first learner's proposed model and writes where it listens into
    the store (workers/bus/discovery.py), so no job script holds a hostname; requeued when it fails,
@@ -40,7 +41,8 @@ from storage.layout import read_descriptor
 from storage.store import open_store
 from workers import config
 from workers.bus.keys import SYNCER, ensure_identities, key_paths
-from workers.common.placement import learner_names
+from pipeline.regions import regions_from_specs
+from workers.common.placement import Placement, learner_names
 from workers.launch_config import SKIP, LaunchConfig
 from workers.launcher import learner_command
 from workers.learner.env import LearnerEnv
@@ -93,22 +95,33 @@ class Job:
         return ["sbatch", "--parsable", *self.options, *dep, str(self.script), *self.command]
 
 
+def run_store(out: Path, lc) -> tuple[str, str | None]:
+    """The run's store and S3 endpoint: the home region's with --region, else --store or OUT/store."""
+    if lc.region_specs:
+        regions = regions_from_specs(lc.region_specs.split(";"))
+        home = regions.region(regions.home)
+        return home.uri, home.endpoint or lc.s3_endpoint
+    return lc.store or str(Path(out).resolve() / "store"), lc.s3_endpoint
+
+
 def plan(cfg: LaunchConfig, opts: SlurmOptions, out: Path, command: list[str]) -> list[Job]:
     """The jobs of a run, in submission order (writes OUT's settings, keys and scripts)."""
     lc = cfg.launch
     if lc.syncers > 1:
         raise ValueError("--syncers > 1: learners find only an unsharded syncer through the store so far; "
                          "run one syncer on SLURM")
-    if lc.region_specs:
-        raise ValueError("--region: a multi-region run on SLURM is not supported yet (one store, --store)")
     if not lc.bus:
         raise ValueError("--no-bus: the SLURM jobs find the syncer's bus through the store; drop --no-bus")
     out = out.resolve()
     (out / "slurm").mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    store_uri = lc.store or str(out / "store")
-    store = open_store(store_uri, s3_endpoint=lc.s3_endpoint)
+    # regions (--region NAME=URI[,endpoint=URL][,profile=NAME], home first): the syncer works on the
+    # home region's store, learner m in region m mod N names its region (DDILOCO_REGION), as ddiloco launch
+    regions = regions_from_specs(lc.region_specs.split(";")) if lc.region_specs else None
+    store_uri, s3_endpoint = run_store(out, lc)
+    store = open_store(store_uri, s3_endpoint=s3_endpoint)
     names = learner_names(lc.learners)
+    placement = Placement.round_robin(names, [r.name for r in regions.regions] if regions is not None else [])
     keydir = None if lc.insecure else Path(lc.keys or out / "keys").resolve()
     if keydir is not None:
         ensure_identities(keydir, [SYNCER, *names])
@@ -137,7 +150,7 @@ def plan(cfg: LaunchConfig, opts: SlurmOptions, out: Path, command: list[str]) -
     syncer_cmd = [py, "-m", "workers.cli", "syncer", "--store", store_uri, "--id", SYNCER,
                   "--ingest", f"tcp://{opts.bind}:0", "--announce", f"tcp://{opts.bind}:0",
                   "--advertise", opts.advertise, "--log", str(out / "logs" / "syncer.jsonl"),
-                  *(["--s3-endpoint", lc.s3_endpoint] if lc.s3_endpoint else []),
+                  *(["--s3-endpoint", s3_endpoint] if s3_endpoint else []),
                   *(signed or ["--insecure"]), *([] if builtin else ["--create", str(launch_toml)])]
     jobs = [Job(SYNCER, options(SYNCER, "--ntasks=1"), role_script, syncer_cmd,
                 {"DDILOCO_SLURM_ROLE": SYNCER, "DDILOCO_SLURM_MAX_RESTARTS": str(opts.syncer_restarts)})]
@@ -149,14 +162,16 @@ def plan(cfg: LaunchConfig, opts: SlurmOptions, out: Path, command: list[str]) -
         log = str(out / "logs" / f"{lid}.jsonl")
         if builtin:
             cmd = [py, "-m", "workers.cli", "learner", "--store", store_uri, "--id", lid, "--discover", "--log", log,
-                   *(["--s3-endpoint", lc.s3_endpoint] if lc.s3_endpoint else []), *(signed or ["--insecure"]),
+                   *(["--s3-endpoint", s3_endpoint] if s3_endpoint else []), *(signed or ["--insecure"]),
+                   *(["--region", placement.region(lid)] if placement.region(lid) else []),
                    *(["--steps", str(lc.steps)] if lc.steps else [])]
         else:
             # one node: this interpreter, under workers.learner.localrun for G > 1 ranks (as ddiloco launch);
             # several nodes: role.sbatch wraps the command in srun + torchrun itself
             cmd = learner_command(command, nproc if opts.nodes_per_learner == 1 else 1)
             contract = LearnerEnv(
-                store=store_uri, learner_id=lid, s3_endpoint=lc.s3_endpoint, log=log, propose=True, discover=True,
+                store=store_uri, learner_id=lid, s3_endpoint=s3_endpoint, region=placement.region(lid), log=log,
+                propose=True, discover=True,
                 key=str(key_paths(keydir, lid)[1]) if keydir else None,
                 syncer_key=str(key_paths(keydir, SYNCER)[0]) if keydir else None,
                 propose_wait_s=lc.propose_wait, state_every_s=lc.state_every, steps=lc.steps,
@@ -169,7 +184,7 @@ def plan(cfg: LaunchConfig, opts: SlurmOptions, out: Path, command: list[str]) -
         if builtin:
             raise ValueError("--eval runs the training command as the evaluator: give the command after --")
         eval_cmd = learner_command(shlex.split(lc.eval_command) if lc.eval_command else command, 1)
-        contract = LearnerEnv(store=store_uri, learner_id=EVALUATOR, s3_endpoint=lc.s3_endpoint, role="evaluator",
+        contract = LearnerEnv(store=store_uri, learner_id=EVALUATOR, s3_endpoint=s3_endpoint, role="evaluator",
                               log=str(out / "logs" / f"{EVALUATOR}.jsonl"), propose_wait_s=lc.propose_wait,
                               steps=lc.steps)
         jobs.append(Job(EVALUATOR, options(EVALUATOR, "--ntasks=1"), role_script, eval_cmd,

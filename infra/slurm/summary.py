@@ -20,7 +20,7 @@ from workers.launch_config import SKIP, LaunchConfig
 from workers.tools.launch_summary import launch_summary
 from workers.tools.run_figures import write_outputs
 
-from .submit import read_jobs
+from .submit import read_jobs, run_store
 
 
 def settings(out: Path) -> LaunchConfig:
@@ -50,8 +50,8 @@ def summarize(out: Path, args=None) -> dict:
     out = Path(out).resolve()
     jobs, cfg = read_jobs(out), settings(out)
     lc = cfg.launch
-    store_uri = lc.store or str(out / "store")
-    store = open_store(store_uri, s3_endpoint=lc.s3_endpoint, create=False)
+    store_uri, s3_endpoint = run_store(out, lc)
+    store = open_store(store_uri, s3_endpoint=s3_endpoint, create=False)
     desc = read_descriptor(store)
     events = _events(out)
     stop = next((e for e in reversed(events) if e.get("event") == "syncer-stop"), {})

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from pipeline.descriptor import RunDescriptor
+from pipeline.regions import regions_from_specs
 from storage.errors import NotFound
 from storage.layout import read_descriptor
 from storage.proposal import run_complete, wait_for_run
@@ -47,6 +48,8 @@ def create_when_proposed(store: ObjectStore, path: str | Path, syncer: Identity 
     """The run's descriptor: the existing run's, or one created from the first proposal within
     ``timeout_s`` (``NotFound`` otherwise)."""
     cfg = launch_settings(path)
+    # the run's regions are data in the launch file (launch.region_specs, home first), as for ddiloco launch
+    regions = regions_from_specs(cfg.launch.region_specs.split(";")) if cfg.launch.region_specs else None
     learners = listed_learners(key_dir) if syncer is not None else []
     deadline = clock() + timeout_s
     while True:
@@ -56,7 +59,7 @@ def create_when_proposed(store: ObjectStore, path: str | Path, syncer: Identity 
         except NotFound:
             pass
         try:
-            desc, proposer = create_from_proposal(store, cfg.settings(), syncer=syncer, learners=learners)
+            desc, proposer = create_from_proposal(store, cfg.settings(regions), syncer=syncer, learners=learners)
             if events is not None:
                 events.emit("run-created", run_id=desc.run_id, initial_model_from=proposer, by="syncer",
                             learners_listed=len(learners))
