@@ -20,6 +20,7 @@ from workers.launch_config import SKIP, LaunchConfig
 from workers.tools.launch_summary import launch_summary
 from workers.tools.run_figures import write_outputs
 
+from .drain import not_drained
 from .submit import read_jobs, run_store
 
 
@@ -60,7 +61,6 @@ def summarize(out: Path, args=None) -> dict:
     restarts = {lid: n - 1 for lid, n in lives(events).items() if lid in jobs["learners"]}
     # drained: judged from the store and the logs (infra/slurm/drain.py), as the stop job waited for it;
     # the syncer's own stop event is reported beside it
-    from .drain import not_drained
     why = not_drained(store, out / "logs", sorted(jobs["learners"]))
     summary = launch_summary(store, store_uri, desc, events, wall, not why, False, lc, restarts)
     summary["not_drained"] = why or None
