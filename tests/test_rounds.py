@@ -178,6 +178,51 @@ def test_round_book_follows_the_live_learners_pace_and_replaces_unclosed_rounds(
     assert book.live(22.0) == ["l9"] and book.learners["l9"].period_s == pytest.approx(0.1)
 
 
+def test_a_learner_that_says_it_is_not_stepping_does_not_pace_the_clock():
+    """Issue 29's SLURM run: two learners held at a gate kept reporting their old 1 ms period and
+    the clock followed them. A heartbeat with step_time_s 0 after a period takes it out of the
+    median until it reports a period again; before any period, 0 still means "none yet"."""
+    desc = RunDescriptor(run_id="r", layout=FragmentLayout((TensorSpec("a", (2,)),), (("a",),)),
+                         schedule=ScheduleConfig(4, (0,)))
+    book = RoundBook(desc, live_timeout_s=5.0, initial_step_s=1.0)
+    for m, p in (("l0", 0.1), ("l1", 0.001), ("l2", 0.001)):
+        book.heartbeat(m, p, 0.0)
+    assert book.learners["l1"].period(0.0, 5.0) == pytest.approx(0.001)
+    book.heartbeat("l1", 0.0, 1.0)                       # held: not stepping
+    book.heartbeat("l2", 0.0, 1.0)
+    assert book.live(1.0) == ["l0", "l1", "l2"]           # still live (heard) ...
+    assert book.learners["l1"].period(1.0, 5.0) == 0.0    # ... but pacing nothing
+    for _ in range(40):
+        book.step_time(1.0)
+    assert book.period.value == pytest.approx(0.1, rel=0.01)   # l0's pace, not the held ones' 1 ms
+    book.heartbeat("l1", 0.002, 2.0)                      # stepping again: it paces again
+    assert book.learners["l1"].period(2.0, 5.0) == pytest.approx(0.002)
+    book.heartbeat("l9", 0.0, 2.0)                        # a newcomer without a period yet
+    assert book.learners["l9"].still_at == float("-inf")
+
+
+def test_a_learner_not_stepping_reports_no_period(tmp_path):
+    from workers.learner.figures import STILL_FACTOR, STILL_MIN_S
+    learner, _, step, _ = rounds_learner(tmp_path)
+    now = [100.0]
+    learner.clock = lambda: now[0]      # noqa: E731  (the heartbeat reads the learner's clock)
+    try:
+        for _ in range(5):
+            step()
+            now[0] += 0.01
+        assert learner._heartbeat()["step_time_s"] == pytest.approx(0.01)
+        assert STILL_MIN_S > STILL_FACTOR * 0.01                # so STILL_MIN_S is the bound here
+        now[0] += STILL_MIN_S - 0.02
+        assert learner._heartbeat()["step_time_s"] == pytest.approx(0.01)   # a slow step is no hold
+        now[0] += 0.02
+        assert learner._heartbeat()["step_time_s"] == 0.0       # held: says it is not stepping
+        step()                                                  # steps again: its period again
+        now[0] += 0.01
+        assert learner._heartbeat()["step_time_s"] == pytest.approx(0.01)
+    finally:
+        learner.close()
+
+
 # ------------------------------------------------------------------ the learner's side
 
 def _deltas(tmp_path):

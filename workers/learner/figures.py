@@ -8,6 +8,14 @@ import numpy as np
 
 from workers.learner.sender import SenderStats
 
+# A learner that has not begun a step for this many of its periods (and at least STILL_MIN_S) says
+# so in its heartbeats (step_time_s 0): it is not stepping, so its old period must not pace the
+# global clock. Issue 29's SLURM test: two learners held at a gate kept reporting their 1 ms
+# period, the syncer's median followed them, and it opened ~9,700 rounds while the one learner
+# still training (0.1 s steps) took 235, so it sent 455 deltas instead of ~60.
+STILL_FACTOR = 4.0
+STILL_MIN_S = 1.0
+
 
 class LearnerFigures:
     """Mixed into ``Learner`` (workers/learner/learner.py): reads its counters, never changes them."""
@@ -27,10 +35,19 @@ class LearnerFigures:
         recent = list(self.gaps)[-20:]
         return statistics.median(recent) if recent else self._step_time()
 
+    def _pace(self) -> float:
+        """The period its heartbeats report: ``_period``, or 0 while it is not stepping (no step
+        begun for STILL_FACTOR periods and STILL_MIN_S), which tells the syncer not to follow it."""
+        period = self._period()
+        since = None if self._last_start is None else self.clock() - self._last_start
+        if period > 0 and since is not None and since > max(STILL_FACTOR * period, STILL_MIN_S):
+            return 0.0
+        return period
+
     def _heartbeat(self) -> dict:
         st = self._step_time()
         return {"learner": self.id, "incarnation": self.incarnation, "step": self.step_count,
-                "step_time_s": self._period(), "tokens_per_s": (self.tokens / max(self.step_count, 1)) / st if st else 0.0,
+                "step_time_s": self._pace(), "tokens_per_s": (self.tokens / max(self.step_count, 1)) / st if st else 0.0,
                 "loss": self.loss_ewma if self.loss_ewma is not None else -1.0}
 
     def stats(self) -> dict:

@@ -6,7 +6,8 @@ pipeline/schedule.py (the clock) and pipeline/policy.py (when a round closes); t
 state between calls and measures the learners' pace (docs/protocol.md "Rounds"):
 
 * from heartbeats (``step_time_s`` = a learner's own step-to-step period): while a learner's
-  heartbeats come, they alone set its pace;
+  heartbeats come, they alone set its pace; one with ``step_time_s`` 0 after a period says it is
+  not stepping (held, stalled), and it sets no pace until it steps again;
 * from its deltas (their ``learner_step`` against arrival times), so that learners without a bus -
   bucket-only, other regions - set the pace too. Deltas arrive in **bursts**: one inbox listing,
   one loop turn's drain of the bus. A burst says where the learner had got to (its newest step)
@@ -62,6 +63,7 @@ class _Pace:
     beat_s: float = 0.0          # the period its heartbeats report (0: none yet)
     beat_at: float = -math.inf   # when the last heartbeat with a period came
     delta_s: float = 0.0         # its period measured from its deltas (0: not yet)
+    still_at: float = -math.inf  # when its heartbeats last said it is not stepping (step_time_s 0)
     anchor: tuple[int, float] | None = None   # (newest step, arrival) of the burst the next sample starts at
     burst: _Burst | None = None  # the latest burst of its deltas
     lags: deque = field(default_factory=lambda: deque(maxlen=LAG_SAMPLES))   # round opening -> its answer, s
@@ -84,7 +86,10 @@ class _Pace:
 
     def period(self, now: float, fresh_s: float) -> float:
         """The period to follow at ``now``: its heartbeats' while they come (heard within
-        ``fresh_s``), else its deltas', else the last heartbeats' (0: unknown)."""
+        ``fresh_s``), else its deltas', else the last heartbeats' (0: unknown). 0 while its latest
+        heartbeat (within ``fresh_s``) says it is not stepping: a held learner does not pace the clock."""
+        if now - self.still_at < fresh_s:
+            return 0.0
         if self.beat_s > 0 and now - self.beat_at < fresh_s:
             return self.beat_s
         return self.delta_s or self.beat_s
@@ -123,11 +128,16 @@ class RoundBook:
     # -- the learners' pace ----------------------------------------------------------------------
     def heartbeat(self, learner: str, period_s: float, now: float) -> None:
         """A heartbeat: a sign of life and, with ``period_s`` > 0, the learner's own measured
-        period, which sets its pace while heartbeats come."""
+        period, which sets its pace while heartbeats come. ``period_s`` 0 from a learner that has
+        paced before: it is not stepping now (held, evaluating, stalled; workers/learner/figures.py
+        ``_pace``), so it does not pace the clock until a heartbeat with a period comes again
+        (before its first period, 0 means "none yet", as it always did)."""
         pace = self.learners.setdefault(learner, _Pace(now))
         pace.heard = now
         if period_s > 0:
-            pace.beat_s, pace.beat_at = clamp_period(period_s), now
+            pace.beat_s, pace.beat_at, pace.still_at = clamp_period(period_s), now, -math.inf
+        elif pace.beat_s > 0:
+            pace.still_at = now
 
     def left(self, learner: str) -> None:
         """The learner said it stopped (a leaving heartbeat): no longer live, so no round waits a
