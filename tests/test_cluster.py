@@ -7,7 +7,7 @@ import pytest
 
 from storage.log import CommitLog
 from storage.store import open_store
-from workers.cluster import ClusterConfig, DrainStatus, LocalCluster, RoleExited, create_job_run, global_eval_loss
+from workers.cluster import ClusterConfig, DrainStatus, Life, LocalCluster, RoleExited, create_job_run, global_eval_loss
 from workers.job.job import JobSettings
 from workers.launch import RunSettings, Schedule
 
@@ -50,6 +50,30 @@ def test_keys_are_paths_to_the_roles_own_files(tmp_path):
     syncer, learner = cluster.key_args("syncer"), cluster.key_args("l0")
     assert syncer[0] == "--key" and syncer[1].endswith("syncer.key_secret") and len(syncer) == 2
     assert learner[1].endswith("l0.key_secret") and learner[2:] == ["--syncer-key", syncer[1][:-len("_secret")]]
+
+
+class _NoTail:
+    def read(self) -> list[dict]:
+        return []
+
+
+def test_a_syncer_told_to_advertise_is_ready_once_it_published_where_it_listens(tmp_path):
+    """Issue 25's busy clean-clone run: ready at "syncer-bus" let a test read the advertisement
+    before the syncer had written it (StopIteration); readiness now waits for it when --advertise is given."""
+    cluster = LocalCluster(ClusterConfig("x", tmp_path))
+
+    def life(argv, events):
+        cluster.lives["syncer"] = [Life("syncer", "syncer", None, 0.0, argv, "workers.cli", 0, _NoTail(),
+                                        seen=[{"event": e} for e in events])]
+        return cluster.ready("syncer")
+
+    bound = ["syncer-recovered", "syncer-bus"]
+    assert life(["syncer"], bound)
+    assert not life(["syncer"], bound[:1]) and life(["syncer", "--no-bus"], bound[:1])
+    assert not life(["syncer", "--advertise", "127.0.0.1"], bound)
+    assert not life(["syncer", "--advertise=h"], bound)
+    assert life(["syncer", "--advertise", "127.0.0.1"], [*bound, "syncer-advertised"])
+    assert life(["syncer", "--advertise", "127.0.0.1"], [*bound, "syncer-advertise-failed"])   # reported, not fatal
 
 
 def test_a_role_that_dies_before_it_is_ready_is_reported(tmp_path):

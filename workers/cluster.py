@@ -294,12 +294,17 @@ class LocalCluster:
     # -- readiness -------------------------------------------------------------------------------
     def ready(self, name: str) -> bool:
         """Whether the current life of ``name`` has said it is ready: a syncer once it recovered
-        (and bound the bus, when it has one), a learner once it loaded the global model."""
+        (and bound the bus, when it has one, and published where it listens, when told to
+        advertise: a learner with ``--discover`` cannot reach it before), a learner once it loaded
+        the global model."""
         life = self.life(name)
         seen = {e.get("event") for e in life.events()}
         if life.role == LEARNER_ROLE:
             return "learner-start" in seen
-        return "syncer-recovered" in seen and ("--no-bus" in life.argv or "syncer-bus" in seen)
+        bus = "--no-bus" in life.argv or "syncer-bus" in seen
+        advertises = any(a == "--advertise" or a.startswith("--advertise=") for a in life.argv)
+        told = not advertises or bool(seen & {"syncer-advertised", "syncer-advertise-failed"})
+        return "syncer-recovered" in seen and bus and told
 
     def wait_ready(self, names: str | Sequence[str], timeout_s: float = 60.0) -> None:
         """Wait until every named role is ready; RoleExited if one exits first, TimeoutError on time."""
