@@ -202,11 +202,25 @@ class LocalStore:
             except FileNotFoundError:
                 continue   # a concurrent delete pruned a parent while makedirs walked down: again
             except (FileExistsError, NotADirectoryError):
-                raise BadLocation("a parent of this key is an object in this local store (a directory store "
-                                  "cannot hold both 'a' and 'a/b')", uri=self.uri, key=key) from None
+                # Also what a race looks like: makedirs' mkdir met the directory, then a concurrent
+                # delete pruned it before makedirs checked it was a directory (a busy clean-clone CI
+                # run). Only an object where a parent directory belongs is bad input; else again.
+                if self._object_above(path):
+                    raise BadLocation("a parent of this key is an object in this local store (a directory "
+                                      "store cannot hold both 'a' and 'a/b')", uri=self.uri, key=key) from None
+                continue
             except OSError as exc:
                 raise self._os_error(exc, key, "cannot create the parent directory") from None
         raise Unavailable("parent directory kept disappearing", uri=self.uri, key=key)
+
+    def _object_above(self, path: str) -> bool:
+        """Whether a parent of ``path`` below the root is an object (a file), not a directory."""
+        parent = os.path.dirname(path)
+        while parent != self.root and parent.startswith(self.root):
+            if os.path.lexists(parent) and not os.path.isdir(parent):
+                return True
+            parent = os.path.dirname(parent)
+        return False
 
     def _write_tmp(self, key: str, data: bytes) -> str:
         if not isinstance(data, (bytes, bytearray, memoryview)):
