@@ -23,6 +23,7 @@ at ``http://127.0.0.1:N/metrics`` (``--metrics-host`` to bind elsewhere); worker
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import signal
@@ -49,10 +50,24 @@ from workers.common.traffic import SINGLE_REGION, SyncerTraffic, TrafficMeter, c
 from workers.syncer.syncer import Syncer, SyncerConfig
 
 
-def _stop_flag() -> threading.Event:
+# A role still alive this long after SIGTERM/SIGINT writes every thread's stack to stderr: a
+# syncer once hung in its shutdown (issue 29's SLURM test, 1 run in ~12) and left no trace of where.
+STOP_REPORT_S = 60.0
+
+
+def _stop_flag(report_s: float = STOP_REPORT_S) -> threading.Event:
+    """The clean-stop flag SIGTERM/SIGINT set. The signal also arms a watchdog (``faulthandler``,
+    a C thread that needs no lock or GIL holder's help): still running ``report_s`` later, the
+    process dumps all its threads' stacks to stderr and goes on (SIGKILL remains the stop)."""
     flag = threading.Event()
+
+    def stop(*_) -> None:
+        if not flag.is_set():
+            faulthandler.dump_traceback_later(report_s, exit=False)
+        flag.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: flag.set())
+        signal.signal(sig, stop)
     return flag
 
 
