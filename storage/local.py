@@ -180,13 +180,11 @@ class LocalStore:
                 return
             raise self._os_error(exc, key, "delete failed") from None
         # Prune now-empty parents so listings stay cheap; a concurrent writer recreates them.
-        parent = os.path.dirname(path)
-        while parent != self.root and parent.startswith(self.root):
+        for parent in self._parents(path):
             try:
                 os.rmdir(parent)
             except OSError:
                 break
-            parent = os.path.dirname(parent)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -213,14 +211,16 @@ class LocalStore:
                 raise self._os_error(exc, key, "cannot create the parent directory") from None
         raise Unavailable("parent directory kept disappearing", uri=self.uri, key=key)
 
-    def _object_above(self, path: str) -> bool:
-        """Whether a parent of ``path`` below the root is an object (a file), not a directory."""
+    def _parents(self, path: str):
+        """The directories above ``path`` inside the root, nearest first."""
         parent = os.path.dirname(path)
         while parent != self.root and parent.startswith(self.root):
-            if os.path.lexists(parent) and not os.path.isdir(parent):
-                return True
+            yield parent
             parent = os.path.dirname(parent)
-        return False
+
+    def _object_above(self, path: str) -> bool:
+        """Whether a parent of ``path`` below the root is an object (a file), not a directory."""
+        return any(os.path.lexists(p) and not os.path.isdir(p) for p in self._parents(path))
 
     def _write_tmp(self, key: str, data: bytes) -> str:
         if not isinstance(data, (bytes, bytearray, memoryview)):

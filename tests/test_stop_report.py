@@ -6,10 +6,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.runhelpers import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -45,9 +46,7 @@ def test_a_role_that_hangs_after_sigterm_dumps_its_threads(tmp_path):
     try:
         proc.send_signal(signal.SIGTERM)
         assert proc.stdout.readline().strip() == "stopping"      # the flag was set: a clean stop began
-        deadline = time.monotonic() + 120
-        while "most recent call first" not in err.read_text() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_for(lambda: "most recent call first" in err.read_text(), 120, "the stack dump on stderr")
         text = err.read_text()
         assert "most recent call first" in text and "wait" in text, text
         assert proc.poll() is None                                # reported, not killed: SIGKILL stays the stop

@@ -12,7 +12,7 @@ from workers.learner.sender import SenderStats
 # so in its heartbeats (step_time_s 0): it is not stepping, so its old period must not pace the
 # global clock. Issue 29's SLURM test: two learners held at a gate kept reporting their 1 ms
 # period, the syncer's median followed them, and it opened ~9,700 rounds while the one learner
-# still training (0.1 s steps) took 235, so it sent 455 deltas instead of ~60.
+# still training (0.1 s steps) took 235, so it sent 417-455 deltas instead of ~60.
 STILL_FACTOR = 4.0
 STILL_MIN_S = 1.0
 
