@@ -155,6 +155,7 @@ class Sender:
         self._thread = threading.Thread(target=self._run, name="sender", daemon=True)
         self._last_heard = -1e9
         self._link: LearnerLink | None = None
+        self._link_since = 0.0             # when the link was opened (ZeroMQ connects in the background)
         self._spill_failures = 0           # consecutive failed spills (for backoff and event thinning)
         self._map_fn = None                # the encode pool's map while the thread runs (encode_threads > 1)
         self.failed: str | None = None     # set if the thread died; the training loop then stops loudly
@@ -329,6 +330,7 @@ class Sender:
     def _connect(self) -> None:
         if self.bus_cfg is not None and self.cfg.bus_enabled:
             self._link = self.transport.learner(self.bus_cfg, self.identity, curve=self.curve, wake_fd=self._wake_r)
+            self._link_since = self.clock()
             self._link.send(Message("hello", {"learner": self.identity.decode(), "incarnation": 0}))
 
     def _follow_target(self) -> None:
@@ -366,8 +368,8 @@ class Sender:
         now = self.clock()
         if self._link is not None and (now >= self._next_beat or self._beat_soon.is_set()):
             self._beat_soon.clear()
-            self._link.send(Message("heartbeat", self.heartbeat()))
-            self._next_beat = now + self.cfg.heartbeat_s
+            if self._link.send(Message("heartbeat", self.heartbeat())) or not self._connecting(now):
+                self._next_beat = now + self.cfg.heartbeat_s   # else: again next turn, once connected
         self._send_unsent(now)
         self._read_acks(wait_s if wait_s is not None else (0.02 if self.pending else 0.05))
         now = self.clock()
@@ -441,10 +443,28 @@ class Sender:
     def _syncer_alive(self, now: float) -> bool:
         return now - self._last_heard < max(3 * self.cfg.ack_timeout_s, 3 * self.cfg.heartbeat_s)
 
+    def _connecting(self, now: float) -> bool:
+        """The link is new and nothing came over it yet: its connect may still be under way (the
+        link refuses to queue until it is connected), for ``ack_timeout_s`` at most."""
+        return self._last_heard < self._link_since and now - self._link_since < self.cfg.ack_timeout_s
+
     def _send_unsent(self, now: float) -> None:
         for p in list(self.pending.values()):
             if p.sent_at is not None or not self._encode(p):
                 continue
+            if self._link is None:
+                p.sent_at = p.spill_after = now       # no bus: spill straight away
+                continue
+            msg = Message("delta", {"header": p.header.to_dict(), "checksum": p.checksum}, p.blob)
+            if not self._link.send(msg):
+                if self._connecting(now):
+                    # A sync agent spilled the first delta it was handed 7 ms after it came up (busy
+                    # machine, issue 25) instead of sending it: a link still connecting is not a
+                    # fast path that is down. Sent at a later turn, or spilled once it is overdue.
+                    continue
+                p.sent_at = p.spill_after = now       # would block (disconnected / high-water mark)
+                continue
+            self.stats.bytes_sent += len(p.blob)
             p.sent_at = now
             p.spill_after = now + self.cfg.ack_timeout_s
             if p.inherited_spill_after is not None:
@@ -452,16 +472,11 @@ class Sender:
                 # bus was blackholed: each restarted the wait, so nothing spilled until the syncer
                 # was given up for dead (3 x ack_timeout_s; 4 s without a commit in the chaos suite).
                 p.spill_after = min(p.spill_after, max(now, p.inherited_spill_after))
-            if self._link is None:
-                p.spill_after = now     # no bus: spill straight away
-                continue
-            msg = Message("delta", {"header": p.header.to_dict(), "checksum": p.checksum}, p.blob)
-            if self._link.send(msg):
-                self.stats.bytes_sent += len(p.blob)
-                if not self._syncer_alive(now):
-                    p.spill_after = now   # nobody acks lately: make it durable ourselves now
-            else:
-                p.spill_after = now       # would block (not connected / high-water mark)
+            if not self._syncer_alive(now) and not self._connecting(now):
+                # Nobody acks lately: make it durable ourselves now. Not on a link that has not
+                # been heard from yet: a fresh learner or respawned agent uploaded every delta it
+                # sent in its first second a second time (issue 31); those wait for their ack.
+                p.spill_after = now
 
     def _read_acks(self, timeout_s: float) -> None:
         if self._link is None:
