@@ -311,7 +311,10 @@ def configure_learner(parser: argparse.ArgumentParser):
     parser.add_argument("--wait-for", metavar="FILE", default=None,
                         help="load the model, then wait for this file to exist before joining (a spare machine)")
     parser.add_argument("--data-seed", type=int, default=None, help="the batch order's seed (default: the run's)")
-    parser.add_argument("--ack-timeout", type=float, default=2.0, help="seconds before an unacked delta spills")
+    parser.add_argument("--ack-timeout", type=float, default=2.0,
+                        help="least seconds before an unacked delta spills (the wait follows the acks seen)")
+    parser.add_argument("--max-ack-wait", type=float, default=30.0,
+                        help="most seconds an unacked delta waits before it spills, however slow the syncer's acks")
     parser.add_argument("--discover", action="store_true",
                         help="find the syncer's bus in the run store (a syncer started with --advertise) and follow it "
                              "when it moves, instead of --ingest/--announce")
@@ -373,7 +376,8 @@ def configure_learner(parser: argparse.ArgumentParser):
         store, metrics = start_metrics(args, events, "learner", args.id, store, run_id=desc.run_id)
         if args.discover and args.no_bus:
             raise SystemExit("--discover finds the bus; --no-bus has none: give one of them")
-        cfg = LearnerConfig(sender=SenderConfig(ack_timeout_s=args.ack_timeout), poll_s=args.poll, keys=keys,
+        sender = SenderConfig(ack_timeout_s=args.ack_timeout, max_ack_wait_s=args.max_ack_wait)
+        cfg = LearnerConfig(sender=sender, poll_s=args.poll, keys=keys,
                             sync_process=args.sync_process, agent_cpus=agent_cpus, discover=args.discover)
         try:
             wait_for = args.wait_for

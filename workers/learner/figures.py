@@ -64,6 +64,7 @@ class LearnerFigures:
             "undelivered": self.sender.undelivered() if self.sender else 0,
             "spill_errors": s.spill_errors, "last_error": s.last_error,
             "bytes_sent": s.bytes_sent, "bytes_spilled": s.bytes_spilled, "spill_found": s.spill_found,
+            "ack_wait_s": round(s.ack_wait_s, 4), "longest_ack_s": round(s.longest_ack_s, 4),
             "bytes_received": r.bytes_received if r else 0,
             "versions_applied": self.applied, "receiver_errors": r.errors if r else 0,
             "versions_refused": r.refused if r else 0, "receiver_failed": r.failed if r else None,

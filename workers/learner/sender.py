@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from pipeline.ack_wait import AckWait, AckWaitConfig
 from pipeline.codec import CodecConfig, encode
 from pipeline.envelope import digest
 from pipeline.types import DeltaHeader
@@ -51,7 +52,8 @@ LEAVING_LINGER_S = 0.5   # how long a stopping learner's leaving heartbeat may t
 
 @dataclass(frozen=True)
 class SenderConfig:
-    ack_timeout_s: float = 2.0       # no ack by then: spill
+    ack_timeout_s: float = 2.0       # no ack by then: spill (the least wait; it follows the acks seen, pipeline/ack_wait.py)
+    max_ack_wait_s: float = 30.0     # the longest wait for an ack, however slow the syncer's rounds
     max_pending: int = 16            # deltas held in memory at most (queued + pending)
     max_held_bytes: int = 256 << 20  # bytes held at most (raw queued deltas + encoded pending ones)
     heartbeat_s: float = 1.0
@@ -67,6 +69,8 @@ class SenderConfig:
         if not isinstance(self.encode_threads, int) or isinstance(self.encode_threads, bool) \
                 or not 1 <= self.encode_threads <= 256:
             raise ValueError(f"encode_threads must be an int in 1..256, got {self.encode_threads!r}")
+        if self.max_ack_wait_s < self.ack_timeout_s:
+            raise ValueError(f"max_ack_wait_s ({self.max_ack_wait_s}) must be >= ack_timeout_s ({self.ack_timeout_s})")
         if self.max_retry_s < self.retry_s:
             raise ValueError(f"max_retry_s ({self.max_retry_s}) must be >= retry_s ({self.retry_s})")
         if self.max_pending < 1:
@@ -82,7 +86,8 @@ class _Pending:
     size: int = 0                  # bytes held: raw tensors until encoded, then the blob
     blob: bytes | None = None
     checksum: str = ""
-    sent_at: float | None = None
+    sent_at: float | None = None   # when it was sent, or found unsendable (then spill_after = sent_at)
+    on_bus_at: float | None = None # when the bus took it (its ack latency is measured from here)
     spill_after: float = 0.0
     # The spill deadline of the sent, unacked delta of this lineage that this one superseded: the
     # lineage has waited for an ack since then, and a newer answer must not restart that wait.
@@ -112,6 +117,8 @@ class SenderStats:
     last_error: str = ""
     peak_held: int = 0             # most deltas held at once
     peak_held_bytes: int = 0
+    ack_wait_s: float = 0.0        # the current wait for an ack before spilling (pipeline/ack_wait.py)
+    longest_ack_s: float = 0.0     # the longest recent ack latency it follows
 
 
 def delta_made(events: EventLog, header: DeltaHeader) -> None:
@@ -149,7 +156,8 @@ class Sender:
         self.queue: dict[tuple[int, int], _Pending] = {}
         self.pending: dict[str, _Pending] = {}
         self._held_bytes = 0
-        self.stats = SenderStats()
+        self._ack_wait = AckWait(AckWaitConfig(floor_s=cfg.ack_timeout_s, cap_s=cfg.max_ack_wait_s))
+        self.stats = SenderStats(ack_wait_s=cfg.ack_timeout_s)
         self._stop = threading.Event()
         self._idle = threading.Event()
         self._thread = threading.Thread(target=self._run, name="sender", daemon=True)
@@ -441,7 +449,7 @@ class Sender:
         return True
 
     def _syncer_alive(self, now: float) -> bool:
-        return now - self._last_heard < max(3 * self.cfg.ack_timeout_s, 3 * self.cfg.heartbeat_s)
+        return now - self._last_heard < max(3 * self._ack_wait.wait_s(), 3 * self.cfg.heartbeat_s)
 
     def _connecting(self, now: float) -> bool:
         """The link is new and nothing came over it yet: its connect may still be under way (the
@@ -465,8 +473,8 @@ class Sender:
                 p.sent_at = p.spill_after = now       # would block (disconnected / high-water mark)
                 continue
             self.stats.bytes_sent += len(p.blob)
-            p.sent_at = now
-            p.spill_after = now + self.cfg.ack_timeout_s
+            p.sent_at = p.on_bus_at = now
+            p.spill_after = now + self._ack_wait.wait_s()
             if p.inherited_spill_after is not None:
                 # Answers of one lineage superseded one another faster than ack_timeout_s while the
                 # bus was blackholed: each restarted the wait, so nothing spilled until the syncer
@@ -491,12 +499,18 @@ class Sender:
                 p = self._release(did) if isinstance(did, str) else None
                 if p is not None:
                     if msg.fields.get("status") == "durable":
+                        self._ack_latency(None if p.on_bus_at is None else self._last_heard - p.on_bus_at)
                         self.stats.acked += 1
                         self.events.emit("delta-acked", delta=did)
                     else:
                         self.stats.rejected += 1
                         self.events.emit("delta-rejected", delta=did, reason=msg.fields.get("reason", ""))
             msg = self._link.recv(0)
+
+    def _ack_latency(self, seconds: float | None) -> None:
+        if seconds is not None:
+            self._ack_wait.observe(seconds)
+            self.stats.ack_wait_s, self.stats.longest_ack_s = self._ack_wait.wait_s(), self._ack_wait.longest_s
 
     def _spill_overdue(self, now: float) -> None:
         for did, p in list(self.pending.items()):

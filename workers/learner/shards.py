@@ -127,14 +127,15 @@ class ShardedSender:
 
     @property
     def stats(self) -> SenderStats:
-        """The shards' counters added up (peaks: the largest; last_error: the last shard's that has one)."""
+        """The shards' counters added up (peaks and ack waits: the largest; last_error: the last
+        shard's that has one)."""
         out = SenderStats()
         for s in self.senders:
             for f in dataclasses.fields(SenderStats):
                 a, b = getattr(out, f.name), getattr(s.stats, f.name)
                 if f.name == "last_error":
                     setattr(out, f.name, b or a)
-                elif f.name.startswith("peak_"):
+                elif f.name.startswith("peak_") or f.name in ("ack_wait_s", "longest_ack_s"):
                     setattr(out, f.name, max(a, b))
                 else:
                     setattr(out, f.name, a + b)
