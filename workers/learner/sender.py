@@ -54,6 +54,7 @@ LEAVING_LINGER_S = 0.5   # how long a stopping learner's leaving heartbeat may t
 class SenderConfig:
     ack_timeout_s: float = 2.0       # no ack by then: spill (the least wait; it follows the acks seen, pipeline/ack_wait.py)
     max_ack_wait_s: float = 30.0     # the longest wait for an ack, however slow the syncer's rounds
+    connect_s: float = 0.5           # a new link refusing sends this long is down, not connecting (issue 25)
     max_pending: int = 16            # deltas held in memory at most (queued + pending)
     max_held_bytes: int = 256 << 20  # bytes held at most (raw queued deltas + encoded pending ones)
     heartbeat_s: float = 1.0
@@ -64,7 +65,7 @@ class SenderConfig:
     encode_threads: int = 1          # threads encoding one delta: 1 encodes on the sender thread
 
     def __post_init__(self) -> None:
-        if self.ack_timeout_s <= 0 or self.heartbeat_s <= 0 or self.retry_s <= 0:
+        if self.ack_timeout_s <= 0 or self.heartbeat_s <= 0 or self.retry_s <= 0 or self.connect_s <= 0:
             raise ValueError("sender timeouts must be positive")
         if not isinstance(self.encode_threads, int) or isinstance(self.encode_threads, bool) \
                 or not 1 <= self.encode_threads <= 256:
@@ -449,12 +450,17 @@ class Sender:
         return True
 
     def _syncer_alive(self, now: float) -> bool:
-        return now - self._last_heard < max(3 * self._ack_wait.wait_s(), 3 * self.cfg.heartbeat_s)
+        # A link just opened counts as heard: a fresh learner or respawned agent uploaded every
+        # delta it sent in its first second a second time, before its first ack came (issue 31).
+        heard = max(self._last_heard, self._link_since if self._link is not None else -1e9)
+        return now - heard < max(3 * self._ack_wait.wait_s(), 3 * self.cfg.heartbeat_s)
 
     def _connecting(self, now: float) -> bool:
         """The link is new and nothing came over it yet: its connect may still be under way (the
-        link refuses to queue until it is connected), for ``ack_timeout_s`` at most."""
-        return self._last_heard < self._link_since and now - self._link_since < self.cfg.ack_timeout_s
+        link refuses to queue until it is connected), for ``connect_s`` at most: a loopback connect
+        takes milliseconds, one across regions a few round trips, and a bus that is really down
+        must not hold the first answers back from the spill for long (every one waits that long)."""
+        return self._last_heard < self._link_since and now - self._link_since < self.cfg.connect_s
 
     def _send_unsent(self, now: float) -> None:
         for p in list(self.pending.values()):
@@ -480,11 +486,8 @@ class Sender:
                 # bus was blackholed: each restarted the wait, so nothing spilled until the syncer
                 # was given up for dead (3 x ack_timeout_s; 4 s without a commit in the chaos suite).
                 p.spill_after = min(p.spill_after, max(now, p.inherited_spill_after))
-            if not self._syncer_alive(now) and not self._connecting(now):
-                # Nobody acks lately: make it durable ourselves now. Not on a link that has not
-                # been heard from yet: a fresh learner or respawned agent uploaded every delta it
-                # sent in its first second a second time (issue 31); those wait for their ack.
-                p.spill_after = now
+            if not self._syncer_alive(now):
+                p.spill_after = now   # nobody acks lately: make it durable ourselves now
 
     def _read_acks(self, timeout_s: float) -> None:
         if self._link is None:
