@@ -24,7 +24,8 @@ from .envelope import pack_record, unpack_record
 from .errors import FormatError
 
 __all__ = ["ScheduleConfig", "DRIVERS", "RoundClock", "ClockRecord", "latest_round", "CLOCK_KIND", "CLOCK_VERSION",
-           "MIN_PERIOD_S", "MAX_PERIOD_S", "EXTRAPOLATE_MAX_S", "check_period", "clamp_period"]
+           "MIN_PERIOD_S", "MAX_PERIOD_S", "EXTRAPOLATE_MAX_S", "check_period", "clamp_period", "join_gap",
+           "JoinStagger"]
 
 CLOCK_KIND, CLOCK_VERSION = "round-clock", 1
 MIN_PERIOD_S = 1e-3        # the global clock's fastest tick (issue 25: a bogus 0.25 ms pace ran it away)
@@ -184,3 +185,40 @@ class ClockRecord:
 
     def to_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "step": self.step, "at": self.at, "period_s": self.period_s}
+
+
+def join_gap(H: int, num_fragments: int) -> int:
+    """Steps between a learner's first answers to the fragments in one life (issue 31): the spacing
+    of the schedule's own rounds, H // P (at least 1)."""
+    _check_offsets(H, [])
+    if not isinstance(num_fragments, int) or isinstance(num_fragments, bool) or num_fragments < 1:
+        raise ValueError(f"num_fragments must be an int >= 1, got {num_fragments!r}")
+    return max(1, H // num_fragments)
+
+
+@dataclass
+class JoinStagger:
+    """A learner that comes up finds a round open for every fragment (the syncer's clock ran while
+    it loaded, or it joins a running run) and, answering them all at its first step, sent the whole
+    model at once and then applied P versions at once: at 101M its first two steps took ~18 s.
+    Its first answer to each fragment is therefore spaced ``gap`` steps from the previous first
+    answer (``join_gap``), oldest round first, as the schedule spaces every later round; a learner
+    that starts with the run answers each round as it opens, ``gap`` apart anyway, and waits for
+    nothing. Answers to a fragment already answered in this life are never held back."""
+
+    gap: int
+    last: int | None = None        # the step of the last first answer sent (None: none yet)
+    seen: set[int] = field(default_factory=set)   # fragments answered in this life
+
+    def is_first(self, fragment: int) -> bool:
+        return fragment not in self.seen
+
+    def may_answer_first(self, step: int) -> bool:
+        return self.last is None or step - self.last >= self.gap
+
+    def answered(self, fragment: int, step: int, sent: bool) -> None:
+        """``fragment``'s round was answered at ``step`` (``sent``: with a delta; an answer without
+        one, a version that closed the round before any work, spaces nothing)."""
+        if fragment not in self.seen and sent:
+            self.last = step
+        self.seen.add(fragment)

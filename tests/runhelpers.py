@@ -179,8 +179,8 @@ class FakeReceiver:
         pass
 
 
-def rounds_learner(tmp_path, keep_progress=False):
-    """A started one-fragment learner (H = 4) whose receiver is a ``FakeReceiver``: (learner,
+def rounds_learner(tmp_path, keep_progress=False, fragments=1, sync_every=4):
+    """A started learner (one fragment, H = 4 unless told) whose receiver is a ``FakeReceiver``: (learner,
     model, step, events), ``step()`` one inner step; its events go to ``tmp_path/l0.jsonl``."""
     import torch
     from workers.launch import create_run
@@ -190,7 +190,7 @@ def rounds_learner(tmp_path, keep_progress=False):
     model = torch.nn.Linear(4, 2)
     store = open_store(str(tmp_path / "store"))
     init = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
-    create_run(store, init, RunSettings(schedule=Schedule(fragments=1, sync_every=4),
+    create_run(store, init, RunSettings(schedule=Schedule(fragments=fragments, sync_every=sync_every),
                                         learner=LearnerRules(keep_progress=keep_progress)), embedding_tensors=())
     events = EventLog(tmp_path / "l0.jsonl", "learner", "l0")
     learner = Learner(model, torch.optim.SGD(model.parameters(), lr=0.1), store, "l0", events=events).start()

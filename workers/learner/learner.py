@@ -10,8 +10,8 @@ Public API (the default job uses it too)::
     learner.close()                        # waits (bounded) until its deltas are durable
 
 Each ``step`` (SPEC §3): answer every round the syncer opened since the last step (hand
-``Δ_p = base_p − θ_p`` to the background sender, header naming the round), apply fragment versions
-that arrived (overwrite θ_p, reset p's counters, remember the version as base) - answering first
+``Δ_p = base_p − θ_p`` to the background sender, header naming the round; a new life's first answers are spaced
+like the schedule's rounds, workers/learner/answers.py), apply fragment versions that arrived (overwrite θ_p, reset p's counters, remember the version as base) - answering first
 for a version whose round it still owes, so that no unsent work is overwritten - then one inner
 optimizer step and bump the counters. The syncer, not the learner, decides when p is synced.
 With the model on an accelerator, an answer's Δ_p is quantised there and only its packed bytes
@@ -34,9 +34,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from pipeline.fragment import extract
 from pipeline.descriptor import RunDescriptor
-from pipeline.types import DeltaHeader, check_learner_id
+from pipeline.schedule import JoinStagger, join_gap
+from pipeline.types import check_learner_id
 from storage.learner_state import LearnerState, read_state
 from storage.log import claim_incarnation
 from storage.regions import learner_region_store
@@ -47,12 +47,13 @@ from workers.bus.keys import KeyRing, Roster
 from workers.learner.bootstrap import (StateRecorder, discovery_target, find_run, from_env, optimizer_snapshot,
                                       resume_optimizer, stop_requested)
 from workers.learner.env import LearnerEnv
+from workers.learner.answers import ANSWERS_KEPT, LearnerAnswers
 from workers.learner.figures import LearnerFigures
-from workers.learner.device_quant import QMAX as _DEVICE_QMAX, quantise_delta
+from workers.learner.device_quant import QMAX as _DEVICE_QMAX
 from workers.learner.io import DeltaSender, VersionReceiver
 from workers.learner.nonfinite import NonFiniteGuard
 from workers.learner.receiver import Receiver
-from workers.learner.sender import Sender, SenderConfig, delta_made
+from workers.learner.sender import Sender, SenderConfig
 from workers.learner.shards import learner_tracker, make_receiver, make_sender, split_bus
 from workers.learner.observer import StepObserver, StepParts
 from workers.bus.signing import seal_delta
@@ -63,7 +64,6 @@ from workers.common.versions import VersionTracker
 INCARNATION_EPOCH_NS = 1_704_067_200 * 10**9   # 2024-01-01T00:00:00Z
 DEVICE_QUANTISE = ("auto", "on", "off")
 DEVICE_SCHEMES = tuple(_DEVICE_QMAX)   # int4, int8
-ANSWERS_KEPT = 8   # rounds of each fragment remembered as answered (never answered twice, issue 25)
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class LearnerConfig:
             raise ValueError(f"device_quantise must be one of {DEVICE_QUANTISE}, got {self.device_quantise!r}")
 
 
-class Learner(LearnerFigures):
+class Learner(LearnerAnswers, LearnerFigures):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, store: str | ObjectStore | None = None,
                  learner_id: str | None = None, config: LearnerConfig = LearnerConfig(), bus: BusConfig | None = None,
                  events: EventLog | None = None, incarnation: int | None = None,
@@ -168,6 +168,7 @@ class Learner(LearnerFigures):
         self._answered_recent: dict[int, deque[tuple[int, int]]] = {}   # fragment -> its last ANSWERS_KEPT answers
         self._opened_seen: dict[int, tuple[int, int]] = {}   # fragment -> the opening answer_rounds saw last
         self._rounds_seen: dict | None = None      # the receiver's open rounds as of the last answer_rounds
+        self._stagger = JoinStagger(1)             # this life's first answers, spaced (set in start())
         self._answered_steps: dict[int, int] = {}   # fragment -> c_steps its last answer held
         self._at_answer: dict[int, tuple] = {}   # keep_progress: fragment -> (θ_p, c_steps, c_tokens) at the answer
         self.c_steps: list[int] = []
@@ -226,6 +227,7 @@ class Learner(LearnerFigures):
             self.answered[p] = (-1, -1)
             self._answered_recent[p] = deque(maxlen=ANSWERS_KEPT)
         self._rounds_seen = None
+        self._stagger = JoinStagger(join_gap(d.schedule.sync_every, d.num_fragments))
         self.c_steps = [0] * d.num_fragments
         self.c_tokens = [0] * d.num_fragments
         if agent:   # the child builds the same sender(s) and receiver(s), one per syncer shard if sharded
@@ -482,113 +484,3 @@ class Learner(LearnerFigures):
                              bytes_sent=self.sender.stats.bytes_sent + self.sender.stats.bytes_spilled,
                              max_gap_s=round(self._window_gap, 4))   # longest step-to-step gap since the last event
             self._window_gap = 0.0
-
-    def answer_rounds(self, rounds: dict | None = None) -> int:
-        """Answer every round opened since the last step boundary (the newest one per fragment);
-        returns how many deltas were handed to the sender."""
-        rounds = self.receiver.opened() if rounds is None else rounds
-        if rounds is self._rounds_seen:
-            return 0            # the same object as last step (the sync agent's board had no news): all answered
-        self._rounds_seen = rounds
-        n = 0
-        for p, opened in sorted(rounds.items()):
-            self._went_back(p, opened)
-            if self._owes(p, opened):
-                if self.c_steps[p] == 0:
-                    # Nothing trained on p yet (a new life, or its version just came): answer at the
-                    # first step that has work, not never - a round of a K = 3 run that opened while
-                    # a learner restarted waited for it in vain and its fragment froze for 18 steps
-                    # (fault simulation, seed 934). Look again next step.
-                    self._rounds_seen = None
-                    continue
-                n += self._answer(p, opened)
-        return n
-
-    def fragments_read(self, rounds: dict, arrivals: list) -> set[int]:
-        """The fragments whose parameters a boundary with these open rounds and arrivals may read:
-        the rounds it owes (an answer's Δ_p) and every arrival's (answered first if owed; mixed)."""
-        return {p for p, opened in rounds.items() if self._owes(p, opened)} | {a.fragment for a in arrivals}
-
-    def _owes(self, p: int, opened: tuple[int, int]) -> bool:
-        """Whether round ``opened`` = (syncer epoch, round) of fragment ``p`` still wants this
-        learner's answer: not when it answered that round (its last ANSWERS_KEPT rounds
-        of p are remembered: never twice), nor for an older syncer epoch than its last answer's;
-        otherwise yes - also a round below the last one answered in the same epoch, which is the
-        syncer's real round replacing one the receiver had extrapolated from the storage clock
-        (answering only rounds above the last one stopped the learner for good after a bogus guess).
-        (``_went_back`` forgets the answers to guesses above such a replacement.)"""
-        last = self.answered.get(p, (-1, -1))
-        return opened[0] >= last[0] and opened not in self._answered_recent.get(p, ())
-
-    def _went_back(self, p: int, opened: tuple[int, int]) -> None:
-        """The receiver's opening of ``p`` went back within one syncer epoch: it replaced a guess.
-        The answers given above it in that epoch answered guesses ahead of the syncer's clock (this
-        host's wall clock read ahead of the syncer's, or the clock record was bogus), and those
-        rounds are still to open for real: forgotten, each is answered when it does (remembered,
-        none was - the fault simulation's clock-skew: a learner 25 s ahead stopped contributing)."""
-        before = self._opened_seen.get(p)
-        self._opened_seen[p] = opened
-        recent = self._answered_recent.get(p)
-        if recent and before is not None and before[0] == opened[0] and opened[1] < before[1]:
-            self._answered_recent[p] = deque((o for o in recent if o[0] != opened[0] or o[1] <= opened[1]),
-                                             maxlen=ANSWERS_KEPT)
-
-    def _unsent(self, p: int) -> bool:
-        """Steps on p since the last answer (keep_progress keeps the count since the answer; else the
-        last answer holds every step up to it: only steps after it are new)."""
-        return self.c_steps[p] > self._answered_steps.get(p, 0)
-
-    def _answer(self, p: int, opened: tuple[int, int]) -> int:
-        self.answered[p] = opened
-        self._answered_recent.setdefault(p, deque(maxlen=ANSWERS_KEPT)).append(opened)
-        if self.c_steps[p] == 0:
-            # Only from apply_arrivals (answer_rounds waits for work): the arriving version closed
-            # this round, so it counts as answered - answering it after the next step would be late.
-            return 0
-        self._emit_delta(p, opened[1])
-        return 1
-
-    def _emit_delta(self, p: int, round_id: int) -> None:
-        names = self.descriptor.layout.fragments[p]
-        # learner_step = the last step whose work the delta holds (steps are counted after they end).
-        header = DeltaHeader(self.id, self.incarnation, self.seq, p, self.base_version[p], self.c_steps[p],
-                             self.c_tokens[p], max(self.step_count - 1, 0), round_id)
-        self.seq += 1
-        self._answered_steps[p] = header.c_steps
-        if not self.sender.logs_deltas:   # the sync agent logs it, off this thread
-            delta_made(self.events, header)
-        if self._device_quantise:   # Δ quantised where θ lives; the sender waits for its bytes
-            c = self.descriptor.codec
-            self.sender.submit(header, quantise_delta(self._device_base(p, names), self.params, names, c.scheme,
-                                                      c.block_size))
-            return
-        if self.sender.writes_difference and not self.descriptor.learner.keep_progress:
-            held = self._fragment_params.get(p)
-            if held is None:      # the same dict every answer: the agent keeps its views of it
-                held = self._fragment_params[p] = {n: self.params[n] for n in names}
-            self.sender.submit_difference(header, self.base[p], held)   # Δ straight into shared memory
-            return
-        current = extract(self.params, names)
-        delta = {n: self.base[p][n] - current[n] for n in names}
-        if self.descriptor.learner.keep_progress:
-            self._at_answer[p] = (current, header.c_steps, header.c_tokens)
-        self.sender.submit(header, delta)
-
-    def _device_base(self, p: int, names: list[str]) -> dict[str, torch.Tensor]:
-        """base_p on the parameters' device for one answer (a CPU model: views, no copy). Bases live
-        in host memory: by default the upload is dropped after the answer, so the device holds no
-        copy of the model beside the parameters (issue 28); ``device_base_cache`` N keeps the uploads
-        of the N fragments answered last (each until its base changes) to save the upload."""
-        src = self.base[p]
-        held = self._base_dev.pop(p, None)
-        if held is None or held[0] is not src:
-            held = (src, {n: torch.from_numpy(src[n]).to(self.params[n].device) for n in names})
-        if self.cfg.device_base_cache:
-            self._base_dev[p] = held              # newest last: the dict's order is the LRU order
-            while len(self._base_dev) > self.cfg.device_base_cache:
-                self._base_dev.pop(next(iter(self._base_dev)))
-        return held[1]
-
-    def _device_base_kept(self) -> dict[int, dict[str, torch.Tensor]]:
-        """The base uploads kept on the model's device now (``device_base_cache``; tests, memory figures)."""
-        return {p: held[1] for p, held in self._base_dev.items()}
