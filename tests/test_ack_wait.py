@@ -49,16 +49,22 @@ def _ack(link, h) -> None:
     link.replies.append(Message("ack", {"delta_id": h.id, "status": "durable"}))
 
 
-def test_after_slow_acks_a_delivered_delta_waits_longer_than_the_floor_instead_of_spilling(tmp_path):
-    now = [0.0]
+def _after_one_slow_ack(tmp_path, now: list[float]):
+    """A connected sender whose first delta, sent at t = 0, was acked 1.5 s later (a merge)."""
     sender, events, link = _sender(tmp_path, now)
     link.connected = True
     first = header(0, 1)
     sender.submit(first, {"w": np.ones(8, np.float32)})
-    sender.turn()                                          # sent at t = 0
-    now[0] = 1.5                                           # the syncer was merging: acked after 1.5 s
+    sender.turn()
+    now[0] = 1.5
     _ack(link, first)
     sender.turn()
+    return sender, events, link
+
+
+def test_after_slow_acks_a_delivered_delta_waits_longer_than_the_floor_instead_of_spilling(tmp_path):
+    now = [0.0]
+    sender, events, link = _after_one_slow_ack(tmp_path, now)
     assert sender.stats.acked == 1 and sender.stats.ack_wait_s == 3.0 and sender.stats.longest_ack_s == 1.5
     second = header(1, 2)
     sender.submit(second, {"w": np.ones(8, np.float32)})
@@ -74,14 +80,7 @@ def test_after_slow_acks_a_delivered_delta_waits_longer_than_the_floor_instead_o
 
 def test_a_delta_the_syncer_never_acks_still_spills_at_the_grown_wait(tmp_path):
     now = [0.0]
-    sender, events, link = _sender(tmp_path, now)
-    link.connected = True
-    first = header(0, 1)
-    sender.submit(first, {"w": np.ones(8, np.float32)})
-    sender.turn()
-    now[0] = 1.5
-    _ack(link, first)
-    sender.turn()
+    sender, events, link = _after_one_slow_ack(tmp_path, now)
     lost = header(1, 2)
     sender.submit(lost, {"w": np.ones(8, np.float32)})
     sender.turn()                                          # sent at 1.5; its ack never comes
