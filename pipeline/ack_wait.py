@@ -51,12 +51,14 @@ class AckWait:
     def __init__(self, cfg: AckWaitConfig):
         self.cfg = cfg
         self._recent: deque[float] = deque(maxlen=cfg.window)
+        self._wait = cfg.floor_s       # kept up to date by observe(): read every sender turn
 
     def observe(self, latency_s: float) -> None:
         """One sent delta's ack came ``latency_s`` after it was sent. Nonsense (negative, not
         finite: a clock that stepped) is ignored rather than allowed to set the deadline."""
         if isinstance(latency_s, (int, float)) and math.isfinite(latency_s) and latency_s >= 0:
             self._recent.append(float(latency_s))
+            self._wait = min(self.cfg.cap_s, max(self.cfg.floor_s, self.cfg.factor * self.longest_s))
 
     @property
     def longest_s(self) -> float:
@@ -65,4 +67,4 @@ class AckWait:
 
     def wait_s(self) -> float:
         """Seconds after a send before the delta is spilled."""
-        return min(self.cfg.cap_s, max(self.cfg.floor_s, self.cfg.factor * self.longest_s))
+        return self._wait

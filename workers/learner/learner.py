@@ -10,8 +10,9 @@ Public API (the default job uses it too)::
     learner.close()                        # waits (bounded) until its deltas are durable
 
 Each ``step`` (SPEC §3): answer every round the syncer opened since the last step (hand
-``Δ_p = base_p − θ_p`` to the background sender, header naming the round; a new life's first answers are spaced
-like the schedule's rounds, workers/learner/answers.py), apply fragment versions that arrived (overwrite θ_p, reset p's counters, remember the version as base) - answering first
+``Δ_p = base_p − θ_p`` to the background sender, header naming the round; a new life's first
+answers are spaced like the schedule's rounds, workers/learner/answers.py), apply fragment versions
+that arrived (overwrite θ_p, reset p's counters, remember the version as base) - answering first
 for a version whose round it still owes, so that no unsent work is overwritten - then one inner
 optimizer step and bump the counters. The syncer, not the learner, decides when p is synced.
 With the model on an accelerator, an answer's Δ_p is quantised there and only its packed bytes

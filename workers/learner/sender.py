@@ -52,7 +52,7 @@ LEAVING_LINGER_S = 0.5   # how long a stopping learner's leaving heartbeat may t
 
 @dataclass(frozen=True)
 class SenderConfig:
-    ack_timeout_s: float = 2.0       # no ack by then: spill (the least wait; it follows the acks seen, pipeline/ack_wait.py)
+    ack_timeout_s: float = 2.0       # no ack by then: spill (the least wait: it follows the acks, pipeline/ack_wait.py)
     max_ack_wait_s: float = 30.0     # the longest wait for an ack, however slow the syncer's rounds
     connect_s: float = 0.5           # a new link refusing sends this long is down, not connecting (issue 25)
     max_pending: int = 16            # deltas held in memory at most (queued + pending)
@@ -502,7 +502,8 @@ class Sender:
                 p = self._release(did) if isinstance(did, str) else None
                 if p is not None:
                     if msg.fields.get("status") == "durable":
-                        self._ack_latency(None if p.on_bus_at is None else self._last_heard - p.on_bus_at)
+                        if p.on_bus_at is not None:   # acks of deltas the bus took measure the round
+                            self._ack_seen(self._last_heard - p.on_bus_at)
                         self.stats.acked += 1
                         self.events.emit("delta-acked", delta=did)
                     else:
@@ -510,10 +511,9 @@ class Sender:
                         self.events.emit("delta-rejected", delta=did, reason=msg.fields.get("reason", ""))
             msg = self._link.recv(0)
 
-    def _ack_latency(self, seconds: float | None) -> None:
-        if seconds is not None:
-            self._ack_wait.observe(seconds)
-            self.stats.ack_wait_s, self.stats.longest_ack_s = self._ack_wait.wait_s(), self._ack_wait.longest_s
+    def _ack_seen(self, latency_s: float) -> None:
+        self._ack_wait.observe(latency_s)
+        self.stats.ack_wait_s, self.stats.longest_ack_s = self._ack_wait.wait_s(), self._ack_wait.longest_s
 
     def _spill_overdue(self, now: float) -> None:
         for did, p in list(self.pending.items()):
