@@ -295,3 +295,33 @@ def test_sender_waits_for_the_copy_on_its_thread_and_drops_non_finite_like_encod
         assert sender.stats.nonfinite == 1 and len(dropped) == 1 and dropped[0]["error"] == str(want.value)
     finally:
         sender.stop()
+
+
+def test_bases_live_in_host_memory_pinned_only_beside_a_cuda_model(tmp_path):
+    """Issue 28: every base (the one loaded at start and the one a version brought) is a host array
+    that shares no memory with a parameter; page-locked when the model is on CUDA, plain otherwise."""
+    _, learner, _ = _run(tmp_path, "off")
+    cuda = DEVICE.type == "cuda"
+    assert learner._pin_bases == cuda and learner.base_version[1] == 1      # fragment 1's base came with v1
+    params = [p.detach() for p in learner.params.values()]
+    for p, base in learner.base.items():
+        for name, b in base.items():
+            assert isinstance(b, np.ndarray) and b.dtype == np.float32
+            held = torch.from_numpy(b)
+            assert not any(held.data_ptr() == q.data_ptr() for q in params), (p, name)
+            assert held.is_pinned() == cuda, (p, name)
+
+
+def test_host_bases_copy_only_when_asked_and_pin_only_for_a_cuda_parameter(monkeypatch):
+    from types import SimpleNamespace
+    from workers.learner.host_bases import host_base, pin_bases
+    values = {"a": np.arange(4, dtype=np.float32), "b": np.ones(2, np.float32)}
+    kept = host_base(values, ["a"], pinned=False, copy=False)
+    copied = host_base(values, ["a"], pinned=False, copy=True)
+    assert list(kept) == ["a"] and kept["a"] is values["a"]
+    assert np.array_equal(copied["a"], values["a"]) and not np.shares_memory(copied["a"], values["a"])
+    cpu, gpu = SimpleNamespace(device=torch.device("cpu")), SimpleNamespace(device=torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert pin_bases([cpu, gpu]) and not pin_bases([cpu])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not pin_bases([gpu])

@@ -50,6 +50,7 @@ from workers.learner.bootstrap import (StateRecorder, discovery_target, find_run
 from workers.learner.env import LearnerEnv
 from workers.learner.answers import ANSWERS_KEPT, LearnerAnswers
 from workers.learner.figures import LearnerFigures
+from workers.learner.host_bases import host_base, pin_bases
 from workers.learner.device_quant import QMAX as _DEVICE_QMAX
 from workers.learner.io import DeltaSender, VersionReceiver
 from workers.learner.nonfinite import NonFiniteGuard
@@ -189,6 +190,7 @@ class Learner(LearnerAnswers, LearnerFigures):
         self.health = NonFiniteGuard()
         self.observer = config.step_observer
         self._device_quantise = False   # decided in start(): the run's codec and the model's device
+        self._pin_bases = False         # decided in start(): pinned host bases for a CUDA model (host_bases.py)
         self._base_dev: dict[int, tuple[dict, dict[str, torch.Tensor]]] = {}   # p -> (base[p], its device copy)
         self._fragment_params: dict[int, dict[str, torch.nn.Parameter]] = {}   # p -> its parameters, by name
 
@@ -212,6 +214,7 @@ class Learner(LearnerAnswers, LearnerFigures):
         self._check_model(d)
         agent = self.cfg.sync_process                  # sync off the training process's GIL
         self._device_quantise = self._use_device_quantise(d, agent)   # refused before anything is claimed
+        self._pin_bases = pin_bases(self.params.values())             # host bases, page-locked beside a GPU
         curve, seal = self._security(d)
         tracker = learner_tracker(self.store, d)    # the run's log, or every syncer shard's
         # its own: the receiver's belongs to its thread (sharded runs: no older-version fallback yet)
@@ -223,7 +226,7 @@ class Learner(LearnerAnswers, LearnerFigures):
         if self.cfg.state_every_s is not None:
             self._resume()
         for p in range(d.num_fragments):
-            self.base[p] = {n: values[n].copy() for n in d.layout.fragments[p]}
+            self.base[p] = host_base(values, d.layout.fragments[p], self._pin_bases, copy=True)
             self.base_version[p] = versions[p]
             self.answered[p] = (-1, -1)
             self._answered_recent[p] = deque(maxlen=ANSWERS_KEPT)
@@ -396,7 +399,7 @@ class Learner(LearnerAnswers, LearnerFigures):
             else:
                 self._carry(a.fragment, a.values, *kept)
             self._answered_steps[a.fragment] = 0
-            self.base[a.fragment] = a.values
+            self.base[a.fragment] = host_base(a.values, a.values, self._pin_bases, copy=False)
             self.base_version[a.fragment] = a.version
             self.applied += 1
             n += 1
