@@ -105,9 +105,17 @@ def test_learner_killed_others_continue(tmp_path):
     run.create()
     try:
         run.syncer()
-        for m in range(3):   # slowed so that l0 and l1 still train well after the kill on a loaded machine
-            run.learner(f"l{m}", extra=["--slow", "3"])
+        # The order is fixed by conditions, not by start-up speed (once in a busy CI, l2 came up so late
+        # that l1 had run its 200 steps before the kill): l2 trains first (a budget it never reaches),
+        # l0 and l1 are loaded beside it and join at the gate, and l2 dies once both have trained a
+        # little - they are then at the start of their 200 slowed steps.
+        gate = tmp_path / "join.go"
+        run.learner("l2", steps=10**6, extra=["--slow", "3"])
+        for m in (0, 1):
+            run.learner(f"l{m}", extra=["--slow", "3", "--wait-for", str(gate)])
         wait_for(lambda: last_step(run, "l2") >= 30, 90, "l2 to train")
+        gate.touch()
+        wait_for(lambda: min(last_step(run, "l0"), last_step(run, "l1")) >= 5, 90, "l0 and l1 to train beside l2")
         os.killpg(run.procs["l2"].pid, signal.SIGKILL)
         killed_at = CommitLog(run.store).tail()
         steps_at_kill = {m: last_step(run, f"l{m}") for m in (0, 1)}
