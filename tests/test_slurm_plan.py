@@ -95,6 +95,7 @@ def test_without_a_command_the_builtin_learner_needs_an_existing_run(tmp_path):
     jobs = plan(_cfg(**{"launch.insecure": True, "launch.store": str(store)}), SlurmOptions(), tmp_path / "o", [])
     assert "--create" not in jobs[0].command
     assert jobs[1].command[2:5] == ["workers.cli", "learner", "--store"] and "--discover" in jobs[1].command
+    assert jobs[1].command[jobs[1].command.index("--state-every") + 1] == "5.0"     # a requeued life resumes
 
 
 # -- role.sbatch under bash, with a recording scontrol ----------------------------------------------

@@ -311,6 +311,9 @@ def configure_learner(parser: argparse.ArgumentParser):
     parser.add_argument("--wait-for", metavar="FILE", default=None,
                         help="load the model, then wait for this file to exist before joining (a spare machine)")
     parser.add_argument("--data-seed", type=int, default=None, help="the batch order's seed (default: the run's)")
+    parser.add_argument("--state-every", type=float, default=None, metavar="SECONDS",
+                        help="keep a resume record every this many seconds: a new life of this id (a restart, a "
+                             "requeued job) continues its step count and batch order instead of starting at step 0")
     parser.add_argument("--ack-timeout", type=float, default=2.0,
                         help="least seconds before an unacked delta spills (the wait follows the acks seen)")
     parser.add_argument("--max-ack-wait", type=float, default=30.0,
@@ -350,6 +353,9 @@ def configure_learner(parser: argparse.ArgumentParser):
         from workers.learner.sender import SenderConfig
         if args.slow < 1.0:
             raise SystemExit(f"--slow must be >= 1, got {args.slow}")
+        if args.state_every is not None and (group is not None or not args.state_every > 0):
+            raise SystemExit(f"--state-every must be > 0 seconds on a learner of one process, got {args.state_every}"
+                             + (" under torchrun" if group is not None else ""))
         from workers.job.job import Pace
         if args.pace is None and (args.jitter or args.jitter_seed):
             raise SystemExit("--jitter and --jitter-seed need --pace")
@@ -377,7 +383,7 @@ def configure_learner(parser: argparse.ArgumentParser):
         if args.discover and args.no_bus:
             raise SystemExit("--discover finds the bus; --no-bus has none: give one of them")
         sender = SenderConfig(ack_timeout_s=args.ack_timeout, max_ack_wait_s=args.max_ack_wait)
-        cfg = LearnerConfig(sender=sender, poll_s=args.poll, keys=keys,
+        cfg = LearnerConfig(sender=sender, poll_s=args.poll, keys=keys, state_every_s=args.state_every,
                             sync_process=args.sync_process, agent_cpus=agent_cpus, discover=args.discover)
         try:
             wait_for = args.wait_for

@@ -164,6 +164,7 @@ def plan(cfg: LaunchConfig, opts: SlurmOptions, out: Path, command: list[str]) -
             cmd = [py, "-m", "workers.cli", "learner", "--store", store_uri, "--id", lid, "--discover", "--log", log,
                    *(["--s3-endpoint", s3_endpoint] if s3_endpoint else []), *(signed or ["--insecure"]),
                    *(["--region", placement.region(lid)] if placement.region(lid) else []),
+                   "--state-every", str(lc.state_every),           # a requeued life resumes its count
                    *(["--steps", str(lc.steps)] if lc.steps else [])]
         else:
             # one node: this interpreter, under workers.learner.localrun for G > 1 ranks (as ddiloco launch);

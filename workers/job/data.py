@@ -87,14 +87,20 @@ class Corpus:
         size = len(self.train) // count
         return self.train[index * size:(index + 1) * size]
 
-    def batches(self, index: int, count: int, seed: int):
-        """Endless (x, y) batches from shard ``index`` of ``count``; deterministic for the seed."""
+    def batches(self, index: int, count: int, seed: int, skip: int = 0):
+        """Endless (x, y) batches from shard ``index`` of ``count``; deterministic for the seed.
+        ``skip``: start at batch ``skip`` of that order (a resumed learner's data position), drawing
+        the skipped batches' offsets without building them."""
         shard = self.shard(index, count)
         rng = np.random.default_rng([seed, index])
         B, T = self.cfg.batch_size, self.cfg.block_size
         hi = len(shard) - T - 1
         if hi < 1:
             raise ValueError(f"shard {index} of {count} has {len(shard)} bytes, too few for block_size {T}")
+        if skip < 0:
+            raise ValueError(f"skip must be >= 0 batches, got {skip}")
+        for _ in range(skip):
+            rng.integers(0, hi, size=B)
         while True:
             starts = rng.integers(0, hi, size=B)
             x = np.stack([shard[s:s + T] for s in starts]).astype(np.int64)

@@ -172,7 +172,7 @@ def learner_process(store: ObjectStore, learner_id: str, shard: int, bus: BusCon
     if group is None:
         learner = Learner(model, make_optimizer(model, job), store, learner_id, config, bus=bus, events=events,
                           descriptor=desc)
-        batches = corpus.batches(shard % job.shards, job.shards, seed)
+        batches = None            # made once start() knows where a resumed life stands in its batch order
     else:
         from workers.learner.group import GroupLearner
         model.to(group.device)
@@ -185,11 +185,14 @@ def learner_process(store: ObjectStore, learner_id: str, shard: int, bus: BusCon
             return {"steps": 0, "tokens": 0, "drained": True, "joined": False}
         time.sleep(poll_s)
     learner.start()
+    first = learner.step_count            # > 0 only for a life that resumed its record (config.state_every_s)
+    if batches is None:
+        batches = corpus.batches(shard % job.shards, job.shards, seed, skip=first)
     after_step = _step_padding(learner, shard, slow, pace)
     n = steps if steps is not None else job.steps
     opt = learner.optimizer
     left_early = False
-    for i in range(n):
+    for i in range(first, n):
         leaving = stop()
         if leaving and group is None:
             left_early = True
