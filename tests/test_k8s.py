@@ -135,3 +135,67 @@ def test_render_refuses_a_missing_command(tmp_path):
     done = subprocess.run([sys.executable, "-m", "workers.cli", "k8s", "render", "--store", "s3://b/r", "--out",
                            str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "give the learners' command after --" in done.stderr
+
+
+REGIONS = ["home=s3://bucket-a/run", "eu=s3://bucket-b/run,endpoint=http://s3.eu.example:9000,profile=eu"]
+
+
+@pytest.fixture(scope="module")
+def regional(tmp_path_factory):
+    from infra.k8s.render import launch_file
+    out = tmp_path_factory.mktemp("k8s-regions")
+    learners, toml, regions = launch_file(None, 3, REGIONS)
+    files = render(out, learners, None, "registry.example/ddiloco:0.1", ["python", "train.py"], launch_toml=toml,
+                   regions=regions)
+    return {p.relative_to(out).as_posix(): [d for d in yaml.safe_load_all(p.read_text()) if d]
+            for p in files if p.suffix == ".yaml"}, (out / "README.md").read_text()
+
+
+def test_regions_reach_the_syncers_launch_file_and_each_learner_names_its_own(regional, tmp_path):
+    from workers.learner.env import LearnerEnv
+    docs, readme = regional
+    resources = _resources(docs)
+    for d in resources:
+        kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+    cm = next(d for d in resources if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "ddiloco-run")
+    (tmp_path / "launch.toml").write_text(cm["data"]["launch.toml"])
+    cfg = launch_settings(tmp_path / "launch.toml")          # what the syncer's --create builds the run with
+    assert cfg.launch.region_specs == ";".join(REGIONS) and cfg.launch.learners == 3
+    syncer = next(d for d in resources if d["kind"] == "StatefulSet")["spec"]["template"]["spec"]["containers"][0]
+    assert syncer["command"][syncer["command"].index("--store") + 1] == "s3://bucket-a/run"   # the home region's
+    where = {}
+    for job in (d for d in resources if d["kind"] == "Job"):
+        pod = job["spec"]["template"]
+        env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"] if "value" in e}
+        contract = LearnerEnv.from_environ(env)              # what the learner's process reads
+        assert contract.store == "s3://bucket-a/run" and contract.region == pod["metadata"]["labels"]["ddiloco/region"]
+        assert job["metadata"]["labels"]["ddiloco/region"] == contract.region
+        where[contract.learner_id] = contract.region
+        # a region names a credentials profile: the AWS files come from an optional Secret, by path
+        aws = next(v for v in pod["spec"]["volumes"] if v["name"] == "aws")
+        assert aws["secret"]["optional"] and env["AWS_CONFIG_FILE"].startswith("/aws/")
+    assert where == {"l0": "home", "l1": "eu", "l2": "home"}          # learner m in region m mod N
+    assert "- `eu`: l1" in readme and "ddiloco-aws" in readme
+
+
+def test_regions_without_a_profile_mount_no_aws_files(tmp_path):
+    from infra.k8s.render import launch_file
+    learners, toml, regions = launch_file(None, 2, ["home=s3://a/run", "r1=s3://b/run"])
+    files = render(tmp_path, learners, None, "img", ["python", "train.py"], launch_toml=toml, regions=regions)
+    text = "".join(p.read_text() for p in files if p.suffix == ".yaml")
+    assert "DDILOCO_REGION" in text and "AWS_CONFIG_FILE" not in text and "ddiloco-aws" not in text
+
+
+def test_render_refuses_a_store_beside_regions_and_a_flag_that_contradicts_the_file(tmp_path):
+    base = [sys.executable, "-m", "workers.cli", "k8s", "render", "--out", str(tmp_path / "o")]
+    done = subprocess.run([*base, "--store", "s3://b/r", "--region", REGIONS[0], "--region", REGIONS[1], "--",
+                           "python", "t.py"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "not both" in done.stderr, done.stderr[-500:]
+    (tmp_path / "run.toml").write_text("[launch]\nlearners = 4\n")
+    done = subprocess.run([*base, "--config", str(tmp_path / "run.toml"), "--learners", "3", "--store", "s3://b/r",
+                           "--", "python", "t.py"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "launch.learners is 4 in" in done.stderr, done.stderr[-500:]
+    done = subprocess.run([*base, "--region", REGIONS[0], "--", "python", "t.py"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0 and "needs at least two" in done.stderr, done.stderr[-500:]
+    assert not (tmp_path / "o").exists()       # nothing written for a refused command
