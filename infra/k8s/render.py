@@ -190,7 +190,8 @@ def render(out: Path, learners: int, store: str | None, image: str, command: lis
     if not command:
         raise ValueError("give the learners' command after --, e.g. -- python train.py")
     if (store is None) == (regions is None):
-        raise ValueError("give the run's --store, or its regions (--region, home first, or launch.region_specs), not both")
+        raise ValueError("give the run's --store, or its regions (--region, home first, or "
+                         "launch.region_specs), not both")
     names = learner_names(learners)
     placement = Placement.round_robin(names, [r.name for r in regions.regions] if regions is not None else [])
     home = regions.region(regions.home) if regions is not None else None
@@ -275,7 +276,7 @@ def launch_file(path: str | None, learners: int | None, region_flags: list[str] 
     cfg = config.build(LaunchConfig, values, {k: str(path) for k in values} if path else None)
     specs = cfg.launch.region_specs
     regions = regions_from_specs(specs.split(";")) if specs else None
-    text = config.to_toml(cfg, SKIP, header="the run's settings: ddiloco syncer --create reads them (ddiloco k8s render)")
+    text = config.to_toml(cfg, SKIP, header="the run's settings (ddiloco k8s render): ddiloco syncer --create reads them")
     return cfg.launch.learners, text, regions
 
 

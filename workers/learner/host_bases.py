@@ -19,7 +19,8 @@ def pin_bases(params: Iterable[torch.Tensor]) -> bool:
     return torch.cuda.is_available() and any(p.device.type == "cuda" for p in params)
 
 
-def host_base(values: Mapping[str, np.ndarray], names: Iterable[str], pinned: bool, copy: bool) -> dict[str, np.ndarray]:
+def host_base(values: Mapping[str, np.ndarray], names: Iterable[str], pinned: bool,
+              copy: bool) -> dict[str, np.ndarray]:
     """Fragment ``names`` of ``values`` as a base: numpy arrays over pinned pages when ``pinned``
     (always a copy: the array keeps its pinned tensor alive), else the arrays themselves or, with
     ``copy``, copies of them (a base must not alias the parameters' staging arrays)."""
