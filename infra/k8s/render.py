@@ -276,7 +276,7 @@ def launch_file(path: str | None, learners: int | None, region_flags: list[str] 
     cfg = config.build(LaunchConfig, values, {k: str(path) for k in values} if path else None)
     specs = cfg.launch.region_specs
     regions = regions_from_specs(specs.split(";")) if specs else None
-    text = config.to_toml(cfg, SKIP, header="the run's settings (ddiloco k8s render): ddiloco syncer --create reads them")
+    text = config.to_toml(cfg, SKIP, header="the run's settings (k8s render); ddiloco syncer --create reads them")
     return cfg.launch.learners, text, regions
 
 
