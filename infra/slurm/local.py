@@ -1,6 +1,7 @@
-"""A real one-node SLURM on loopback, for tests and for trying ``ddiloco slurm submit`` on a laptop (issue 29).
+"""A real SLURM on loopback, for tests and for trying ``ddiloco slurm submit`` on a laptop (issue 29).
 
     cluster = LocalSlurm(tmp_dir).start()      # munged, slurmctld, slurmd; SLURM_CONF in cluster.env()
+    cluster = LocalSlurm(tmp_dir, nodes=2)     # two nodes n1, n2: one slurmd each, both on this host
     subprocess.run(["sbatch", ...], env={**os.environ, **cluster.env()})
     cluster.stop()
 
@@ -15,6 +16,10 @@ Settings that differ from a site's and why:
 - ``ProctrackType=proctrack/linuxproc``, ``TaskPlugin=task/none``: no cgroups in a container.
 - ``SlurmdParameters=config_overrides`` with ``CPUs=16``: the job slots the test needs (a syncer,
   learners, the stop job) on a 2-core machine; the jobs oversubscribe its cores, as processes do.
+- ``nodes=N > 1``: N slurmd daemons on this host (Debian's slurmd is built with multiple-slurmd
+  support), nodes ``n1..nN`` at 127.0.0.1 on ports of their own, each with its own spool, pid and log
+  (``%n`` in their paths). A job of several nodes then really runs ``srun`` across slurmds, so a
+  learner's torchrun group spans "nodes" as on a cluster; the nodes share this host's cores.
 - ``AuthInfo=cred_expire=5``: a requeued job waits ``cred_expire`` + 1 s before it may start again
   (120 s by default: on a real cluster a requeued learner is back after about two minutes), and
   ``SchedulerParameters=sched_interval=1,bf_interval=1`` so the scheduler looks every second.
@@ -61,9 +66,12 @@ def _free_ports(n: int) -> list[int]:
 class LocalSlurm:
     """munged + slurmctld + slurmd for one node named ``localhost``, all state under ``root``."""
 
-    def __init__(self, root: str | Path, slots: int = SLOTS) -> None:
+    def __init__(self, root: str | Path, slots: int = SLOTS, nodes: int = 1) -> None:
+        if nodes < 1:
+            raise ValueError(f"nodes must be >= 1, got {nodes}")
         self.root = Path(root).resolve()
         self.slots = slots
+        self.nodes = [NODE] if nodes == 1 else [f"n{i + 1}" for i in range(nodes)]
         self.conf = self.root / "slurm.conf"
         self._pids: dict[str, Path] = {}
 
@@ -89,34 +97,40 @@ class LocalSlurm:
         if not key.exists():
             key.write_bytes(os.urandom(1024))
             key.chmod(0o600)
-        ctld_port, slurmd_port = _free_ports(2)
-        self.conf.write_text(self._conf(ctld_port, slurmd_port))
+        ctld_port, *slurmd_ports = _free_ports(1 + len(self.nodes))
+        self.conf.write_text(self._conf(ctld_port, slurmd_ports))
         sock = self.root / "munge.sock"
         self._spawn("munged", [_which("munged"), "--force", f"--key-file={key}", f"--socket={sock}",
                                f"--pid-file={self.root / 'munged.pid'}", f"--log-file={self.root / 'log' / 'munged.log'}",
                                f"--seed-file={self.root / 'munge.seed'}"], self.root / "munged.pid")
         self._spawn("slurmctld", [_which("slurmctld"), "-i", "-f", str(self.conf)], self.root / "slurmctld.pid")
-        self._spawn("slurmd", [_which("slurmd"), "-N", NODE, "-f", str(self.conf)], self.root / "slurmd.pid")
+        for node in self.nodes:
+            (self.root / "spool" / node).mkdir(exist_ok=True)
+            self._spawn(f"slurmd-{node}", [_which("slurmd"), "-N", node, "-f", str(self.conf)],
+                        self.root / f"slurmd-{node}.pid")
         self._wait_idle()
         return self
 
-    def _conf(self, ctld_port: int, slurmd_port: int) -> str:
+    def _conf(self, ctld_port: int, slurmd_ports: list[int]) -> str:
         r = self.root
+        nodes = [f"NodeName={n} NodeAddr=127.0.0.1 NodeHostname={NODE} Port={port} CPUs={self.slots} RealMemory=4000 "
+                 "State=UNKNOWN" for n, port in zip(self.nodes, slurmd_ports)]
         return "\n".join([
             f"ClusterName={CLUSTER}", f"SlurmctldHost={NODE}(127.0.0.1)",
-            f"SlurmctldPort={ctld_port}", f"SlurmdPort={slurmd_port}",
+            f"SlurmctldPort={ctld_port}", f"SlurmdPort={slurmd_ports[0]}",
             "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge", "CredType=cred/munge",
             f"AuthInfo=socket={r / 'munge.sock'},cred_expire=5",
             "CommunicationParameters=NoCtldInAddrAny,NoInAddrAny",
-            f"StateSaveLocation={r / 'state'}", f"SlurmdSpoolDir={r / 'spool'}",
-            f"SlurmctldPidFile={r / 'slurmctld.pid'}", f"SlurmdPidFile={r / 'slurmd.pid'}",
-            f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}", f"SlurmdLogFile={r / 'log' / 'slurmd.log'}",
+            f"StateSaveLocation={r / 'state'}", f"SlurmdSpoolDir={r / 'spool' / '%n'}",
+            f"SlurmctldPidFile={r / 'slurmctld.pid'}", f"SlurmdPidFile={r / 'slurmd-%n.pid'}",
+            f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}", f"SlurmdLogFile={r / 'log' / 'slurmd-%n.log'}",
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "MpiDefault=none", "SwitchType=switch/none",
             "SchedulerType=sched/backfill", "SchedulerParameters=sched_interval=1,bf_interval=1",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "SlurmdParameters=config_overrides",
             "ReturnToService=2", "JobRequeue=1", "KillWait=30", "MinJobAge=3600",
-            f"NodeName={NODE} NodeAddr=127.0.0.1 NodeHostname={NODE} CPUs={self.slots} RealMemory=4000 State=UNKNOWN",
-            f"PartitionName={PARTITION} Nodes={NODE} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4",
+            *nodes,
+            f"PartitionName={PARTITION} Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP "
+            "OverSubscribe=FORCE:4",
             ""])
 
     def _spawn(self, name: str, argv: list[str], pidfile: Path) -> None:
@@ -131,15 +145,15 @@ class LocalSlurm:
         deadline = time.monotonic() + READY_S
         state = ""
         while time.monotonic() < deadline:
-            done = self.run("sinfo", "-h", "-n", NODE, "-o", "%t", check=False)
-            state = done.stdout.strip()
-            if state in ("idle", "mix", "alloc"):
+            done = self.run("sinfo", "-h", "-N", "-o", "%N %t", check=False)
+            states = dict(line.split() for line in done.stdout.splitlines() if len(line.split()) == 2)
+            state = " ".join(f"{n}={states.get(n, '?')}" for n in self.nodes)
+            if all(states.get(n) in ("idle", "mix", "alloc") for n in self.nodes):
                 return
             time.sleep(0.3)
-        logs = "\n".join((self.root / "log" / f).read_text()[-1500:] for f in ("slurmctld.log", "slurmd.log")
-                         if (self.root / "log" / f).exists())
+        logs = "\n".join(f.read_text()[-1500:] for f in sorted((self.root / "log").glob("slurm*.log")))
         self.stop()
-        raise RuntimeError(f"local SLURM: node {NODE} not idle within {READY_S:g} s (state {state!r}):\n{logs}")
+        raise RuntimeError(f"local SLURM: nodes not idle within {READY_S:g} s ({state}):\n{logs}")
 
     def stop(self) -> None:
         """Cancel every job, stop the daemons, then SIGKILL whatever still carries this cluster's
@@ -150,7 +164,7 @@ class LocalSlurm:
             deadline = time.monotonic() + 40
             while time.monotonic() < deadline and self.run("squeue", "-h", check=False).stdout.strip():
                 time.sleep(0.5)
-        for name in ("slurmctld", "slurmd", "munged"):
+        for name in ("slurmctld", *(f"slurmd-{n}" for n in self.nodes), "munged"):
             pidfile = self._pids.pop(name, None)
             try:
                 pid = int(pidfile.read_text().split()[0]) if pidfile is not None else None

@@ -41,15 +41,20 @@ role=${DDILOCO_SLURM_ROLE:?}
 echo "ddiloco-slurm: ${role} job ${SLURM_JOB_ID} life ${life} on $(hostname) at $(date -u +%FT%TZ)"
 cmd=("$@")
 if [ "${DDILOCO_SLURM_NODES:-1}" -gt 1 ]; then
-  # a learner group across nodes: one torchrun per node, rendezvous on the job's first node
+  # a learner group across nodes: one torchrun per node, rendezvous on the job's first node (where this
+  # batch script runs), at the address SLURM itself reaches it by (NodeAddr; the node's name when none)
+  # and on a port free there (a fixed one would collide with another learner's group on that node)
   head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+  addr=$(scontrol show node "$head" -o 2>/dev/null | tr ' ' '\n' | sed -n 's/^NodeAddr=//p')
   py=${DDILOCO_SLURM_PYTHON:-python3}
+  port=$("$py" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
   if [ "$(basename "${cmd[0]}")" = "$(basename "$py")" ] || [ "${cmd[0]}" = python ] || [ "${cmd[0]}" = python3 ]; then
     cmd=("${cmd[@]:1}")
   fi
   cmd=(srun --nodes="$DDILOCO_SLURM_NODES" --ntasks-per-node=1 --kill-on-bad-exit=1
        "$py" -m torch.distributed.run --nnodes="$DDILOCO_SLURM_NODES" --nproc-per-node="${DDILOCO_SLURM_NPROC:-1}"
-       --rdzv-backend=c10d --rdzv-endpoint="${head}:29500" --rdzv-id="$SLURM_JOB_ID" "${cmd[@]}")
+       --rdzv-backend=c10d --rdzv-endpoint="${addr:-$head}:${port}" --rdzv-id="$SLURM_JOB_ID" "${cmd[@]}")
+  echo "ddiloco-slurm: ${role} is a torchrun group on ${DDILOCO_SLURM_NODES} nodes, rendezvous at ${addr:-$head}:${port}"
 fi
 stopping=
 child=
