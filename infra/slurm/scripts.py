@@ -54,7 +54,8 @@ if [ "${DDILOCO_SLURM_NODES:-1}" -gt 1 ]; then
   cmd=(srun --nodes="$DDILOCO_SLURM_NODES" --ntasks-per-node=1 --kill-on-bad-exit=1
        "$py" -m torch.distributed.run --nnodes="$DDILOCO_SLURM_NODES" --nproc-per-node="${DDILOCO_SLURM_NPROC:-1}"
        --rdzv-backend=c10d --rdzv-endpoint="${addr:-$head}:${port}" --rdzv-id="$SLURM_JOB_ID" "${cmd[@]}")
-  echo "ddiloco-slurm: ${role} is a torchrun group on ${DDILOCO_SLURM_NODES} nodes, rendezvous at ${addr:-$head}:${port}"
+  echo "ddiloco-slurm: ${role} is a torchrun group on ${DDILOCO_SLURM_NODES} nodes," \
+       "rendezvous at ${addr:-$head}:${port}"
 fi
 stopping=
 child=
