@@ -39,7 +39,7 @@ from workers.common.events import read_events
 from workers.tools.bench import add_arguments as add_bench_arguments, run_bench
 
 
-KINDS = ("run", "codec", "merge", "throughput", "regions")
+KINDS = ("run", "codec", "merge", "throughput", "regions", "quality")
 
 
 def configure(parser: argparse.ArgumentParser):
@@ -48,8 +48,13 @@ def configure(parser: argparse.ArgumentParser):
                         help="run (default): sync overhead, version latency, bytes both ways, utilisation and final "
                              "loss vs DP / DiLoCo / one learner over --seeds; codec, merge, throughput (both): "
                              "throughput beside memcpy (workers/tools/bench.py); regions: 2 regions over the "
-                             "emulated WAN vs none, bus and bucket-only (infra/wan_benchmark.py)")
-    parser.add_argument("--learners", type=int, default=4)
+                             "emulated WAN vs none, bus and bucket-only (infra/wan_benchmark.py); quality: "
+                             "decoupled vs lock-step DiLoCo vs DP per M at equal tokens (infra/quality_benchmark.py)")
+    parser.add_argument("--quality", action="store_true", help="the same as `ddiloco benchmark quality`")
+    parser.add_argument("--learners", default=None,
+                        help="learners (default 4); quality: the counts M to compare, comma-separated (default 2,4,8)")
+    parser.add_argument("--dp-lrs", default=None, metavar="LR,LR,...",
+                        help="quality: DP's inner lr, the best of these by mean over the seeds (default: the job's)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--out", default="runs/benchmark")
     parser.add_argument("--no-s3", action="store_true", help="skip the run over the local S3 server")
@@ -69,7 +74,8 @@ def configure(parser: argparse.ArgumentParser):
                              "'none': no proxies)")
     parser.add_argument("--paths", default="bus,bucket-only", help="regions: which paths to measure")
     parser.add_argument("--run-args", default=None, metavar="FLAGS",
-                        help="regions: more ddiloco run flags for both runs, e.g. '--poll 0.2 --spill-poll 0.2'")
+                        help="regions, quality: more ddiloco run flags for every run, e.g. '--poll 0.2' or "
+                             "'--layers 2 --width 128'")
     add_bench_arguments(parser)
     return lambda args: _handle(parser, args)
 
@@ -248,6 +254,13 @@ def step_tails(out: Path, control_times: list[float]) -> dict:
 
 
 def _handle(parser: argparse.ArgumentParser, args) -> int:
+    if args.quality or args.what == "quality":
+        return _quality(args)
+    try:
+        args.learners = 4 if args.learners is None else int(args.learners)
+    except ValueError:
+        raise SystemExit(f"--learners must be one count for `benchmark {args.what}`, got {args.learners!r} "
+                         "(a list is for `benchmark quality`)") from None
     if args.what == "regions":
         from .wan_benchmark import run_benchmark
         return run_benchmark(args)
@@ -309,6 +322,31 @@ def _handle(parser: argparse.ArgumentParser, args) -> int:
         print(f"{k:<36} {_fmt(v)}")
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
+    return 0
+
+
+def _quality(args) -> int:
+    import shlex
+    from .quality_benchmark import QualityPlan, run_quality
+    try:
+        text = args.learners or "2,4,8"
+        try:
+            counts = tuple(int(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise ValueError(f"--learners must be comma-separated counts, e.g. 2,4,8, got {text!r}") from None
+        plan = QualityPlan(learners=counts,
+                           seeds=tuple(parse_seeds(args.seeds)), steps=args.steps,
+                           dp_lrs=tuple(float(x) for x in (args.dp_lrs or "").split(",") if x.strip()),
+                           run_args=tuple(shlex.split(args.run_args or "")))
+    except ValueError as exc:
+        raise SystemExit(f"benchmark quality: {exc}") from None
+    out = Path(args.out)
+    print(f"benchmark quality: {len(plan.runs())} runs under {out}", flush=True)
+    table = run_quality(plan, out, progress=lambda line: print(line, flush=True))
+    print(table.format())
+    print(f"plot: {out / 'quality.png'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(table.to_dict(), indent=2))
     return 0
 
 
