@@ -55,15 +55,15 @@ def test_the_table_takes_dps_best_lr_and_gaps_of_the_means(tmp_path):
     assert "+15.71%" in text and "best of 0.001, 0.002" in text and "exact deltas" in text
     again = json.loads(json.dumps(table.to_dict()))
     assert again["rows"]["2"]["dp_lr"] == 2e-3 and set(again["rows"]["2"]["dp_by_lr"]) == {"0.001", "0.002"}
-    untuned = QualityTable.from_losses(QualityPlan(learners=(2,), seeds=(0,)), {
-        ("decoupled", 2, 0, None): 1.0, ("diloco", 2, 0, None): 1.0, ("dp", 2, 0, None): 1.0, ("alone", 1, 0, None): 1.0})
+    one = {(side, 1 if side == "alone" else 2, 0, None): 1.0 for side in ("decoupled", "diloco", "dp", "alone")}
+    untuned = QualityTable.from_losses(QualityPlan(learners=(2,), seeds=(0,)), one)
     assert "not tuned" in untuned.format()
 
 
 def test_ddiloco_benchmark_quality_runs_its_table_end_to_end(tmp_path):
     out, js = tmp_path / "q", tmp_path / "q.json"
-    done = subprocess.run([sys.executable, "-m", "workers.cli", "benchmark", "quality", "--learners", "2", "--seeds", "0",
-                           "--steps", "8", "--out", str(out), "--json", str(js), "--run-args",
+    done = subprocess.run([sys.executable, "-m", "workers.cli", "benchmark", "quality", "--learners", "2",
+                           "--seeds", "0", "--steps", "8", "--out", str(out), "--json", str(js), "--run-args",
                            "--layers 1 --width 16 --batch-size 2 --sync-every 4 --eval-every 1000"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
