@@ -23,8 +23,9 @@ create the Secrets. What matters in them (tests/test_k8s.py checks each):
 - **Regions as data** (``--region NAME=URI[,endpoint=URL][,profile=NAME]``, home first, as for
   ``ddiloco launch``): the launch file in the ConfigMap carries them, so the syncer creates the run
   with them on the home region's store; learner m is in region m mod N (``DDILOCO_REGION`` and the
-  label ``ddiloco/region``, so ``kubectl apply -k ... -l ddiloco/region=NAME`` applies one region's
-  learners to that region's cluster). A region that names a credentials profile needs the AWS files:
+  label ``ddiloco/region``, for an overlay that adds a nodeSelector per region or for selecting one
+  region's learners with ``kubectl apply -k ... -l ddiloco/region=NAME``). A region that names a
+  credentials profile needs the AWS files:
   every pod then mounts the optional Secret ``ddiloco-aws`` (``config``, ``credentials``).
 """
 from __future__ import annotations

@@ -64,7 +64,8 @@ def _free_ports(n: int) -> list[int]:
 
 
 class LocalSlurm:
-    """munged + slurmctld + slurmd for one node named ``localhost``, all state under ``root``."""
+    """munged + slurmctld + one slurmd per node (one node named ``localhost``, or ``n1..nN`` with
+    ``nodes=N``), all state under ``root``."""
 
     def __init__(self, root: str | Path, slots: int = SLOTS, nodes: int = 1) -> None:
         if nodes < 1:

@@ -2,8 +2,8 @@
 
 Bases live in host memory, never beside the parameters: the model's device holds no second copy of
 the model (``device_base_cache`` aside, answers.py). When the model is on a CUDA device the bases
-are page-locked (pinned), so the upload an answer makes (``_device_base``) and the copy a version
-makes into the parameters run at DMA speed instead of through a staging buffer. Pinned memory is
+are page-locked (pinned), so the upload an answer makes of its fragment's base (``_device_base``)
+is a DMA transfer instead of a copy through a staging buffer. Pinned memory is
 allocated by torch's caching host allocator, so a base replaced by a newer version returns its pages
 to that cache for the next one."""
 from __future__ import annotations
