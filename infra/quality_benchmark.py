@@ -7,8 +7,8 @@ exactly what a user gets):
 
 - **decoupled**: ``ddiloco run --learners M`` (real processes: syncer and M learners, K and the
   grace window as configured);
-- **diloco**: lock-step DiLoCo with the same H (``--mode diloco``, in-process; its deltas are exact:
-  workers/job/lockstep.py applies no codec, so this row carries no int4 error);
+- **diloco**: lock-step DiLoCo with the same H (``--mode diloco``, in-process; its deltas go through
+  the run's codec as a learner's do, workers/job/lockstep.py, so both rows carry the same int4 error);
 - **dp**: data parallelism over M replicas of the per-learner batch (``--mode dp``), its inner lr the
   best of ``--dp-lrs`` by mean final loss over the seeds (a fair DP is tuned at its own batch size,
   as the DiLoCo side is; without ``--dp-lrs`` the job's lr is used and the table says so);
@@ -126,7 +126,7 @@ class QualityTable:
         lr_note = "DP lr: the best of " + ", ".join(map(repr, self.plan.dp_lrs)) if self.plan.dp_lrs else \
             "DP lr: the job's (not tuned: give --dp-lrs for a fair DP)"
         lines = [f"final held-out loss, {self.plan.steps} steps per learner, seeds {list(self.plan.seeds)}; {lr_note}; "
-                 "lock-step DiLoCo with exact deltas (no codec)",
+                 "lock-step DiLoCo through the run's codec",
                  f"{'M':>3}  {'decoupled':>17}  {'lock-step DiLoCo':>17}  {'DP':>17}  {'DP lr':>8}  "
                  f"{'vs DP':>7}  {'vs DiLoCo':>9}"]
         for m, r in self.rows.items():

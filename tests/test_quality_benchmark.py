@@ -52,7 +52,7 @@ def test_the_table_takes_dps_best_lr_and_gaps_of_the_means(tmp_path):
     assert row["decoupled"]["std"] == pytest.approx(0.0141421, rel=1e-4) and table.alone["mean"] == pytest.approx(2.51)
     assert len(lines) == len(plan.runs()) and (tmp_path / "quality.png").stat().st_size > 0
     text = table.format()
-    assert "+15.71%" in text and "best of 0.001, 0.002" in text and "exact deltas" in text
+    assert "+15.71%" in text and "best of 0.001, 0.002" in text and "through the run's codec" in text
     again = json.loads(json.dumps(table.to_dict()))
     assert again["rows"]["2"]["dp_lr"] == 2e-3 and set(again["rows"]["2"]["dp_by_lr"]) == {"0.001", "0.002"}
     one = {(side, 1 if side == "alone" else 2, 0, None): 1.0 for side in ("decoupled", "diloco", "dp", "alone")}

@@ -279,11 +279,12 @@ def _run_baseline(args, cfg: RunConfig, out: Path) -> int:
         res = dp_baseline(cfg.model, cfg.job, learners, seed, events)
     else:
         outer = OuterSettings(sync_every=cfg.schedule.h, fragments=1, latency=0, outer=cfg.outer, merge=cfg.merge,
-                              learner=cfg.learner)
+                              learner=cfg.learner, codec=cfg.codec)     # deltas through the run's codec
         res = diloco_baseline(cfg.model, cfg.job, learners, seed, events, outer)
     events.close()
     summary = {"ok": True, "status": "ok", "mode": mode, "run_uri": None, "learners": learners,
-               "settings": {"learners": learners, "sync_every": cfg.schedule.h if mode == "diloco" else None},
+               "settings": {"learners": learners, "sync_every": cfg.schedule.h if mode == "diloco" else None,
+                            "codec": res.get("codec")},
                "tokens_trained": res["tokens"], "initial_eval_loss": res["initial_eval_loss"],
                "final_eval_loss": res["final_eval_loss"], "wall_s": round(time.time() - t0, 2),
                "bytes_per_learner_per_step": res["bytes_per_learner_per_step"]}

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.codec import round_to_bf16
+from pipeline.codec import CodecConfig, dequantize, quantize, round_to_bf16
 from pipeline.descriptor import LearnerRules
 from pipeline.fragment import fragment_offsets, make_layout, specs_from_arrays
 from pipeline.merge import MergeConfig, merge_fragment, token_weights
@@ -43,6 +43,9 @@ class OuterSettings:
     outer: OuterConfig = OuterConfig()
     merge: MergeConfig = MergeConfig()
     learner: LearnerRules = LearnerRules()
+    # the replicas' deltas go through the run's codec (its block quantisation, as a learner's blob and
+    # the syncer's decode), so lock-step carries the same int4 error as a decoupled run; None: exact
+    codec: CodecConfig | None = None
 
     def __post_init__(self) -> None:
         if self.fragments < 1 or self.sync_every < self.fragments:
@@ -56,6 +59,15 @@ def _load(model: torch.nn.Module, values: dict[str, np.ndarray]) -> None:
         params = dict(model.named_parameters())
         for n, v in values.items():
             params[n].copy_(torch.from_numpy(v))
+
+
+def _through(delta: np.ndarray, codec: CodecConfig | None) -> np.ndarray:
+    """A replica's delta as the syncer decodes it: the codec's quantise/dequantise round trip per tensor."""
+    d = delta.astype(np.float32)
+    if codec is None:
+        return d
+    return dequantize(quantize(d, codec.scheme, codec.block_size), codec.scheme, codec.block_size,
+                      d.size).reshape(d.shape)
 
 
 def _land(model: torch.nn.Module, p: int, version: dict[str, np.ndarray], at_answer: dict[int, tuple],
@@ -120,7 +132,7 @@ def diloco_baseline(gcfg: GPTConfig, job: JobSettings, learners: int, seed: int,
             for m, model in enumerate(models):                      # v_m = Theta_current - theta_m
                 cur = {n: t.detach().numpy().copy() for n, t in model.named_parameters() if n in names}
                 at_answer[m][p] = (cur, c_steps[m][p], c_tokens[m][p])
-                grads.append({n: (published[n] - cur[n]).astype(np.float32) for n in names})
+                grads.append({n: _through(published[n] - cur[n], outer.codec) for n in names})
             w = token_weights([c_tokens[m][p] for m in range(learners)], [c_steps[m][p] for m in range(learners)])
             g = merge_fragment(grads, w, cfg)
             new_p, new_b = nesterov_step({n: master[n] for n in names}, {n: momentum[n] for n in names}, g,
@@ -147,5 +159,6 @@ def diloco_baseline(gcfg: GPTConfig, job: JobSettings, learners: int, seed: int,
             "tokens": tokens, "initial_eval_loss": init_eval, "final_eval_loss": final,
             "wall_s": time.monotonic() - t_start, "sync_every": outer.sync_every, "fragments": outer.fragments,
             "latency_steps": outer.latency, "outer_lr": outer.outer.lr, "outer_momentum": outer.outer.momentum,
+            "codec": outer.codec.scheme if outer.codec is not None else "exact",
             # one fragment up (int4 ~ 1/8 of fp32) and down (bf16) per H/P steps
             "bytes_per_learner_per_step": (frag_bytes / 8 + frag_bytes / 2) * outer.fragments / outer.sync_every}
