@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import json
 import shlex
-import statistics
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
+
+from infra.benchmark import spread
 
 SIDES = ("decoupled", "diloco", "dp")
 MODES = {"decoupled": [], "diloco": ["--mode", "diloco"], "dp": ["--mode", "dp"]}
@@ -85,8 +86,7 @@ def ddiloco_run(args: list[str], out: Path) -> float:
 
 
 def _spread(xs: list[float]) -> dict:
-    return {"mean": statistics.fmean(xs), "std": statistics.stdev(xs) if len(xs) > 1 else None, "n": len(xs),
-            "values": list(xs)}
+    return {**spread(xs), "values": list(xs)}     # infra/benchmark.py's mean ± sample std, and the values
 
 
 def _gap_pct(a: dict, b: dict) -> float:
