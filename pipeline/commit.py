@@ -38,6 +38,7 @@ from .guard import (NormGuardConfig, NormWindow, cap_limit, delta_norm, guard_co
 from .merge import MapFn
 from .descriptor import RunDescriptor
 from .types import CommitRecord
+from .version_chain import ChainStep
 
 __all__ = ["CommitMeta", "Commit", "apply_commit", "verify_commit", "initial_window", "backfill_window",
            "window_after", "with_recorded_decisions", "PENDING_OVERFLOW", "BELOW_QUORUM", "RECORDED_REASONS"]
@@ -86,6 +87,7 @@ class Commit:
     window: NormWindow | None
     record: CommitRecord
     published: dict[str, np.ndarray] | None
+    link: ChainStep | None = None    # an int4 run's delta down: what the committer stores
 
 
 def initial_window(descriptor: RunDescriptor) -> NormWindow | None:
@@ -142,7 +144,7 @@ def apply_commit(state: SyncerState, window: NormWindow | None, descriptor: RunD
     if window is not None and record.kind == "merge":
         # Every survivor was decoded and judged by the guard, so each has a norm.
         record = record.with_norms(tuple(norms[i.checksum] for i in record.inputs))
-    return Commit(res.state, window_after(window, record), record, res.published)
+    return Commit(res.state, window_after(window, record), record, res.published, res.link)
 
 
 def window_after(window: NormWindow | None, record: CommitRecord) -> NormWindow | None:

@@ -65,7 +65,8 @@ from .types import TensorSpec
 
 __all__ = ["RunDescriptor", "VersionsConfig", "LearnerRules", "migrate_v1", "VERSION_DTYPES"]
 
-VERSION_DTYPES = ("fp32", "bf16")
+VERSION_DTYPES = ("fp32", "bf16", "int4")   # int4: a chain of deltas (pipeline/version_chain.py)
+FULL_EVERY_DEFAULT = 8
 RESERVED_EXTRA = ("security", "norm_guard", "job")    # v1 kept these in extra; v2 has sections
 
 
@@ -76,11 +77,17 @@ class VersionsConfig:
     ``marks``: the exactly-once rule (pipeline/marks.py, issue 25): 1 = one high-water mark per
     learner (every run before issue 25; the section is written without the field), 2 = merged marks
     per lineage within the retained versions. The defaults are a new run's: bf16 versions (half the
-    bytes down; the fp32 master state stays with the syncer) and rule 2."""
+    bytes down; the fp32 master state stays with the syncer) and rule 2.
+    ``dtype`` ``int4``: each version travels as an int4 delta against the previous published one,
+    with error feedback (pipeline/version_chain.py, issue 31), and every ``full_every``-th version
+    (and a fragment's first in each syncer epoch) also as a full fp32 snapshot; ``full_every`` is
+    written only for such runs and must not exceed ``retain`` (retention keeps a snapshot within
+    the retained versions), and ``retain`` must be at least 2."""
 
     dtype: str = "bf16"
     retain: int = 16
     marks: int = MARKS_LINEAGE
+    full_every: int = FULL_EVERY_DEFAULT
 
     def __post_init__(self) -> None:
         if self.dtype not in VERSION_DTYPES:
@@ -89,6 +96,16 @@ class VersionsConfig:
             raise ValueError(f"versions retain must be an int >= 1, got {self.retain!r}")
         if self.marks not in (MARKS_ISSUE_11, MARKS_LINEAGE) or isinstance(self.marks, bool):
             raise ValueError(f"versions marks must be {MARKS_ISSUE_11} or {MARKS_LINEAGE}, got {self.marks!r}")
+        if not isinstance(self.full_every, int) or isinstance(self.full_every, bool) or self.full_every < 1:
+            raise ValueError(f"versions full_every must be an int >= 1, got {self.full_every!r}")
+        if self.dtype != "int4" and self.full_every != FULL_EVERY_DEFAULT:
+            raise ValueError(f"versions full_every applies to int4 versions only (dtype {self.dtype!r})")
+        if self.dtype == "int4" and self.retain < 2:
+            raise ValueError(f"int4 versions need retain >= 2 (a delta is republished from the version "
+                             f"before it), got {self.retain}")
+        if self.dtype == "int4" and self.full_every > self.retain:
+            raise ValueError(f"versions full_every {self.full_every} exceeds retain {self.retain}: the "
+                             f"retained versions must hold a full snapshot")
 
 
 @dataclass(frozen=True)
@@ -506,7 +523,7 @@ def _codec(m: Any, path: str) -> CodecConfig:
 
 
 _VERSIONS_FIELDS = {"dtype": str, "retain": int}
-_parse_versions = _config(VersionsConfig, {**_VERSIONS_FIELDS, "marks": int})
+_parse_versions = _config(VersionsConfig, {**_VERSIONS_FIELDS, "marks": int, "full_every": int})
 
 
 def _versions_dict(v: VersionsConfig) -> dict[str, Any]:
@@ -515,12 +532,18 @@ def _versions_dict(v: VersionsConfig) -> dict[str, Any]:
     d = {k: getattr(v, k) for k in _VERSIONS_FIELDS}
     if v.marks != MARKS_ISSUE_11:
         d["marks"] = v.marks
+    if v.dtype == "int4":      # only int4 runs have the field: older descriptors keep their bytes
+        d["full_every"] = v.full_every
     return d
 
 
 def _versions(m: Any, path: str) -> VersionsConfig:
-    """The ``versions`` section; without ``marks`` it is rule 1 (written before the field existed)."""
-    _fields(m, path, (*_VERSIONS_FIELDS, "marks"), _VERSIONS_FIELDS)
+    """The ``versions`` section; without ``marks`` it is rule 1 (written before the field existed);
+    ``full_every`` is present exactly in int4 runs."""
+    _fields(m, path, (*_VERSIONS_FIELDS, "marks", "full_every"), _VERSIONS_FIELDS)
+    if (m.get("dtype") == "int4") != ("full_every" in m):
+        raise FormatError(f"{path}.full_every: written exactly for int4 versions (dtype {m.get('dtype')!r})")
+    m = {**m, "full_every": m.get("full_every", FULL_EVERY_DEFAULT)}
     if "marks" not in m:
         return _parse_versions({**m, "marks": MARKS_ISSUE_11}, path)
     if _typed(m["marks"], int, f"{path}.marks") == MARKS_ISSUE_11:

@@ -16,7 +16,9 @@ shape, non-finite, or older than another delta of the same learner in the round.
 ``theta_m = Theta^(base) - Delta_m`` and ``v_m = Theta^(current) - theta_m`` with published values
 (what learners received), computed as ``(Theta^(current) - Theta^(base)) + Delta_m`` in float64 so
 that a delta against the current version is taken exactly; token weights; merge (RDA or mean);
-outer Nesterov step; new version published (fp32 or bf16-rounded) and kept in the history.
+outer Nesterov step; new version published (fp32, bf16-rounded, or in an int4 run the previous
+published values plus the int4 delta toward the master values: pipeline/version_chain.py) and kept
+in the history.
 
 The syncer checkpoint (``SyncerState.to_bytes``) is documented in docs/algorithm.md.
 """
@@ -37,6 +39,7 @@ from .merge import MapFn, merge_fragment, token_weights
 from .outer import nesterov_step
 from .descriptor import RunDescriptor
 from .types import CommitRecord, DeltaHeader, DroppedRecord, InputRecord
+from .version_chain import ChainStep, chain_step, is_chained
 
 __all__ = ["FragmentState", "SyncerState", "RoundInput", "FoldResult", "ReplayMismatch", "DropReason", "published",
            "initial_state", "fold", "fold_fence", "check_commit", "compare_records", "CHECKPOINT_KIND",
@@ -250,8 +253,9 @@ def _state_from_body(body: Any, descriptor: RunDescriptor, name: str) -> SyncerS
 
 
 def published(values: Mapping[str, np.ndarray], version_dtype: str) -> dict[str, np.ndarray]:
-    """What learners receive for these values: an fp32 copy, or bf16-rounded values held in float32."""
-    if version_dtype == "fp32":
+    """What learners receive for these values: an fp32 copy, or bf16-rounded values held in float32.
+    An int4 run's full values (its version 0, an adopted version) are exact: an fp32 copy."""
+    if version_dtype in ("fp32", "int4"):
         return {n: _frozen(a) for n, a in values.items()}
     if version_dtype == "bf16":
         from .codec import round_to_bf16   # lazy: only bf16 runs need the codec; it returns new arrays
@@ -319,6 +323,7 @@ class FoldResult:
     state: SyncerState
     record: CommitRecord
     published: dict[str, np.ndarray] | None   # None when no new version
+    link: ChainStep | None = None             # an int4 run's delta down (pipeline/version_chain.py)
 
 
 class ReplayMismatch(FormatError):
@@ -488,8 +493,18 @@ def fold(state: SyncerState, descriptor: RunDescriptor, fragment: int, inputs: S
     params = {n: _sealed(a) for n, a in params.items()}       # fresh from nesterov_step: no copies
     momentum = {n: _sealed(a) for n, a in momentum.items()}
     version = fs.version + 1
-    # fp32 versions publish the (read-only) parameters themselves; bf16 ones their rounded values
-    pub = dict(params) if descriptor.versions.dtype == "fp32" else published(params, descriptor.versions.dtype)
+    link = None
+    if is_chained(descriptor.versions.dtype):   # int4 deltas against the last published values
+        try:
+            link = chain_step(params, current, descriptor.codec.block_size)
+        except ValueError:       # the difference overflows float32: as a merge that overflows
+            every = dropped + [_dropped(i, NON_FINITE_RESULT) for i in survivors]
+            return drop_commit(sorted(every, key=lambda d: (d.learner, d.delta_id, d.key)))
+        pub = link.published
+    elif descriptor.versions.dtype == "fp32":   # the (read-only) parameters themselves
+        pub = dict(params)
+    else:                                       # bf16: their rounded values
+        pub = published(params, descriptor.versions.dtype)
     keep = range(version - descriptor.versions.retain + 1, version)
     history = {v: fs.history[v] for v in sorted(fs.history) if v in keep}
     history[version] = pub
@@ -518,7 +533,7 @@ def fold(state: SyncerState, descriptor: RunDescriptor, fragment: int, inputs: S
                           dropped=tuple(dropped), output_key=output_key, output_checksum=tensor_digest(pub),
                           high_water={m: list(o) for m, o in sorted(new_hw.items())}, quorum=round_size,
                           grace_wait_s=float(grace_wait_s), info=info, round=round_id)
-    return FoldResult(new_state, record, pub)
+    return FoldResult(new_state, record, pub, link)
 
 
 def fold_fence(state: SyncerState, seq: int, epoch: int, info: dict | None = None) -> FoldResult:

@@ -13,6 +13,7 @@ is one directory level deep, where every backend (SeaweedFS included) lists in b
     hints/syncer-endpoints                      where the syncer's bus is, for learners that discover it (overwritten)
     hints/retention                             advisory: the retention horizon, written before a deletion (overwritten)
     versions/f00000/v000000000000[-e<epoch>]    fragment versions (written before their commit)
+    versions/f00000/v000000000000[-e<epoch>]-full   an int4 run's full snapshot of that version
     deltas/<learner>/i0000000000/s000000000000  deltas a commit merged (written before it)
     spill/<learner>/i0000000000/s000000000000   deltas learners spilled when the fast path failed
     checkpoints/00000000000000000000            syncer state after that commit (written after it)
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 from pipeline.envelope import digest, pack_record, unpack_record
 from pipeline.errors import FormatError
 from pipeline.descriptor import RunDescriptor
-from pipeline.types import check_learner_id
+from pipeline.types import CommitRecord, check_learner_id
 
 from .errors import AlreadyExists, NotFound
 from .store import ObjectStore
@@ -121,6 +122,24 @@ def version_key(fragment: int, version: int, epoch: int | None = None) -> str:
     leave an uncommitted blob for version v behind, and the next epoch's v must not collide with it."""
     key = version_prefix(fragment) + "v" + _num(version, VERSION_DIGITS, "fragment version")
     return key if epoch is None else key + "-e" + _num(epoch, EPOCH_DIGITS, "epoch")
+
+
+SNAPSHOT_SUFFIX = "-full"
+SNAPSHOT_INFO = "snapshot"     # a commit record's info flag: its version is also stored in full
+
+
+def snapshot_key(output_key: str) -> str:
+    """Where an int4 run's commit also stores its version's full values (pipeline/version_chain.py):
+    beside the delta at ``output_key``."""
+    return output_key + SNAPSHOT_SUFFIX
+
+
+def published_keys(record: CommitRecord) -> list[str]:
+    """The objects a commit record publishes: its version (``output_key``) and, when the record's
+    info says so, the full snapshot beside it. Empty for a commit that publishes nothing."""
+    if not record.output_key:
+        return []
+    return [record.output_key] + ([snapshot_key(record.output_key)] if record.info.get(SNAPSHOT_INFO) else [])
 
 
 def _life(prefix: str, learner: str, incarnation: int) -> str:
@@ -242,7 +261,7 @@ _EPOCH_RE = re.compile(rf"^epochs/(\d{{{EPOCH_DIGITS}}})$")
 _FAILOVER_RE = re.compile(rf"^failovers/(\d{{{EPOCH_DIGITS}}})$")
 _COMMIT_RE = re.compile(rf"^log/(\d{{{SEQ_DIGITS}}})$")
 _CHECKPOINT_RE = re.compile(rf"^checkpoints/(\d{{{SEQ_DIGITS}}})$")
-_VERSION_RE = re.compile(rf"^versions/f(\d{{{FRAGMENT_DIGITS}}})/v(\d{{{VERSION_DIGITS}}})(?:-e\d{{{EPOCH_DIGITS}}})?$")
+_VERSION_RE = re.compile(rf"^versions/f(\d{{{FRAGMENT_DIGITS}}})/v(\d{{{VERSION_DIGITS}}})(?:-e\d{{{EPOCH_DIGITS}}})?(?:-full)?$")
 _LIFE = rf"([A-Za-z0-9][A-Za-z0-9_.-]{{0,63}})/i(\d{{{INCARNATION_DIGITS}}})/s(\d{{{DELTA_SEQ_DIGITS}}})"
 _DELTA_RE = re.compile(rf"^deltas/{_LIFE}$")
 _SPILL_RE = re.compile(rf"^spill/{_LIFE}$")

@@ -23,7 +23,7 @@ from pipeline.types import CommitRecord
 
 from .errors import AlreadyExists, NotFound
 from .layout import (DESCRIPTOR_KEY, FAILOVER_PREFIX, MEMBER_PREFIX, REGION_MARKER_KEY, VERSION_PREFIX, commit_key,
-                     parse_version_key, read_descriptor)
+                     parse_version_key, published_keys, read_descriptor)
 from .log import CommitLog
 from .store import ObjectStore, open_store
 
@@ -116,9 +116,9 @@ def replicate_commit(home: ObjectStore, dst: ObjectStore, seq: int) -> int:
     blob = home.get(key)
     rec = CommitRecord.from_bytes(blob, what=f"{home.uri}/{key}")
     n = 0
-    if rec.kind in PUBLISHING and rec.output_key:
+    for out in published_keys(rec) if rec.kind in PUBLISHING else ():
         try:
-            n += copy_same(home, dst, rec.output_key)
+            n += copy_same(home, dst, out)
         except NotFound:
             pass   # an old commit whose version retention removed: the record alone is the log
     return n + copy_same(home, dst, key, blob)
@@ -293,9 +293,9 @@ def verify_region(home: ObjectStore, dst: ObjectStore, name: str, upto: int) -> 
         blob = home.get(key)
         rec = CommitRecord.from_bytes(blob, what=f"{home.uri}/{key}")
         keys = [(key, blob)]
-        if rec.kind in PUBLISHING and rec.output_key:
+        for out in published_keys(rec) if rec.kind in PUBLISHING else ():
             try:
-                keys.insert(0, (rec.output_key, home.get(rec.output_key)))
+                keys.insert(0, (out, home.get(out)))
             except NotFound:
                 pass
         for k, b in keys:

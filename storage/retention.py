@@ -52,7 +52,7 @@ from pipeline.errors import FormatError
 from .errors import NotFound
 from .checkpoints import list_checkpoints
 from .layout import (DELTA_PREFIX, RETENTION_KEY, SPILL_PREFIX, VERSION_PREFIX, checkpoint_key,
-                     pack_retention_hint, parse_version_key, read_descriptor)
+                     pack_retention_hint, parse_version_key, published_keys, read_descriptor)
 from .log import CommitLog
 from .store import ObjectStore
 
@@ -239,8 +239,8 @@ def plan_retention(store: ObjectStore, keep_checkpoints: int = 2, keep_versions:
                 settled[key] = record.seq
             else:
                 named_later.add(key)
-        if record.output_key:
-            produced_at[record.output_key] = record.seq
+        for out in published_keys(record):
+            produced_at[out] = record.seq
 
     if horizon >= 0:
         for prefix in (DELTA_PREFIX, SPILL_PREFIX):

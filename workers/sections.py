@@ -4,10 +4,11 @@ syncer (``ddiloco syncer --create``) reads a launch file without importing the d
 from __future__ import annotations
 
 from pipeline.codec import SCHEMES, VERSIONS as CODEC_FORMATS
+from pipeline.descriptor import VERSION_DTYPES
 from .launch import STRATEGIES
 
 SECTION_CHOICES = {"schedule.strategy": STRATEGIES, "codec.scheme": SCHEMES, "codec.format": CODEC_FORMATS,
-                   "versions.dtype": ("fp32", "bf16"), "merge.method": ("rda", "mean")}
+                   "versions.dtype": VERSION_DTYPES, "merge.method": ("rda", "mean")}
 
 SECTION_HELP = {
     "schedule.fragments": "fragments P",
@@ -16,6 +17,8 @@ SECTION_HELP = {
     "policy.overlap": "tau: steps a fragment's version is expected back after its round (SPEC §3)",
     "policy.gamma": "gamma of the adaptive grace window (SPEC §4)",
     "policy.cap_s": "cap of the grace window in seconds (0: one step time)",
+    "versions.dtype": "how versions travel down: bf16, fp32, or int4 deltas with error feedback (docs/algorithm.md)",
+    "versions.full_every": "int4 versions: a full snapshot every N versions (a new learner reads one and < N deltas)",
     "codec.format": "tensor blob format of the run's deltas and versions (docs/formats.md \"Tensor blobs\")",
     "outer.lr": "outer Nesterov learning rate (SPEC §5)",
     "outer.momentum": "outer Nesterov momentum",

@@ -33,7 +33,7 @@ from storage.log import CommitLog
 from storage.shards import owned_fragments, shard_of
 from storage.store import ObjectStore
 from workers.common.deltas import load_inputs
-from workers.common.versions import decode_version
+from workers.common.versions import VersionTracker, decode_version
 # issue "Security": signatures, checkpoints the syncer signed
 from workers.bus.keys import Roster, RunSecurity
 from workers.bus.signing import check_commit_signature, commit_signature_ok, open_checkpoint
@@ -206,12 +206,13 @@ def rebuild(store: ObjectStore, descriptor: RunDescriptor, upto: int, *, use_che
     if window is not None:
         window = backfill_window(window, older_commits(log, stats.start_seq))
     folder = Refolder(store, descriptor, sec, roster, window)
+    outputs = VersionTracker(store, descriptor)   # an int4 run's versions along their chain
     if upto > state.last_seq:
         for rec in log.read_range(state.last_seq + 1, upto + 1):
             stats.signatures += folder.check_signature(rec)
             recorded = None
             if verify_outputs and rec.kind == "merge":
-                recorded = decode_version(store.get(rec.output_key), descriptor, rec)
+                recorded = outputs.load(rec)
             elif load_output is not None and rec.kind == "merge":
                 recorded = load_output(rec)
             result = folder.refold(state, rec, recorded)

@@ -19,18 +19,22 @@ import numpy as np
 
 from pipeline.checksum import tensor_digest
 from pipeline.codec import CodecConfig, MapFn, decode, encode
+from pipeline.codec_raw import seal_raw
+from pipeline.version_chain import CHAIN_SCHEME, ChainStep, apply_delta, is_chained
 from pipeline.errors import FormatError
 from pipeline.descriptor import RunDescriptor
 from pipeline.types import CommitRecord
 from storage.errors import NotFound, StoreError
-from storage.layout import HEAD_HINT_KEY, unpack_head_hint
+from storage.layout import HEAD_HINT_KEY, SNAPSHOT_INFO, snapshot_key, unpack_head_hint
 from storage.log import CommitLog
 from storage.shards import owned_fragments
 from storage.store import ObjectStore
 from workers.bus.signing import Signer, check_commit_signature, commit_signature_ok, sign_version_meta, version_signature_ok
 
 VERSION_KIND = "version"
+VERSION_DELTA_KIND = "version-delta"   # an int4 run's version: a delta against the one before it
 FETCH_WINDOW = 32          # commits poll_fast reads at once
+RECORD_CACHE = 4096        # commit records a tracker keeps by seq (a chain walk reads them again)
 
 
 def _call(fn):
@@ -45,6 +49,12 @@ def version_codec(descriptor: RunDescriptor) -> CodecConfig:
                        format=descriptor.codec.format)
 
 
+def delta_codec(descriptor: RunDescriptor) -> CodecConfig:
+    """How an int4 run's version deltas are encoded: int4 at the run's block size and blob format."""
+    return CodecConfig(scheme=CHAIN_SCHEME, block_size=descriptor.codec.block_size,
+                       zstd_level=descriptor.codec.zstd_level, format=descriptor.codec.format)
+
+
 def encode_version(descriptor: RunDescriptor, fragment: int, version: int, seq: int, epoch: int,
                    published: Mapping[str, np.ndarray], signer: Signer | None = None,
                    values_digest: str | None = None, map_fn: MapFn | None = None) -> bytes:
@@ -56,6 +66,37 @@ def encode_version(descriptor: RunDescriptor, fragment: int, version: int, seq: 
     if signer is not None:
         meta = sign_version_meta(meta, values_digest or tensor_digest(values), signer, descriptor.run_id)
     return encode(VERSION_KIND, meta, values, version_codec(descriptor), map_fn=map_fn)
+
+
+def encode_version_delta(descriptor: RunDescriptor, record: CommitRecord, link: ChainStep,
+                         signer: Signer | None = None, map_fn: MapFn | None = None) -> bytes:
+    """The version of ``record`` in an int4 run: the int4 payload of ``link`` against the version
+    before it (meta ``base_version``), signed over the *published* values' digest (the commit's
+    ``output_checksum``), which a reader checks after adding the delta to its base."""
+    names = descriptor.layout.fragments[record.fragment]
+    meta = {"fragment": record.fragment, "version": record.version, "seq": record.seq, "epoch": record.epoch,
+            "base_version": record.version - 1}
+    if signer is not None:
+        meta = sign_version_meta(meta, record.output_checksum, signer, descriptor.run_id)
+    specs = [(n, descriptor.spec(n).shape, "float32") for n in names]
+    return seal_raw(VERSION_DELTA_KIND, meta, specs, link.payload(names), delta_codec(descriptor), map_fn=map_fn)
+
+
+def version_blobs(descriptor: RunDescriptor, record: CommitRecord, published: Mapping[str, np.ndarray],
+                  link: ChainStep | None, signer: Signer | None = None,
+                  map_fn: MapFn | None = None) -> list[tuple[str, bytes]]:
+    """``(key, bytes)`` of every object a commit publishes (``storage.layout.published_keys``): its
+    version, as a delta in an int4 run (``link``), and the full snapshot its info asks for."""
+    if link is None:
+        return [(record.output_key, encode_version(descriptor, record.fragment, record.version, record.seq,
+                                                   record.epoch, published, signer, record.output_checksum,
+                                                   map_fn=map_fn))]
+    out = [(record.output_key, encode_version_delta(descriptor, record, link, signer, map_fn))]
+    if record.info.get(SNAPSHOT_INFO):
+        out.append((snapshot_key(record.output_key),
+                    encode_version(descriptor, record.fragment, record.version, record.seq, record.epoch, published,
+                                   signer, record.output_checksum, map_fn=map_fn)))
+    return out
 
 
 def max_fragment_bytes(descriptor: RunDescriptor) -> int:
@@ -95,8 +136,45 @@ def decode_version(blob: bytes, descriptor: RunDescriptor, record: CommitRecord,
     return tensors
 
 
+def decode_version_delta(blob: bytes, descriptor: RunDescriptor, record: CommitRecord,
+                         base: Mapping[str, np.ndarray], map_fn: MapFn | None = None) -> dict[str, np.ndarray]:
+    """An int4 run's version of ``record`` from its delta blob and ``base``, the values of the
+    version before it (FormatError if anything differs, the published digest included: a base that
+    is not the one the syncer used fails here)."""
+    what = record.output_key
+    sec = descriptor.security
+    if sec is not None:
+        check_commit_signature(record, sec.syncer.sign, descriptor.run_id, f"commit {record.seq}")
+    dec = decode(blob, VERSION_DELTA_KIND, max_bytes=max_fragment_bytes(descriptor),
+                 expect=descriptor.fragment_specs(record.fragment), what=what, map_fn=map_fn)
+    meta = dec.meta
+    if (meta.get("fragment"), meta.get("version"), meta.get("base_version")) != \
+            (record.fragment, record.version, record.version - 1):
+        raise FormatError(f"{what}: holds fragment {meta.get('fragment')} version {meta.get('version')} on base "
+                          f"{meta.get('base_version')}, but commit {record.seq} names fragment {record.fragment} "
+                          f"version {record.version}")
+    try:
+        values = apply_delta(base, dec.tensors)
+    except ValueError as exc:
+        raise FormatError(f"{what}: {exc}") from None
+    got = tensor_digest(values)
+    if got != record.output_checksum:
+        raise FormatError(f"{what}: the base plus this delta has digest {got[:16]}…, not commit {record.seq}'s "
+                          f"output_checksum {record.output_checksum[:16]}… (a different base, or damage)")
+    if sec is not None and (meta.get("seq") != record.seq or meta.get("epoch") != record.epoch
+                            or not version_signature_ok(meta, got, sec.syncer.sign, descriptor.run_id)):
+        raise FormatError(f"{what}: missing or bad syncer signature on the version (forged or altered; refused)")
+    return values
+
+
 class VersionTracker:
-    """Follows the commit log from a cursor and loads the versions it names."""
+    """Follows the commit log from a cursor and loads the versions it names.
+
+    In an int4 run (pipeline/version_chain.py) a version is the one before it plus a delta: the
+    tracker keeps the newest values it loaded of each fragment (its *head*) and the commit records
+    it read, and loads a version by adding the deltas from its head, or from the nearest full
+    snapshot (a commit whose info says ``snapshot``, or version 0) when it has no head or the head
+    is not on the way; every step is checked against its commit's digest."""
 
     def __init__(self, store: ObjectStore, descriptor: RunDescriptor):
         self.store = store
@@ -109,6 +187,9 @@ class VersionTracker:
         self.bytes_loaded = 0              # bytes of version objects downloaded by load()
         self._dead_end = -2                # a head hint that pointed past the log (not followed again)
         self._count_lock = threading.Lock()
+        self.chained = is_chained(descriptor.versions.dtype)
+        self._heads: dict[int, tuple[CommitRecord, dict[str, np.ndarray]]] = {}   # int4 runs: newest loaded
+        self._records: dict[int, CommitRecord] = {}   # seq -> record read (int4 runs: chain walks)
 
     def latest(self) -> dict[int, CommitRecord]:
         """The newest version-carrying commit of every fragment the log holds (all of them; in a
@@ -120,7 +201,7 @@ class VersionTracker:
         want = set(owned_fragments(self.store, self.descriptor))
         while seq >= 0 and not want <= found.keys():
             try:
-                rec = self.log.read(seq)
+                rec = self._read(seq)
             except (NotFound, FormatError) as exc:   # a lost or damaged commit: look further back
                 self.refused.append(f"commit {seq}: {exc}")
                 seq -= 1
@@ -153,7 +234,7 @@ class VersionTracker:
         out = []
         while len(out) < limit:
             try:
-                rec = self.log.read(self.cursor + 1)
+                rec = self._read(self.cursor + 1)
             except NotFound:
                 break
             except (StoreError, FormatError):
@@ -213,9 +294,22 @@ class VersionTracker:
                 raise got
         return out
 
+    def _read(self, seq: int) -> CommitRecord:
+        """Commit ``seq``; int4 runs keep what was read for their chain walks."""
+        rec = self._records.get(seq)
+        if rec is not None:
+            return rec
+        rec = self.log.read(seq)
+        if self.chained:
+            with self._count_lock:
+                self._records[seq] = rec
+                while len(self._records) > RECORD_CACHE:
+                    del self._records[min(self._records)]
+        return rec
+
     def _try_read(self, seq: int) -> CommitRecord | Exception:
         try:
-            return self.log.read(seq)
+            return self._read(seq)
         except (StoreError, FormatError) as exc:     # NotFound is a StoreError
             return exc
 
@@ -225,14 +319,74 @@ class VersionTracker:
         except (StoreError, FormatError):
             return None
 
-    def load(self, record: CommitRecord) -> dict[str, np.ndarray]:
-        size, limit = self.store.head(record.output_key).size, max_version_bytes(self.descriptor)
+    def _get(self, key: str) -> bytes:
+        size, limit = self.store.head(key).size, max_version_bytes(self.descriptor)
         if size > limit:   # checked before downloading: a planted huge object must not exhaust memory
-            raise FormatError(f"{record.output_key}: {size} bytes exceeds the run's version size limit {limit}")
-        blob = self.store.get(record.output_key)
+            raise FormatError(f"{key}: {size} bytes exceeds the run's version size limit {limit}")
+        blob = self.store.get(key)
         with self._count_lock:              # load may run on several threads (the receiver's pool)
             self.bytes_loaded += len(blob)  # versions-down traffic, for bandwidth figures
-        return decode_version(blob, self.descriptor, record)
+        return blob
+
+    def load(self, record: CommitRecord) -> dict[str, np.ndarray]:
+        """The values of ``record``'s version (FormatError when they fail a check, StoreError when
+        storage fails). In an int4 run the values become the fragment's head, read-only."""
+        if not self.chained:
+            return decode_version(self._get(record.output_key), self.descriptor, record)
+        head = self._heads.get(record.fragment)
+        try:
+            values = self._load_chain(record, head)
+        except (NotFound, FormatError):
+            if head is None:
+                raise
+            values = self._load_chain(record, None)   # the head is not on the way: from a snapshot
+        with self._count_lock:
+            self._heads[record.fragment] = (record, values)
+        return values
+
+    def _load_chain(self, record: CommitRecord, head: tuple[CommitRecord, dict] | None) -> dict[str, np.ndarray]:
+        path = self._chain_path(record, head)
+        start = path[0]
+        if head is not None and start.seq == head[0].seq:
+            values = head[1]
+        elif start.kind == "init":
+            values = decode_version(self._get(start.output_key), self.descriptor, start)
+        else:
+            values = decode_version(self._get(snapshot_key(start.output_key)), self.descriptor, start)
+        for rec in path[1:]:
+            values = decode_version_delta(self._get(rec.output_key), self.descriptor, rec, values)
+        for a in values.values():
+            a.flags.writeable = False
+        return values
+
+    def _chain_path(self, record: CommitRecord, head: tuple[CommitRecord, dict] | None) -> list[CommitRecord]:
+        """The commits whose versions lead to ``record``'s, oldest first: from ``head`` when it is
+        within ``full_every`` versions back, else from the newest full snapshot (FormatError when
+        none is within the retained versions' reach)."""
+        full_every = self.descriptor.versions.full_every
+        limit = self.descriptor.versions.retain + full_every
+        path, snapshot_at = [record], None
+        rec = record
+        while True:
+            if head is not None and rec.seq == head[0].seq:
+                return path[::-1]
+            if snapshot_at is None and (rec.kind == "init" or rec.info.get(SNAPSHOT_INFO)):
+                snapshot_at = len(path)
+                if head is None or head[0].seq > rec.seq or len(path) > full_every:
+                    break
+            if rec.kind == "init" or len(path) > limit:
+                break
+            older = self._older(record.fragment, rec.seq)
+            if older is None:
+                break
+            path.append(older)
+            rec = older
+            if snapshot_at is not None and len(path) > full_every:
+                break
+        if snapshot_at is None:
+            raise FormatError(f"{self.store.uri}: no full snapshot of fragment {record.fragment} within "
+                              f"{limit} versions before version {record.version} (commit {record.seq})")
+        return path[:snapshot_at][::-1]
 
     def load_all(self) -> tuple[dict[str, np.ndarray], dict[int, int]]:
         """The full global model as it stands now: values and the version of each fragment."""
@@ -267,7 +421,7 @@ class VersionTracker:
         """The newest version-carrying commit of ``p`` before seq ``before`` that reads and verifies."""
         for seq in range(before - 1, -1, -1):
             try:
-                rec = self.log.read(seq)
+                rec = self._read(seq)
             except (NotFound, FormatError):
                 continue
             if rec.kind in ("init", "merge") and rec.fragment == p and (

@@ -15,6 +15,7 @@ import torch
 from pipeline.fragment import extract
 from pipeline.types import DeltaHeader
 from workers.learner.device_quant import quantise_delta
+from workers.learner.host_bases import tensor_of
 from workers.learner.sender import delta_made
 
 ANSWERS_KEPT = 8   # rounds of each fragment remembered as answered (never answered twice, issue 25)
@@ -137,7 +138,7 @@ class LearnerAnswers:
         src = self.base[p]
         held = self._base_dev.pop(p, None)
         if held is None or held[0] is not src:
-            held = (src, {n: torch.from_numpy(src[n]).to(self.params[n].device) for n in names})
+            held = (src, {n: tensor_of(src[n]).to(self.params[n].device) for n in names})
         if self.cfg.device_base_cache:
             self._base_dev[p] = held              # newest last: the dict's order is the LRU order
             while len(self._base_dev) > self.cfg.device_base_cache:

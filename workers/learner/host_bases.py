@@ -8,10 +8,23 @@ allocated by torch's caching host allocator, so a base replaced by a newer versi
 to that cache for the next one."""
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch
+
+
+def tensor_of(a: np.ndarray) -> torch.Tensor:
+    """A CPU tensor over ``a`` without a copy, for reading. An int4 run's bases are the version
+    tracker's read-only arrays (workers/common/versions.py: the chain's head); torch warns about
+    any read-only array, though a base is only ever read (a write would break the chain, which the
+    next version's digest check catches)."""
+    if a.flags.writeable:
+        return torch.from_numpy(a)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(a)
 
 
 def pin_bases(params: Iterable[torch.Tensor]) -> bool:
@@ -25,5 +38,5 @@ def host_base(values: Mapping[str, np.ndarray], names: Iterable[str], pinned: bo
     (always a copy: the array keeps its pinned tensor alive), else the arrays themselves or, with
     ``copy``, copies of them (a base must not alias the parameters' staging arrays)."""
     if pinned:
-        return {n: torch.from_numpy(np.ascontiguousarray(values[n])).pin_memory().numpy() for n in names}
+        return {n: tensor_of(np.ascontiguousarray(values[n])).pin_memory().numpy() for n in names}
     return {n: values[n].copy() if copy else values[n] for n in names}

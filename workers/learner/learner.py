@@ -50,7 +50,7 @@ from workers.learner.bootstrap import (StateRecorder, discovery_target, find_run
 from workers.learner.env import LearnerEnv
 from workers.learner.answers import ANSWERS_KEPT, LearnerAnswers
 from workers.learner.figures import LearnerFigures
-from workers.learner.host_bases import host_base, pin_bases
+from workers.learner.host_bases import host_base, pin_bases, tensor_of
 from workers.learner.device_quant import QMAX as _DEVICE_QMAX
 from workers.learner.io import DeltaSender, VersionReceiver
 from workers.learner.nonfinite import NonFiniteGuard
@@ -365,9 +365,9 @@ class Learner(LearnerAnswers, LearnerFigures):
         for name, v in values.items():
             param = self.params[name]
             if alpha > 0.0:   # Streaming DiLoCo's mixing: θ ← α θ_local + (1−α) Θ
-                param.mul_(alpha).add_(torch.from_numpy(v).to(param.device, param.dtype), alpha=1.0 - alpha)
+                param.mul_(alpha).add_(tensor_of(v).to(param.device, param.dtype), alpha=1.0 - alpha)
             else:             # copy_ converts device and dtype itself (the model may be on an accelerator)
-                param.copy_(torch.from_numpy(v))
+                param.copy_(tensor_of(v))
 
     @torch.no_grad()
     def _carry(self, p: int, values: dict[str, np.ndarray], at_answer: dict[str, np.ndarray], steps: int,
@@ -377,8 +377,8 @@ class Learner(LearnerAnswers, LearnerFigures):
         the next answer (against Θ_new) carries them to the syncer."""
         for name, v in values.items():
             param = self.params[name]
-            since = param - torch.from_numpy(at_answer[name]).to(param.device, param.dtype)
-            param.copy_(torch.from_numpy(v).to(param.device, param.dtype) + since)
+            since = param - tensor_of(at_answer[name]).to(param.device, param.dtype)
+            param.copy_(tensor_of(v).to(param.device, param.dtype) + since)
         self.c_steps[p] = max(0, self.c_steps[p] - steps)
         self.c_tokens[p] = max(0, self.c_tokens[p] - tokens)
 

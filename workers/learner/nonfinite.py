@@ -33,6 +33,7 @@ import torch
 
 from pipeline.errors import FormatError
 from storage.errors import StoreError
+from workers.learner.host_bases import tensor_of
 
 STREAK_LIMIT = 3       # non-finite steps in a row, with no suspect version, before the model is reset
 MAX_SCAN = 10_000      # commits read back (newest first) looking for an older version of a fragment
@@ -189,7 +190,7 @@ class NonFiniteGuard:
         with torch.no_grad():
             for name in learner.descriptor.layout.fragments[p]:
                 param = learner.params[name]
-                param.copy_(torch.from_numpy(np.asarray(values[name])).to(param.dtype))
+                param.copy_(tensor_of(np.asarray(values[name])).to(param.dtype))
                 param.grad = None
         learner.base[p] = values
         learner.base_version[p] = version

@@ -26,15 +26,16 @@ from pipeline.fold import DropReason, RoundInput, SyncerState, merged_before
 from pipeline.guard import NormWindow
 from pipeline.descriptor import RunDescriptor
 from pipeline.types import CommitRecord, DeltaHeader
+from pipeline.version_chain import needs_snapshot
 from storage.checkpoints import write_checkpoint
 from storage.errors import AlreadyExists, Fenced, StoreError
-from storage.layout import commit_key, version_key
+from storage.layout import SNAPSHOT_INFO, commit_key, version_key
 from storage.log import CommitLog
 from storage.store import ObjectStore
 from workers.bus.bus import Message
 from workers.bus.signing import seal_checkpoint, sign_commit
 from workers.common.aggregate import RunningMean
-from workers.common.versions import encode_version
+from workers.common.versions import version_blobs
 
 
 class KeyConflict(Exception):
@@ -87,6 +88,7 @@ class Committer:
         self.epoch = -1
         self.fenced = False
         self.stats = CommitStats()
+        self._published: set[int] = set()
         self._written: dict[str, bytes] = {}   # the version blob of the commit being persisted, by key
         self._ckpt_lock = threading.Lock()      # guards the two below (``checkpoint_soon``)
         self._ckpt_next: SyncerState | None = None   # the state waiting to be checkpointed
@@ -95,6 +97,7 @@ class Committer:
     def begin(self, epoch: int, log: CommitLog, state: SyncerState, window: NormWindow | None) -> None:
         """Take over the run at ``epoch`` (claimed with ``log``) from the recovered state and window."""
         self.epoch, self.log, self.state, self.window = epoch, log, state, window
+        self._published = set()     # fragments with a version in this epoch (int4 runs: snapshot rule)
 
     def high_water(self, fragment: int, learner: str) -> list[int] | None:
         """The newest merged (incarnation, seq) of ``learner`` on ``fragment`` (None: none yet)."""
@@ -112,6 +115,11 @@ class Committer:
     def decide(self, fragment: int, inputs: Sequence[RoundInput], meta: CommitMeta) -> Commit:
         """The commit of ``inputs`` (pure: nothing is stored or changed), signed in a signed run."""
         commit = apply_commit(self.state, self.window, self.descriptor, fragment, inputs, meta, map_fn=self.map_fn)
+        if commit.link is not None and needs_snapshot(commit.record.version, self.descriptor.versions.full_every,
+                                                      fragment not in self._published):
+            rec = commit.record   # replay and recovery take the flag from the record, as all its info
+            commit = dataclasses.replace(commit, record=dataclasses.replace(rec, info={**rec.info,
+                                                                                       SNAPSHOT_INFO: True}))
         if self.signer is not None:
             commit = dataclasses.replace(commit, record=sign_commit(commit.record, self.signer,
                                                                     self.descriptor.run_id))
@@ -125,10 +133,9 @@ class Committer:
         blobs = list(inputs)
         self._written = {}
         if commit.published is not None:
-            blobs.append((rec.output_key, encode_version(self.descriptor, rec.fragment, rec.version, rec.seq,
-                                                         self.epoch, commit.published, self.signer,
-                                                         rec.output_checksum, map_fn=self.map_fn)))
-            self._written = {rec.output_key: blobs[-1][1]}   # handed to the replicator (no read back)
+            written = version_blobs(self.descriptor, rec, commit.published, commit.link, self.signer, self.map_fn)
+            blobs += written
+            self._written = dict(written)   # handed to the replicator (no read back)
         backoff = self.cfg.retry_s
         while True:
             try:
@@ -137,6 +144,8 @@ class Committer:
                 if self.before_commit is not None:
                     self.before_commit(rec)
                 self.log.append(rec, hint=False)   # the advisory head hint follows off the latency path
+                if commit.published is not None:
+                    self._published.add(rec.fragment)
                 return True
             except Fenced as exc:
                 self._fenced(rec.seq, exc)

@@ -47,13 +47,15 @@ from pipeline.fold import FragmentState, SyncerState, fold_fence, published
 from pipeline.guard import NormWindow
 from pipeline.descriptor import RunDescriptor
 from pipeline.types import CommitRecord
+from pipeline.version_chain import chain_step, is_chained
 from storage.errors import NotFound, StoreError
+from storage.layout import published_keys
 from storage.log import CommitLog
 from storage.store import ObjectStore
 from workers.bus.keys import Roster
 from workers.common.refold import Refolder, ReplayStats, older_commits, origin_state, security_of
 from workers.bus.signing import Signer
-from workers.common.versions import VersionTracker, decode_version, encode_version
+from workers.common.versions import VersionTracker, decode_version, version_blobs
 
 NOTE_CHARS = 400          # a note is one line of an event or of the fence commit's info
 FENCE_NOTES = 16          # notes recorded in the fence commit (all of them go to events)
@@ -178,7 +180,7 @@ class _Salvage:
             self.note(f"commit {rec.seq}: version {rec.version} of fragment {p} is not newer than {fs.version}: skipped")
             return _advance(state, rec.seq)
         try:
-            values = decode_version(self.folder.store.get(rec.output_key), self.descriptor, rec)
+            values = VersionTracker(self.folder.store, self.descriptor).load(rec)   # int4 runs: along the chain
             pub = published(values, self.descriptor.versions.dtype)
             params, momentum = pub, {n: np.zeros(a.shape, np.float32) for n, a in pub.items()}
             self.note(f"fragment {p}: adopted version {rec.version} from commit {rec.seq}'s stored values; "
@@ -255,7 +257,7 @@ def republish_damaged(store: ObjectStore, descriptor: RunDescriptor, state: Sync
         if rec.version != fs.version or rec.version not in fs.history:
             continue
         try:
-            decode_version(store.get(rec.output_key), descriptor, rec)
+            _check_published(store, descriptor, rec)
             continue
         except (NotFound, FormatError) as exc:
             damage = exc
@@ -267,10 +269,31 @@ def republish_damaged(store: ObjectStore, descriptor: RunDescriptor, state: Sync
             notes.append(f"{rec.output_key} is damaged ({damage}) and the recovered values differ from commit "
                          f"{rec.seq}'s checksum: not republished; learners use an older version")
             continue
+        link = None
+        if is_chained(descriptor.versions.dtype) and rec.kind == "merge":
+            # the delta again from the master values and the version before (the fold's own step)
+            base = fs.history.get(rec.version - 1)
+            link = None if base is None else chain_step(fs.params, base, descriptor.codec.block_size)
+            if link is None or tensor_digest(link.published) != rec.output_checksum:
+                notes.append(f"{rec.output_key} is damaged ({damage}) and its delta cannot be made again from the "
+                             "recovered state: not republished; learners start from a snapshot")
+                continue
         try:
-            store.put(rec.output_key, encode_version(descriptor, p, rec.version, rec.seq, rec.epoch, values,
-                                                     signer, rec.output_checksum))
+            for key, blob in version_blobs(descriptor, rec, values, link, signer):
+                store.put(key, blob)
             notes.append(f"republished version {rec.version} of fragment {p} at {rec.output_key} ({damage})")
         except StoreError as exc:
             notes.append(f"could not republish {rec.output_key}: {exc}")
     return notes
+
+
+def _check_published(store: ObjectStore, descriptor: RunDescriptor, rec: CommitRecord) -> None:
+    """Every object ``rec`` publishes decodes to its values (FormatError or NotFound otherwise)."""
+    if not is_chained(descriptor.versions.dtype):
+        decode_version(store.get(rec.output_key), descriptor, rec)
+        return
+    keys = published_keys(rec)
+    if rec.kind == "init" or len(keys) > 1:     # the full values: version 0 or the snapshot beside the delta
+        decode_version(store.get(keys[-1]), descriptor, rec)
+    if rec.kind == "merge":                      # the delta, along the chain (a full walk from a snapshot)
+        VersionTracker(store, descriptor).load(rec)

@@ -41,7 +41,7 @@ from pipeline.descriptor import RunDescriptor
 from pipeline.types import CommitRecord
 from storage.accounting import CountingStore
 from storage.errors import NotFound, StoreError
-from storage.layout import DESCRIPTOR_KEY, HEAD_HINT_KEY, commit_key, pack_head_hint
+from storage.layout import DESCRIPTOR_KEY, HEAD_HINT_KEY, commit_key, pack_head_hint, published_keys
 from storage.log import CommitLog
 from storage.regions import (PUBLISHING, RegionConflict, agreed_tail, copy_same, mark_region, open_region,
                              prune_versions, replicate_failovers, replicate_static, store_region)
@@ -296,9 +296,9 @@ class Replicator:
         blob = self._cached_blob(r, seq, key) or self.home.get(key)
         rec = CommitRecord.from_bytes(blob, what=f"{self.home.uri}/{key}")
         n = 0
-        if rec.kind in PUBLISHING and rec.output_key:
+        for out in published_keys(rec) if rec.kind in PUBLISHING else ():
             try:
-                n = copy_same(self.home, r.store, rec.output_key, self._cached_blob(r, seq, rec.output_key))
+                n += copy_same(self.home, r.store, out, self._cached_blob(r, seq, out))
             except NotFound:
                 pass   # an old commit whose version retention removed: the record alone is the log
         return key, blob, n

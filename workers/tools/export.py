@@ -33,7 +33,7 @@ from storage.shards import owned_fragments, shard_stores
 from storage.store import ObjectStore
 from workers.common.runs import open_run
 from workers.tools.replay_cli import EXIT_DAMAGED, EXIT_USAGE, add_location_args, pipe_safe
-from workers.common.versions import decode_version
+from workers.common.versions import VersionTracker
 
 FORMATS = ("torch", "safetensors", "hf")
 HF_CONFIG = "hf_config"   # the descriptor's model map: a Hugging Face config.json (a learner's model_config)
@@ -84,12 +84,13 @@ def model_at(store: ObjectStore, descriptor: RunDescriptor, seq: int | Sequence[
         raise ValueError(f"run {descriptor.run_id} has {len(stores)} commit logs: give one seq per shard, got {seqs}")
     commits = dict(sorted(kv for s, q in zip(stores, seqs) for kv in versions_at(s, descriptor, q).items()))
     parts: dict[str, np.ndarray] = {}
+    trackers = [VersionTracker(s, descriptor) for s in stores]   # an int4 run's versions along their chain
     for p, rec in commits.items():
         if cache is not None and rec.output_key in cache:
             values = cache[rec.output_key]
         else:
             try:
-                values = decode_version(store.get(rec.output_key), descriptor, rec)
+                values = trackers[p % len(stores)].load(rec)
             except NotFound:
                 raise NotFound(f"missing: version {rec.version} of fragment {p}, named by commit {rec.seq}",
                                uri=store.uri, key=rec.output_key) from None

@@ -24,13 +24,15 @@ from pipeline.errors import FormatError
 from pipeline.fold import ReplayMismatch, SyncerState
 from pipeline.descriptor import RunDescriptor
 from pipeline.types import CommitRecord
+from pipeline.version_chain import apply_delta, is_chained
 from storage.checkpoints import list_checkpoints, read_checkpoint
 from storage.errors import NotFound, StoreError
-from storage.layout import HEAD_HINT_KEY, RETENTION_KEY, unpack_head_hint, unpack_retention_hint
+from storage.layout import HEAD_HINT_KEY, RETENTION_KEY, published_keys, unpack_head_hint, unpack_retention_hint
 from storage.log import CommitLog
 from storage.store import ObjectStore
 from workers.common.refold import ReplayStats, rebuild
-from workers.common.versions import VERSION_KIND, decode_version, max_fragment_bytes
+from workers.common.versions import (VERSION_DELTA_KIND, VERSION_KIND, decode_version, decode_version_delta,
+                                     max_fragment_bytes)
 
 
 @dataclass
@@ -90,14 +92,25 @@ class _Verifier:
     stored version to ``verify_commit`` (so a divergence names the tensor), ``after`` compares the
     stored version and any checkpoint with what was recomputed."""
 
-    def __init__(self, store: ObjectStore, descriptor: RunDescriptor):
+    def __init__(self, store: ObjectStore, descriptor: RunDescriptor, state: SyncerState):
         self.store, self.descriptor = store, descriptor
         self.checkpoints = set(list_checkpoints(store))
         self.matched = 0
         self.stored: tuple[int, bytes, dict[str, np.ndarray]] | None = None
+        self.state = state     # before the commit being verified (an int4 run's deltas start from it)
+
+    def _base(self, rec: CommitRecord) -> dict[str, np.ndarray] | None:
+        """An int4 run's values before ``rec``'s delta (the recomputed previous version), else None."""
+        if not is_chained(self.descriptor.versions.dtype):
+            return None
+        base = self.state.fragments[rec.fragment].history.get(rec.version - 1)
+        if base is None:
+            raise FormatError(f"commit {rec.seq}: version {rec.version - 1} of fragment {rec.fragment}, the base "
+                              "of its delta, is not in the recomputed state")
+        return base
 
     def load_output(self, rec: CommitRecord) -> dict[str, np.ndarray]:
-        blob, values = _stored_version(self.store, self.descriptor, rec)
+        blob, values = _stored_version(self.store, self.descriptor, rec, self._base(rec))
         self.stored = (rec.seq, blob, values)
         return values
 
@@ -107,11 +120,18 @@ class _Verifier:
                 self.load_output(rec)
             _, blob, values = self.stored
             _compare_stored(rec, values, result.published)
+            base = self._base(rec)
             try:   # and every check readers apply (in a signed run: the syncer's signature on it)
-                decode_version(blob, self.descriptor, rec)
+                if base is None:
+                    decode_version(blob, self.descriptor, rec)
+                else:
+                    decode_version_delta(blob, self.descriptor, rec, base)
+                    for key in published_keys(rec)[1:]:      # the full snapshot beside the delta
+                        decode_version(self.store.get(key), self.descriptor, rec)
             except FormatError as exc:
                 raise FormatError(f"commit {rec.seq}'s version {rec.version} of fragment {rec.fragment}: "
                                   f"{exc}") from None
+        self.state = result.state
         if rec.seq in self.checkpoints:
             _compare_checkpoint(self.store, self.descriptor, rec.seq, result.state)
             self.matched += 1
@@ -143,7 +163,7 @@ def replay_run(store: ObjectStore, descriptor: RunDescriptor, start: int | None 
     if notify is not None:
         origin = f"checkpoint {before.from_checkpoint}" if before.from_checkpoint is not None else "the init commits"
         notify(f"started from {origin}, caught up over {before.commits} commits; verifying")
-    verifier = _Verifier(store, descriptor)
+    verifier = _Verifier(store, descriptor, state)
     at["seq"] = state.last_seq + 1
     try:
         with _at_commit(store, at):
@@ -205,10 +225,11 @@ def _missing(store: ObjectStore, seq: int, key: str | None) -> str:
     return f"missing (needed to replay commit {seq})"
 
 
-def _stored_version(store: ObjectStore, descriptor: RunDescriptor, rec: CommitRecord
-                    ) -> tuple[bytes, dict[str, np.ndarray]]:
+def _stored_version(store: ObjectStore, descriptor: RunDescriptor, rec: CommitRecord,
+                    base: Mapping[str, np.ndarray] | None = None) -> tuple[bytes, dict[str, np.ndarray]]:
     """A commit's stored version object and its values, decoded and shape-checked but *not* checked
-    against the commit's checksum (``_compare_stored`` does that and can then name the tensor)."""
+    against the commit's checksum (``_compare_stored`` does that and can then name the tensor).
+    ``base``: in an int4 run, the values the stored delta is added to."""
     key = rec.output_key
     try:
         blob = store.get(key)
@@ -216,14 +237,15 @@ def _stored_version(store: ObjectStore, descriptor: RunDescriptor, rec: CommitRe
         raise NotFound(f"missing: version {rec.version} of fragment {rec.fragment}, named by commit {rec.seq}",
                        uri=store.uri, key=key) from None
     try:
-        dec = decode(blob, VERSION_KIND, max_bytes=max_fragment_bytes(descriptor),
-                     expect=descriptor.fragment_specs(rec.fragment), what=key)
+        dec = decode(blob, VERSION_KIND if base is None else VERSION_DELTA_KIND,
+                     max_bytes=max_fragment_bytes(descriptor), expect=descriptor.fragment_specs(rec.fragment), what=key)
     except FormatError as exc:
         raise FormatError(f"commit {rec.seq}'s version {rec.version} of fragment {rec.fragment}: {exc}") from None
     if dec.meta.get("fragment") != rec.fragment or dec.meta.get("version") != rec.version:
         raise FormatError(f"{key}: holds fragment {dec.meta.get('fragment')} version {dec.meta.get('version')}, "
                           f"but commit {rec.seq} names fragment {rec.fragment} version {rec.version}")
-    return blob, {n: np.asarray(a, dtype=np.float32) for n, a in dec.tensors.items()}
+    values = {n: np.asarray(a, dtype=np.float32) for n, a in dec.tensors.items()}
+    return blob, values if base is None else apply_delta(base, values)
 
 
 def max_abs_diff(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> tuple[str, float]:
