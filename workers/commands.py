@@ -28,7 +28,6 @@ import json
 import os
 import signal
 import sys
-import threading
 
 from pathlib import Path
 from typing import Callable
@@ -46,20 +45,24 @@ from workers.bus.keys import SYNCER, KeyRing, key_paths, load_identity, load_pub
 from workers.common.metrics import add_metrics_args, start_metrics
 from workers.common.placement import default_shard
 from workers.common.progress_line import MODES, ProgressLine, wanted
+from workers.common.stop_flag import StopFlag
 from workers.common.traffic import SINGLE_REGION, SyncerTraffic, TrafficMeter, counted
 from workers.syncer.syncer import Syncer, SyncerConfig
 
 
 # A role still alive this long after SIGTERM/SIGINT writes every thread's stack to stderr: a
 # syncer once hung in its shutdown (issue 29's SLURM test, 1 run in ~12) and left no trace of where.
-STOP_REPORT_S = 60.0
+# Under SLURM's and Kubernetes' default 30 s between SIGTERM and SIGKILL (at 60 s it never fired).
+STOP_REPORT_S = 20.0
 
 
-def _stop_flag(report_s: float = STOP_REPORT_S) -> threading.Event:
-    """The clean-stop flag SIGTERM/SIGINT set. The signal also arms a watchdog (``faulthandler``,
-    a C thread that needs no lock or GIL holder's help): still running ``report_s`` later, the
-    process dumps all its threads' stacks to stderr and goes on (SIGKILL remains the stop)."""
-    flag = threading.Event()
+def _stop_flag(report_s: float = STOP_REPORT_S) -> StopFlag:
+    """The clean-stop flag SIGTERM/SIGINT set (a ``StopFlag``: a handler setting a
+    ``threading.Event`` can deadlock, workers/common/stop_flag.py). The signal also arms a watchdog
+    (``faulthandler``, a C thread that needs no lock or GIL holder's help): still running
+    ``report_s`` later, the process dumps all its threads' stacks to stderr and goes on (SIGKILL
+    remains the stop)."""
+    flag = StopFlag()
 
     def stop(*_) -> None:
         if not flag.is_set():

@@ -28,6 +28,7 @@ from storage.store import ObjectStore, open_store
 from workers.bus.bus import BusConfig, BusCounters
 from workers.bus.keys import KeyRing, load_identity, load_public
 from workers.common.events import EventLog
+from workers.common.stop_flag import StopFlag
 from workers.learner.env import LearnerEnv
 
 POLL_S = 0.2
@@ -217,19 +218,30 @@ class StateRecorder:
             self.write()
 
 
-_STOP: threading.Event | None = None
+_STOP: StopFlag | None = None
+STOP_REPORT_S = 20.0     # still running this long after the signal: every thread's stack to stderr
 
 
-def stop_requested() -> threading.Event:
-    """An event set once this process gets SIGTERM or SIGINT (``ddiloco launch`` sends SIGTERM on
+def stop_requested() -> StopFlag:
+    """A flag set once this process gets SIGTERM or SIGINT (``ddiloco launch`` sends SIGTERM on
     Ctrl-C, SLURM and Kubernetes before a kill), so that a training loop ends at a step boundary and
-    reaches ``Learner.close`` (drain, resume record). Handlers are installed once, from the main
-    thread only; elsewhere the event is never set and the signals keep their own handlers."""
+    reaches ``Learner.close`` (drain, resume record). A ``StopFlag`` (``set``/``is_set``/``wait``):
+    waiting on it is safe, where a ``threading.Event`` set by a signal handler can deadlock
+    (workers/common/stop_flag.py). The signal also arms a watchdog: a process still alive
+    ``STOP_REPORT_S`` later (under SLURM's and Kubernetes' default 30 s before the SIGKILL) writes
+    its threads' stacks to stderr. Handlers are installed once, from the main thread only;
+    elsewhere the flag is never set and the signals keep their own handlers."""
     global _STOP
     if _STOP is None:
-        _STOP = threading.Event()
+        _STOP = StopFlag()
         if threading.current_thread() is threading.main_thread():
+            import faulthandler
             import signal
+
+            def stop(*_) -> None:
+                if not _STOP.is_set():
+                    faulthandler.dump_traceback_later(STOP_REPORT_S, exit=False)
+                _STOP.set()
             for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda *_: _STOP.set())
+                signal.signal(sig, stop)
     return _STOP
