@@ -261,7 +261,8 @@ _EPOCH_RE = re.compile(rf"^epochs/(\d{{{EPOCH_DIGITS}}})$")
 _FAILOVER_RE = re.compile(rf"^failovers/(\d{{{EPOCH_DIGITS}}})$")
 _COMMIT_RE = re.compile(rf"^log/(\d{{{SEQ_DIGITS}}})$")
 _CHECKPOINT_RE = re.compile(rf"^checkpoints/(\d{{{SEQ_DIGITS}}})$")
-_VERSION_RE = re.compile(rf"^versions/f(\d{{{FRAGMENT_DIGITS}}})/v(\d{{{VERSION_DIGITS}}})(?:-e\d{{{EPOCH_DIGITS}}})?(?:-full)?$")
+_VERSION_RE = re.compile(rf"^versions/f(\d{{{FRAGMENT_DIGITS}}})/v(\d{{{VERSION_DIGITS}}})"
+                         rf"(?:-e\d{{{EPOCH_DIGITS}}})?(?:-full)?$")      # -full: SNAPSHOT_SUFFIX
 _LIFE = rf"([A-Za-z0-9][A-Za-z0-9_.-]{{0,63}})/i(\d{{{INCARNATION_DIGITS}}})/s(\d{{{DELTA_SEQ_DIGITS}}})"
 _DELTA_RE = re.compile(rf"^deltas/{_LIFE}$")
 _SPILL_RE = re.compile(rf"^spill/{_LIFE}$")

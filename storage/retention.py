@@ -12,7 +12,9 @@ Rules (conservative; commits, epochs, the descriptor and the head hint are never
   Deltas no commit names (in flight, or orphaned by a crash) are kept.
 - **fragment versions** outside the newest ``keep_versions`` version numbers of their fragment
   whose producing commit is ``<= horizon``, or that no commit names (e.g. a fenced syncer's
-  orphan). Version 0, the run's initial model, is kept.
+  orphan). Version 0, the run's initial model, is kept, and in an int4 run (issue 31) the
+  newest full snapshot at or below the oldest version that stays, with every version after it
+  (a kept delta is readable only from a snapshot before it).
 
 - **a byte budget** (``keep_bytes``, issue 26): the horizon also moves forward - to the oldest
   candidate checkpoint whose *footprint* fits the budget, or the newest candidate when none does,
@@ -51,7 +53,7 @@ from pipeline.errors import FormatError
 
 from .errors import NotFound
 from .checkpoints import list_checkpoints
-from .layout import (DELTA_PREFIX, RETENTION_KEY, SPILL_PREFIX, VERSION_PREFIX, checkpoint_key,
+from .layout import (DELTA_PREFIX, RETENTION_KEY, SNAPSHOT_SUFFIX, SPILL_PREFIX, VERSION_PREFIX, checkpoint_key,
                      pack_retention_hint, parse_version_key, published_keys, read_descriptor)
 from .log import CommitLog
 from .store import ObjectStore
@@ -257,6 +259,7 @@ def plan_retention(store: ObjectStore, keep_checkpoints: int = 2, keep_versions:
             by_fragment[fragment].append((version, key))
         for fragment, versions in sorted(by_fragment.items()):
             newest = set(sorted({v for v, _ in versions})[-keep_versions:])
+            doomed: list[tuple[int, str, str]] = []
             for version, key in sorted(versions):
                 if version == 0 or version in newest:
                     continue
@@ -271,7 +274,17 @@ def plan_retention(store: ObjectStore, keep_checkpoints: int = 2, keep_versions:
                               f"its newest {keep_versions} versions")
                 else:
                     continue
-                items.append(RetentionItem(key, reason))
+                doomed.append((version, key, reason))
+            # An int4 run's versions are deltas on a full snapshot (docs/algorithm.md "Versions down"):
+            # what stays must stay readable, so the newest snapshot at or below the oldest version that
+            # stays is kept, with every delta after it.
+            snapshots = [v for v, key in versions if key.endswith(SNAPSHOT_SUFFIX)]
+            if snapshots:
+                gone = {key for _, key, _ in doomed}
+                oldest = min([v for v, key in versions if v > 0 and key not in gone] + [max(snapshots)])
+                floor = max((v for v in snapshots if v <= oldest), default=0)
+                doomed = [d for d in doomed if d[0] < floor]
+            items += [RetentionItem(key, reason) for _, key, reason in doomed]
     return RetentionPlan(store.uri, horizon, kept, tuple(items))
 
 

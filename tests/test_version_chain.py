@@ -19,7 +19,8 @@ from pipeline.descriptor import RunDescriptor, VersionsConfig
 from pipeline.errors import FormatError
 from pipeline.version_chain import apply_delta, chain_step
 from storage.errors import NotFound
-from storage.layout import SNAPSHOT_INFO, published_keys, read_descriptor, snapshot_key
+from storage.layout import SNAPSHOT_INFO, VERSION_PREFIX, published_keys, read_descriptor, snapshot_key
+from storage.retention import apply_retention, plan_retention
 from storage.log import CommitLog
 from workers.common.refold import rebuild
 from workers.common.versions import VERSION_DELTA_KIND, VersionTracker
@@ -69,10 +70,10 @@ def test_full_every_is_written_only_for_int4_versions_and_checked():
     assert "full_every" not in RunDescriptor.__dataclass_fields__       # a section field, not a document one
     from pipeline.descriptor import _versions, _versions_dict
     assert _versions_dict(INT4)["full_every"] == 4
-    assert "full_every" not in _versions_dict(VersionsConfig())         # old runs keep their bytes
+    assert "full_every" not in _versions_dict(VersionsConfig(dtype="bf16"))   # other runs keep their bytes
     assert _versions(_versions_dict(INT4), "versions") == INT4
     with pytest.raises(FormatError, match="full_every"):
-        _versions({**_versions_dict(VersionsConfig()), "full_every": 4}, "versions")
+        _versions({**_versions_dict(VersionsConfig(dtype="bf16")), "full_every": 4}, "versions")
     with pytest.raises(FormatError, match="full_every"):
         _versions({k: v for k, v in _versions_dict(INT4).items() if k != "full_every"}, "versions")
     with pytest.raises(ValueError, match="exceeds retain"):
@@ -81,6 +82,11 @@ def test_full_every_is_written_only_for_int4_versions_and_checked():
         VersionsConfig(dtype="int4", retain=1, full_every=1)
     with pytest.raises(ValueError, match="int4 versions only"):
         VersionsConfig(dtype="bf16", full_every=3)
+    with pytest.raises(FormatError, match="full_every: must be >= 1"):
+        _versions({**_versions_dict(INT4), "full_every": 0}, "versions")
+    # new runs: int4, a snapshot every 8 versions or every retained one when fewer are kept
+    assert VersionsConfig().dtype == "int4" and VersionsConfig().full_every == 8
+    assert VersionsConfig(retain=3).full_every == 3 and VersionsConfig(dtype="bf16").full_every == 0
 
 
 # -- real runs --------------------------------------------------------------------------------------
@@ -146,6 +152,25 @@ def test_a_lost_newest_delta_is_refused_then_made_again_by_a_restarted_syncer(tm
     assert again.versions >= 8 and not again.warnings
 
 
+def test_a_damaged_delta_beside_its_snapshot_costs_a_follower_the_snapshot_and_a_restart_repairs_it(tmp_path):
+    store, desc = _run(tmp_path, 8, versions=VersionsConfig(dtype="int4", retain=4, full_every=1))
+    log = CommitLog(store)
+    newest = VersionTracker(store, desc).latest()
+    p, rec = max(newest.items(), key=lambda kv: kv[1].version)
+    assert rec.kind == "merge" and rec.info.get(SNAPSHOT_INFO)         # full_every 1: every version has one
+    previous = max((r for r in log.read_range(0, rec.seq) if r.fragment == p and r.kind in ("init", "merge")),
+                   key=lambda r: r.seq)
+    follower = VersionTracker(store, desc)
+    follower.load(previous)
+    good = store.get(rec.output_key)
+    store.put(rec.output_key, good[:-7] + bytes(7))                   # the delta damaged, its snapshot intact
+    before = follower.bytes_loaded
+    assert tensor_digest(follower.load(rec)) == rec.output_checksum     # the follower falls back to the snapshot
+    assert follower.bytes_loaded - before > len(good) + store.head(snapshot_key(rec.output_key)).size // 2
+    Syncer(store, SyncerConfig()).recover()
+    assert store.get(rec.output_key) == good                            # found and made again, the same bytes
+
+
 def test_a_head_that_is_not_on_the_way_is_left_for_the_snapshot(tmp_path):
     store, desc = _run(tmp_path, 14, versions=INT4)
     log = CommitLog(store)
@@ -159,3 +184,15 @@ def test_a_head_that_is_not_on_the_way_is_left_for_the_snapshot(tmp_path):
     reader._heads[0] = (reader._heads[0][0], bogus)       # a head that is not what its record names
     got = reader.load(target)                              # its deltas fail the digest: from the snapshot
     assert tensor_digest(got) == target.output_checksum
+
+
+def test_retention_keeps_the_newest_snapshot_and_the_deltas_after_it_whatever_keep_versions(tmp_path):
+    store, desc = _run(tmp_path, 24, versions=INT4)
+    plan = plan_retention(store, keep_checkpoints=1, keep_versions=1)
+    doomed = {i.key for i in plan.items}
+    assert any(k.startswith(VERSION_PREFIX) for k in doomed)         # older versions do go
+    apply_retention(store, plan)
+    fresh = VersionTracker(store, desc)
+    values, _ = fresh.load_all()                                       # a new learner still starts
+    for p, rec in fresh.latest().items():
+        assert tensor_digest({n: values[n] for n in desc.layout.fragments[p]}) == rec.output_checksum

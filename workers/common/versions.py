@@ -347,8 +347,11 @@ class VersionTracker:
     def _load_chain(self, record: CommitRecord, head: tuple[CommitRecord, dict] | None) -> dict[str, np.ndarray]:
         path = self._chain_path(record, head)
         start = path[0]
-        if head is not None and start.seq == head[0].seq:
+        if head is not None and start.seq == head[0].seq and start.output_checksum == head[0].output_checksum:
             values = head[1]
+            sec = self.descriptor.security
+            if len(path) == 1 and sec is not None:   # the head itself: its record must still be the syncer's
+                check_commit_signature(record, sec.syncer.sign, self.descriptor.run_id, f"commit {record.seq}")
         elif start.kind == "init":
             values = decode_version(self._get(start.output_key), self.descriptor, start)
         else:
@@ -368,12 +371,13 @@ class VersionTracker:
         path, snapshot_at = [record], None
         rec = record
         while True:
-            if head is not None and rec.seq == head[0].seq:
+            if head is not None and rec.seq == head[0].seq and rec.output_checksum == head[0].output_checksum:
                 return path[::-1]
             if snapshot_at is None and (rec.kind == "init" or rec.info.get(SNAPSHOT_INFO)):
                 snapshot_at = len(path)
-                if head is None or head[0].seq > rec.seq or len(path) > full_every:
-                    break
+            # past a snapshot, look for the head only within full_every deltas (cheaper than the snapshot)
+            if snapshot_at is not None and (head is None or head[0].seq > rec.seq or len(path) > full_every):
+                break
             if rec.kind == "init" or len(path) > limit:
                 break
             older = self._older(record.fragment, rec.seq)
@@ -381,8 +385,6 @@ class VersionTracker:
                 break
             path.append(older)
             rec = older
-            if snapshot_at is not None and len(path) > full_every:
-                break
         if snapshot_at is None:
             raise FormatError(f"{self.store.uri}: no full snapshot of fragment {record.fragment} within "
                               f"{limit} versions before version {record.version} (commit {record.seq})")

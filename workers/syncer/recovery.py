@@ -55,7 +55,7 @@ from storage.store import ObjectStore
 from workers.bus.keys import Roster
 from workers.common.refold import Refolder, ReplayStats, older_commits, origin_state, security_of
 from workers.bus.signing import Signer
-from workers.common.versions import VersionTracker, decode_version, version_blobs
+from workers.common.versions import VersionTracker, decode_version, decode_version_delta, version_blobs
 
 NOTE_CHARS = 400          # a note is one line of an event or of the fence commit's info
 FENCE_NOTES = 16          # notes recorded in the fence commit (all of them go to events)
@@ -257,7 +257,7 @@ def republish_damaged(store: ObjectStore, descriptor: RunDescriptor, state: Sync
         if rec.version != fs.version or rec.version not in fs.history:
             continue
         try:
-            _check_published(store, descriptor, rec)
+            _check_published(store, descriptor, rec, fs.history.get(rec.version - 1))
             continue
         except (NotFound, FormatError) as exc:
             damage = exc
@@ -287,13 +287,17 @@ def republish_damaged(store: ObjectStore, descriptor: RunDescriptor, state: Sync
     return notes
 
 
-def _check_published(store: ObjectStore, descriptor: RunDescriptor, rec: CommitRecord) -> None:
-    """Every object ``rec`` publishes decodes to its values (FormatError or NotFound otherwise)."""
+def _check_published(store: ObjectStore, descriptor: RunDescriptor, rec: CommitRecord,
+                     base: dict | None) -> None:
+    """Every object ``rec`` publishes decodes to its values (FormatError or NotFound otherwise).
+    ``base``: an int4 run's recovered values of the version before (None: not retained)."""
     if not is_chained(descriptor.versions.dtype):
         decode_version(store.get(rec.output_key), descriptor, rec)
         return
     keys = published_keys(rec)
     if rec.kind == "init" or len(keys) > 1:     # the full values: version 0 or the snapshot beside the delta
         decode_version(store.get(keys[-1]), descriptor, rec)
-    if rec.kind == "merge":                      # the delta, along the chain (a full walk from a snapshot)
+    if rec.kind == "merge" and base is not None:   # the delta on the recovered version before it
+        decode_version_delta(store.get(rec.output_key), descriptor, rec, base)
+    elif rec.kind == "merge":                      # along the chain, as a reader would
         VersionTracker(store, descriptor).load(rec)
