@@ -76,30 +76,33 @@ class VersionsConfig:
     many recent versions of each fragment are kept (``retain``; the fold, recovery and gc read it).
     ``marks``: the exactly-once rule (pipeline/marks.py, issue 25): 1 = one high-water mark per
     learner (every run before issue 25; the section is written without the field), 2 = merged marks
-    per lineage within the retained versions. The defaults are a new run's: bf16 versions (half the
-    bytes down; the fp32 master state stays with the syncer) and rule 2.
-    ``dtype`` ``int4``: each version travels as an int4 delta against the previous published one,
-    with error feedback (pipeline/version_chain.py, issue 31), and every ``full_every``-th version
+    per lineage within the retained versions. The defaults are a new run's: int4 versions and rule 2.
+    ``dtype`` ``int4`` (since issue 31; before, bf16): each version travels as an int4 delta against
+    the previous published one, with error feedback (pipeline/version_chain.py: a third of bf16's
+    bytes down, the fp32 master state stays with the syncer), and every ``full_every``-th version
     (and a fragment's first in each syncer epoch) also as a full fp32 snapshot; ``full_every`` is
     written only for such runs and must not exceed ``retain`` (retention keeps a snapshot within
-    the retained versions), and ``retain`` must be at least 2."""
+    the retained versions; left out, it is ``min(8, retain)``), and ``retain`` must be at least 2."""
 
-    dtype: str = "bf16"
+    dtype: str = "int4"
     retain: int = 16
     marks: int = MARKS_LINEAGE
-    full_every: int = FULL_EVERY_DEFAULT
+    full_every: int = 0        # 0: min(FULL_EVERY_DEFAULT, retain) in an int4 run, else nothing
 
     def __post_init__(self) -> None:
+        if self.full_every == 0 and isinstance(self.retain, int) and not isinstance(self.full_every, bool):
+            object.__setattr__(self, "full_every", min(FULL_EVERY_DEFAULT, self.retain) if self.dtype == "int4" else 0)
         if self.dtype not in VERSION_DTYPES:
             raise ValueError(f"versions dtype {self.dtype!r} not one of {VERSION_DTYPES}")
         if not isinstance(self.retain, int) or isinstance(self.retain, bool) or self.retain < 1:
             raise ValueError(f"versions retain must be an int >= 1, got {self.retain!r}")
         if self.marks not in (MARKS_ISSUE_11, MARKS_LINEAGE) or isinstance(self.marks, bool):
             raise ValueError(f"versions marks must be {MARKS_ISSUE_11} or {MARKS_LINEAGE}, got {self.marks!r}")
-        if not isinstance(self.full_every, int) or isinstance(self.full_every, bool) or self.full_every < 1:
-            raise ValueError(f"versions full_every must be an int >= 1, got {self.full_every!r}")
-        if self.dtype != "int4" and self.full_every != FULL_EVERY_DEFAULT:
+        if self.dtype != "int4" and self.full_every != 0:
             raise ValueError(f"versions full_every applies to int4 versions only (dtype {self.dtype!r})")
+        if self.dtype == "int4" and (not isinstance(self.full_every, int) or isinstance(self.full_every, bool)
+                                     or self.full_every < 1):
+            raise ValueError(f"versions full_every must be an int >= 1, got {self.full_every!r}")
         if self.dtype == "int4" and self.retain < 2:
             raise ValueError(f"int4 versions need retain >= 2 (a delta is republished from the version "
                              f"before it), got {self.retain}")
@@ -543,7 +546,9 @@ def _versions(m: Any, path: str) -> VersionsConfig:
     _fields(m, path, (*_VERSIONS_FIELDS, "marks", "full_every"), _VERSIONS_FIELDS)
     if (m.get("dtype") == "int4") != ("full_every" in m):
         raise FormatError(f"{path}.full_every: written exactly for int4 versions (dtype {m.get('dtype')!r})")
-    m = {**m, "full_every": m.get("full_every", FULL_EVERY_DEFAULT)}
+    if "full_every" in m and _typed(m["full_every"], int, f"{path}.full_every") < 1:
+        raise FormatError(f"{path}.full_every: must be >= 1, got {m['full_every']}")
+    m = {**m, "full_every": m.get("full_every", 0)}
     if "marks" not in m:
         return _parse_versions({**m, "marks": MARKS_ISSUE_11}, path)
     if _typed(m["marks"], int, f"{path}.marks") == MARKS_ISSUE_11:

@@ -29,7 +29,8 @@ from pipeline.envelope import pack_record, unpack_record, unseal
 from pipeline.errors import FormatError
 from pipeline.fragment import specs_from_arrays
 from pipeline.guard import NormGuardConfig
-from storage.layout import DELTA_PREFIX, DESCRIPTOR_KEY, VERSION_PREFIX, read_descriptor, write_descriptor
+from storage.layout import (DELTA_PREFIX, DESCRIPTOR_KEY, SNAPSHOT_SUFFIX, VERSION_PREFIX, parse_version_key,
+                            published_keys, read_descriptor, write_descriptor)
 from storage.log import CommitLog
 from storage.store import open_store
 from workers.launch import RunSettings, Schedule, create_run
@@ -86,11 +87,12 @@ def test_descriptors_written_before_the_field_keep_their_bytes_and_mean_format_1
         d = RunDescriptor.from_bytes(base64.b64decode(v1["envelope_base64"]))
         assert d.codec.format == 1 and "format" not in d.to_dict()["codec"]
     # and a run that chooses format 1 - and the other settings of that time: the issue-11 exactly-once
-    # marks, the version-2 norm guard (issue 25 made newer ones the default) and outer momentum 0.9
-    # (the flat settings' default then; 0.5 since issue 27, as `ddiloco run` had it) - writes exactly what
+    # marks, the version-2 norm guard (issue 25 made newer ones the default), outer momentum 0.9
+    # (the flat settings' default then; 0.5 since issue 27, as `ddiloco run` had it) and bf16 versions
+    # (int4 since issue 31) - writes exactly what
     # runs wrote before the field (the same map; since issue 26 in a v5 document naming its features)
     plain = RunSettings(schedule=Schedule(fragments=2, sync_every=4), policy=PolicyConfig(quorum=2),
-                        codec=CodecConfig("int8", 32, 5, format=1), versions=VersionsConfig(marks=1),
+                        codec=CodecConfig("int8", 32, 5, format=1), versions=VersionsConfig("bf16", marks=1),
                         outer=OuterConfig(momentum=0.9),
                         guard=NormGuardConfig(version=2), seed=3, model={"n_layer": 1}).descriptor(
         "pre-format-v2", specs_from_arrays(INIT), ("wte.weight",))
@@ -193,14 +195,16 @@ def test_a_run_writes_its_format_everywhere_and_replays_bit_for_bit(tmp_path, se
     deltas, versions = store.list(DELTA_PREFIX), store.list(VERSION_PREFIX)
     assert len(deltas) >= 8 and len(versions) >= 8
     assert {blob_version(store.get(k), "delta") for k in deltas} == {fmt}           # the learner's sender
-    assert {blob_version(store.get(k), "version") for k in versions} == {fmt}       # create_run and the committer
+    kinds = {k: "version" if k.endswith(SNAPSHOT_SUFFIX) or parse_version_key(k)[1] == 0 else "version-delta"
+             for k in versions}                 # int4 versions: version 0 and snapshots full, the rest deltas
+    assert {blob_version(store.get(k), kinds[k]) for k in versions} == {fmt}       # create_run and the committer
     report = replay_run(store, desc)                   # every commit recomputed, every version compared
     tail = CommitLog(store).tail()              # (the init commits 0..P-1 are the start, not replayed)
     assert (report.start, report.end, report.commits) == (desc.num_fragments, tail, tail + 1 - desc.num_fragments)
     assert report.versions >= 8 and report.checkpoints >= 1
     # a restarted syncer republishes lost newest versions from its recovered state: in the run's
     # format, byte for byte what was stored, so replay still verifies them
-    newest = [rec.output_key for rec in VersionTracker(store, desc).latest().values()]
+    newest = [k for rec in VersionTracker(store, desc).latest().values() for k in published_keys(rec)]
     before = {k: store.get(k) for k in newest}
     for k in newest:
         store.delete(k)

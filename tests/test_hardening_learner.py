@@ -14,6 +14,7 @@ import torch
 
 from pipeline.checksum import tensor_digest
 from pipeline.fold import published
+from pipeline.descriptor import VersionsConfig
 from pipeline.types import CommitRecord
 from storage.errors import StoreError
 from storage.layout import commit_key, version_key
@@ -32,8 +33,12 @@ def tiny_model(seed: int = 0) -> torch.nn.Module:
 
 
 def make_run(store, model):
+    """A run for hand-appended versions (``append_version``): bf16 versions, whose values a test
+    chooses exactly (an int4 run's version is its previous one plus a quantised delta,
+    tests/test_version_chain.py)."""
     init = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
-    return create_run(store, init, RunSettings(schedule=Schedule(fragments=2, sync_every=4)))
+    return create_run(store, init, RunSettings(schedule=Schedule(fragments=2, sync_every=4),
+                                               versions=VersionsConfig("bf16")))
 
 
 def append_version(store, desc, fragment: int, version: int, values: dict[str, np.ndarray]) -> CommitRecord:

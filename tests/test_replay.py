@@ -25,9 +25,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.codec import decode
+from pipeline.codec import decode, encode
 from pipeline.envelope import digest, pack_record
 from pipeline.types import CommitRecord
+from pipeline.version_chain import is_chained
 from storage.checkpoints import KIND as CHECKPOINT_KIND, VERSION as CHECKPOINT_VERSION, list_checkpoints
 from storage.layout import checkpoint_key, commit_key
 from storage.log import CommitLog
@@ -37,7 +38,8 @@ from workers.bus.keys import SYNCER
 from workers.common.refold import rebuild
 from workers.tools.replay_verify import replay_run
 from workers.common.runs import open_run
-from workers.common.versions import VERSION_KIND, encode_version, max_fragment_bytes
+from workers.common.versions import (VERSION_DELTA_KIND, VERSION_KIND, delta_codec, encode_version,
+                                     max_fragment_bytes)
 
 from conftest import use_s3_env
 from runhelpers import TinyRun
@@ -236,12 +238,18 @@ def _flip(path: Path) -> None:
 def _alter_version(store_dir: Path, rec: CommitRecord) -> str:
     """Re-encode a stored version, validly, with one tensor nudged; returns that tensor's name."""
     s, d = open_run(str(store_dir))
-    dec = decode((store_dir / rec.output_key).read_bytes(), VERSION_KIND, max_bytes=max_fragment_bytes(d))
+    chained = is_chained(d.versions.dtype)      # an int4 run stores the version as a delta: alter that
+    kind = VERSION_DELTA_KIND if chained else VERSION_KIND
+    dec = decode((store_dir / rec.output_key).read_bytes(), kind, max_bytes=max_fragment_bytes(d))
     values = {n: np.asarray(a, dtype=np.float32).copy() for n, a in dec.tensors.items()}
     name = sorted(values)[0]
     values[name].flat[0] += np.float32(0.25)
     m = dec.meta
-    (store_dir / rec.output_key).write_bytes(encode_version(d, m["fragment"], m["version"], m["seq"], m["epoch"], values))
+    if chained:
+        blob = encode(VERSION_DELTA_KIND, {k: v for k, v in m.items() if k != "sig"}, values, delta_codec(d))
+    else:
+        blob = encode_version(d, m["fragment"], m["version"], m["seq"], m["epoch"], values)
+    (store_dir / rec.output_key).write_bytes(blob)
     return name
 
 
@@ -288,7 +296,7 @@ def test_each_kind_of_damage_is_detected_and_named(kind, damaged, s3run, capsys)
     elif kind == "altered-version":
         tensor = _alter_version(damaged, rec)
         expect_rc, expect = 1, [f"DIVERGED at commit {rec.seq}", f"tensor:        {tensor}",
-                                # +0.25, as the (bf16) version blob can hold it: 0.25 or just below
+                                # +0.25, as the (int4 delta) version blob can hold it: about 0.25
                                 "max abs diff:  0.2", rec.output_key, "altered or replaced"]
     elif kind == "flipped-commit":
         _flip(damaged / commit_key(rec.seq))

@@ -21,12 +21,13 @@ import torch
 import zmq
 import zmq.auth
 
-from pipeline.codec import CodecConfig, encode
+from pipeline.codec import CodecConfig, decode, encode
 from pipeline.checksum import tensor_digest
 from pipeline.envelope import digest, pack_record, seal, unpack_record, unseal
 from pipeline.errors import FormatError
 from pipeline.guard import NormGuardConfig, verdict
 from pipeline.types import CommitRecord, DeltaHeader
+from pipeline.version_chain import apply_delta
 from storage.checkpoints import write_checkpoint
 from storage.layout import spill_key
 from storage.log import CommitLog
@@ -41,7 +42,8 @@ from workers.learner.receiver import Receiver
 from workers.common.refold import rebuild
 from workers.bus.signing import seal_delta
 from workers.syncer.syncer import Syncer
-from workers.common.versions import VersionTracker, decode_version, version_codec
+from workers.common.versions import (VERSION_DELTA_KIND, VersionTracker, decode_version, decode_version_delta,
+                                     delta_codec, version_codec)
 
 from runhelpers import free_port, syncer_thread
 
@@ -223,13 +225,18 @@ def test_tampered_version_is_refused_by_learners_and_flagged_by_replay(signed):
     syncer, t = _syncer(store, ids, until=lambda s: s.stats.merged >= 1, checkpoint_every=1)
     t.join()
     rec = [r for r in _commits(store) if r.kind == "merge"][-1]
+    base = VersionTracker(store, desc).load(max((r for r in _commits(store) if r.seq < rec.seq and r.fragment == 0
+                                                 and r.kind in ("init", "merge")), key=lambda r: r.seq))
     tracker = VersionTracker(store, desc)
     good = tracker.load(rec)
-    # The bucket's writer replaces the version, and the commit's checksum to match: the syncer's
-    # signatures no longer verify.
-    evil = {n: a + 1.0 for n, a in good.items()}
-    store.put(rec.output_key, encode("version", {"fragment": 0, "version": rec.version, "seq": rec.seq,
-                                                 "epoch": rec.epoch}, evil, version_codec(desc)))
+    genuine = decode(store.get(rec.output_key), VERSION_DELTA_KIND).tensors     # the syncer's delta, decoded
+    # The bucket's writer replaces the version (an int4 run's: the delta against the version before),
+    # and the commit's checksum to match: the syncer's signatures no longer verify.
+    meta = {"fragment": 0, "version": rec.version, "seq": rec.seq, "epoch": rec.epoch,
+            "base_version": rec.version - 1}
+    nudge = {n: np.full(a.shape, 0.5, np.float32) for n, a in good.items()}
+    store.put(rec.output_key, encode(VERSION_DELTA_KIND, meta, nudge, delta_codec(desc)))
+    evil = apply_delta(base, decode(store.get(rec.output_key), VERSION_DELTA_KIND).tensors)
     forged = dataclasses.replace(rec, output_checksum=tensor_digest(evil))
     store.put(f"log/{rec.seq:020d}", forged.to_bytes())
     with pytest.raises(FormatError, match="signature"):
@@ -242,10 +249,10 @@ def test_tampered_version_is_refused_by_learners_and_flagged_by_replay(signed):
         rebuild(store, desc, rec.seq, use_checkpoint=False, verify_outputs=True)
     # A version blob whose own signature is forged is refused even under its genuine commit.
     store.put(f"log/{rec.seq:020d}", rec.to_bytes())
-    store.put(rec.output_key, encode("version", {"fragment": 0, "version": rec.version, "seq": rec.seq,
-                                                 "epoch": rec.epoch, "sig": "00" * 64}, good, version_codec(desc)))
-    with pytest.raises(FormatError, match="signature"):
-        decode_version(store.get(rec.output_key), desc, rec)
+    store.put(rec.output_key, encode(VERSION_DELTA_KIND, {**meta, "sig": "00" * 64}, genuine, delta_codec(desc)))
+    assert tensor_digest(apply_delta(base, genuine)) == rec.output_checksum   # the genuine values ...
+    with pytest.raises(FormatError, match="signature"):                       # ... under a forged signature
+        decode_version_delta(store.get(rec.output_key), desc, rec, base)
 
 
 def test_forged_checkpoint_is_ignored(signed):

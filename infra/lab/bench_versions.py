@@ -78,13 +78,16 @@ def _fast(tracker: VersionTracker, pool: ThreadPoolExecutor) -> int:
 def bench_versions(directory: str, rtt_ms: float = 20.0, commits: tuple[int, ...] = (0, 1, 4, 8),
                    repeat: int = 5, values_per_fragment: int = 250_000, threads: int = 8) -> dict:
     """Median seconds and requests per poll, each way, for each number of new commits."""
+    from pipeline.descriptor import VersionsConfig
     from workers.launch import RunSettings, create_run
 
     fragments = max(max(commits), 1)
     rng = np.random.default_rng(0)
     base = open_store(directory)
     init = {f"t{p}": rng.standard_normal(values_per_fragment).astype(np.float32) for p in range(fragments)}
-    desc = create_run(base, init, RunSettings(schedule=Schedule(fragments=fragments, sync_every=fragments)))
+    # full (bf16) versions: the figures are the requests a poll costs, each version one object
+    desc = create_run(base, init, RunSettings(schedule=Schedule(fragments=fragments, sync_every=fragments),
+                                              versions=VersionsConfig("bf16")))
     slow = SlowStore(base, rtt_ms / 1000)
     rows = []
     with ThreadPoolExecutor(threads, thread_name_prefix="bench-fetch") as pool:
