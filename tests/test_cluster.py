@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from storage.layout import commit_key
 from storage.log import CommitLog
 from storage.store import open_store
 from workers.cluster import ClusterConfig, DrainStatus, Life, LocalCluster, RoleExited, create_job_run, global_eval_loss
@@ -142,3 +143,16 @@ def cluster_log_every() -> int:
     """Steps between two ``step`` events (LearnerConfig.log_every): a pause may land mid-window."""
     from workers.learner.learner import LearnerConfig
     return LearnerConfig().log_every
+
+
+def test_the_drain_check_reads_past_a_commit_a_killed_syncer_left_empty(tmp_path):
+    """A SIGKILLed syncer's half-made commit (SeaweedFS once kept an empty object at its key, in a
+    clean-clone run) is lost to recovery, which goes on past it; the drain check must too."""
+    uri, desc = _tiny_run(tmp_path)
+    store = open_store(uri)
+    log = CommitLog(store)
+    damaged = log.tail() + 1
+    store.put(commit_key(damaged), b"")
+    with LocalCluster(ClusterConfig(uri, tmp_path, keydir=tmp_path / "keys")) as cluster:
+        assert cluster._uncommitted(["l0", "l1"]) == {}          # before the fix: FormatError
+        assert cluster._log_next[0] == damaged + 1
