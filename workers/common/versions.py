@@ -111,29 +111,43 @@ def max_version_bytes(descriptor: RunDescriptor) -> int:
     return m + m // 128 + (64 << 10)
 
 
-def decode_version(blob: bytes, descriptor: RunDescriptor, record: CommitRecord,
-                   map_fn: MapFn | None = None) -> dict[str, np.ndarray]:
-    """Decode and check a committed version against its commit record (FormatError if anything differs).
-    ``map_fn``: runs the codec's decoding jobs (a caller's thread pool; the same values)."""
-    what = record.output_key
+def _open_version(blob: bytes, kind: str, descriptor: RunDescriptor, record: CommitRecord,
+                  map_fn: MapFn | None):
+    """The decoded blob of ``record``'s version (its commit's signature checked first, in a signed run)."""
     sec = descriptor.security
     if sec is not None:
         check_commit_signature(record, sec.syncer.sign, descriptor.run_id, f"commit {record.seq}")
-    dec = decode(blob, VERSION_KIND, max_bytes=max_fragment_bytes(descriptor),
-                 expect=descriptor.fragment_specs(record.fragment), what=what, map_fn=map_fn)
-    meta = dec.meta
-    if meta.get("fragment") != record.fragment or meta.get("version") != record.version:
-        raise FormatError(f"{what}: holds fragment {meta.get('fragment')} version {meta.get('version')}, "
-                          f"but commit {record.seq} names fragment {record.fragment} version {record.version}")
-    tensors = {n: np.asarray(a, dtype=np.float32) for n, a in dec.tensors.items()}
-    got = tensor_digest(tensors)
+    return decode(blob, kind, max_bytes=max_fragment_bytes(descriptor),
+                  expect=descriptor.fragment_specs(record.fragment), what=record.output_key, map_fn=map_fn)
+
+
+def _accepted(values: dict[str, np.ndarray], meta: dict, descriptor: RunDescriptor, record: CommitRecord,
+              mismatch: str) -> dict[str, np.ndarray]:
+    """``values`` if their digest is the commit's and, in a signed run, the blob's signature signs
+    them (FormatError otherwise; ``mismatch`` says what the digest was of)."""
+    what, sec = record.output_key, descriptor.security
+    got = tensor_digest(values)
     if got != record.output_checksum:
-        raise FormatError(f"{what}: value digest {got[:16]}… does not match commit {record.seq}'s "
+        raise FormatError(f"{what}: {mismatch} {got[:16]}… does not match commit {record.seq}'s "
                           f"output_checksum {record.output_checksum[:16]}…")
     if sec is not None and (meta.get("seq") != record.seq or meta.get("epoch") != record.epoch
                             or not version_signature_ok(meta, got, sec.syncer.sign, descriptor.run_id)):
         raise FormatError(f"{what}: missing or bad syncer signature on the version (forged or altered; refused)")
-    return tensors
+    return values
+
+
+def decode_version(blob: bytes, descriptor: RunDescriptor, record: CommitRecord,
+                   map_fn: MapFn | None = None) -> dict[str, np.ndarray]:
+    """Decode and check a committed version against its commit record (FormatError if anything differs).
+    ``map_fn``: runs the codec's decoding jobs (a caller's thread pool; the same values)."""
+    dec = _open_version(blob, VERSION_KIND, descriptor, record, map_fn)
+    meta = dec.meta
+    if meta.get("fragment") != record.fragment or meta.get("version") != record.version:
+        raise FormatError(f"{record.output_key}: holds fragment {meta.get('fragment')} version "
+                          f"{meta.get('version')}, but commit {record.seq} names fragment {record.fragment} "
+                          f"version {record.version}")
+    tensors = {n: np.asarray(a, dtype=np.float32) for n, a in dec.tensors.items()}
+    return _accepted(tensors, meta, descriptor, record, "value digest")
 
 
 def decode_version_delta(blob: bytes, descriptor: RunDescriptor, record: CommitRecord,
@@ -142,11 +156,7 @@ def decode_version_delta(blob: bytes, descriptor: RunDescriptor, record: CommitR
     version before it (FormatError if anything differs, the published digest included: a base that
     is not the one the syncer used fails here)."""
     what = record.output_key
-    sec = descriptor.security
-    if sec is not None:
-        check_commit_signature(record, sec.syncer.sign, descriptor.run_id, f"commit {record.seq}")
-    dec = decode(blob, VERSION_DELTA_KIND, max_bytes=max_fragment_bytes(descriptor),
-                 expect=descriptor.fragment_specs(record.fragment), what=what, map_fn=map_fn)
+    dec = _open_version(blob, VERSION_DELTA_KIND, descriptor, record, map_fn)
     meta = dec.meta
     if (meta.get("fragment"), meta.get("version"), meta.get("base_version")) != \
             (record.fragment, record.version, record.version - 1):
@@ -157,14 +167,7 @@ def decode_version_delta(blob: bytes, descriptor: RunDescriptor, record: CommitR
         values = apply_delta(base, dec.tensors)
     except ValueError as exc:
         raise FormatError(f"{what}: {exc}") from None
-    got = tensor_digest(values)
-    if got != record.output_checksum:
-        raise FormatError(f"{what}: the base plus this delta has digest {got[:16]}…, not commit {record.seq}'s "
-                          f"output_checksum {record.output_checksum[:16]}… (a different base, or damage)")
-    if sec is not None and (meta.get("seq") != record.seq or meta.get("epoch") != record.epoch
-                            or not version_signature_ok(meta, got, sec.syncer.sign, descriptor.run_id)):
-        raise FormatError(f"{what}: missing or bad syncer signature on the version (forged or altered; refused)")
-    return values
+    return _accepted(values, meta, descriptor, record, "the base plus this delta has digest")
 
 
 class VersionTracker:
@@ -303,8 +306,8 @@ class VersionTracker:
         if self.chained:
             with self._count_lock:
                 self._records[seq] = rec
-                while len(self._records) > RECORD_CACHE:
-                    del self._records[min(self._records)]
+                while len(self._records) > RECORD_CACHE:     # the first read goes first (dicts keep order)
+                    del self._records[next(iter(self._records))]
         return rec
 
     def _try_read(self, seq: int) -> CommitRecord | Exception:
