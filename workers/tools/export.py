@@ -91,9 +91,9 @@ def model_at(store: ObjectStore, descriptor: RunDescriptor, seq: int | Sequence[
         else:
             try:
                 values = trackers[p % len(stores)].load(rec)
-            except NotFound:
+            except NotFound as e:   # e.key: the object missing (the version, a link or snapshot of its chain)
                 raise NotFound(f"missing: version {rec.version} of fragment {p}, named by commit {rec.seq}",
-                               uri=store.uri, key=rec.output_key) from None
+                               uri=store.uri, key=e.key or rec.output_key) from None
             if cache is not None:
                 cache[rec.output_key] = values
         parts.update(values)
