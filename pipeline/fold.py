@@ -361,8 +361,8 @@ def fold(state: SyncerState, descriptor: RunDescriptor, fragment: int, inputs: S
     else:                                       # bf16: their rounded values
         pub = published(params, descriptor.versions.dtype)
     keep = range(version - descriptor.versions.retain + 1, version)
-    history = {v: fs.history[v] for v in sorted(fs.history) if v in keep}
-    history[version] = pub
+    history = fs.history.advanced(version, pub, keep, link.raw if link is not None else None,
+                                  descriptor.codec.block_size)
 
     new_hw = dict(hw)
     for inp in survivors:

@@ -19,6 +19,7 @@ from .descriptor import RunDescriptor
 from .envelope import DEFAULT_MAX_BYTES, seal, unseal
 from .errors import FormatError
 from .marks import MARKS_LINEAGE, MergedMarks, marks_from_body
+from .version_history import VersionHistory
 
 __all__ = ["FragmentState", "SyncerState", "CHECKPOINT_KIND", "CHECKPOINT_VERSION", "CHECKPOINT_READS"]
 
@@ -35,7 +36,10 @@ class FragmentState:
     version: int
     params: dict[str, np.ndarray]
     momentum: dict[str, np.ndarray]
-    history: dict[int, dict[str, np.ndarray]]
+    history: VersionHistory     # a dict given here is taken as full entries (pipeline/version_history.py)
+
+    def __post_init__(self) -> None:
+        self.history = VersionHistory.of(self.history)
 
 
 @dataclass
@@ -58,7 +62,7 @@ class SyncerState:
             "run_id": self.run_id,
             "last_seq": self.last_seq,
             "fragments": [{"version": f.version, "params": arrays(f.params), "momentum": arrays(f.momentum),
-                           "history": [[v, arrays(f.history[v])] for v in sorted(f.history)]}
+                           "history": [[v, arrays(values)] for v, values in f.history.items()]}
                           for f in self.fragments],
             "high_water": [{m: list(o) for m, o in sorted(hw.items())} for hw in self.high_water],
         }

@@ -116,6 +116,12 @@ def test_an_int4_run_stores_deltas_and_snapshots_that_every_reader_follows_bit_f
         master = max(float(np.abs(f.params[n] - values[n]).max()) for n in f.params)
         assert 0 < master < 1e-2                # int4 of a small difference: close, and not the master itself
 
+    # pipeline/version_history.py: a state folded from the start holds only the oldest and newest
+    # retained versions full (a checkpoint's history is full until its versions leave the window)
+    for f in rebuild(store, desc, tail, use_checkpoint=False)[0].fragments:
+        assert len(f.history) == min(f.version + 1, INT4.retain)
+        assert f.history.full_versions() == sorted({min(f.history), f.version}), f.history
+
     # a reader that follows every commit from version 0 adds one delta at a time (no snapshot read)
     follower = VersionTracker(store, desc)
     first = {r.fragment: r for r in log.read_range(0, desc.num_fragments)}

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import numpy as np
 
@@ -190,8 +191,7 @@ class _Salvage:
             self.note(f"fragment {p}: commit {rec.seq}'s version {rec.version} is lost too ({exc}); it keeps "
                       f"version {fs.version}'s values under number {rec.version}")
         keep = range(rec.version - self.descriptor.versions.retain + 1, rec.version)
-        history = {v: fs.history[v] for v in sorted(fs.history) if v in keep}
-        history[rec.version] = pub
+        history = fs.history.advanced(rec.version, pub, keep)
         fragments = list(state.fragments)
         fragments[p] = FragmentState(rec.version, _frozen(params), _frozen(momentum), history)
         high_water = list(state.high_water)
@@ -200,7 +200,7 @@ class _Salvage:
         return SyncerState(fragments, high_water, rec.seq, state.run_id, _adopted_marks(state, rec, history))
 
 
-def _adopted_marks(state: SyncerState, rec: CommitRecord, history: dict) -> list | None:
+def _adopted_marks(state: SyncerState, rec: CommitRecord, history: Mapping) -> list | None:
     """The merged marks after adopting ``rec`` (None in rule-1 runs): its inputs marked,
     bases outside ``history`` pruned, and the floor raised to the record's high-water marks,
     because the commits before it may have merged what the marks do not show."""
@@ -231,8 +231,7 @@ def _bump(state: SyncerState, p: int, descriptor: RunDescriptor) -> SyncerState:
     fs = state.fragments[p]
     version = fs.version + 1
     keep = range(version - descriptor.versions.retain + 1, version)
-    history = {v: fs.history[v] for v in sorted(fs.history) if v in keep}
-    history[version] = fs.history[fs.version]
+    history = fs.history.advanced(version, fs.history[fs.version], keep)
     fragments = list(state.fragments)
     fragments[p] = FragmentState(version, fs.params, fs.momentum, history)
     marks = None if state.marks is None else list(state.marks)
