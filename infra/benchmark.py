@@ -39,7 +39,7 @@ from workers.common.events import read_events
 from workers.tools.bench import add_arguments as add_bench_arguments, run_bench
 
 
-KINDS = ("run", "codec", "merge", "throughput", "regions", "quality")
+KINDS = ("run", "codec", "merge", "throughput", "regions", "quality", "scale")
 
 
 def configure(parser: argparse.ArgumentParser):
@@ -49,10 +49,17 @@ def configure(parser: argparse.ArgumentParser):
                              "loss vs DP / DiLoCo / one learner over --seeds; codec, merge, throughput (both): "
                              "throughput beside memcpy (workers/tools/bench.py); regions: 2 regions over the "
                              "emulated WAN vs none, bus and bucket-only (infra/wan_benchmark.py); quality: "
-                             "decoupled vs lock-step DiLoCo vs DP per M at equal tokens (infra/quality_benchmark.py)")
+                             "decoupled vs lock-step DiLoCo vs DP per M at equal tokens (infra/quality_benchmark.py); "
+                             "scale: memory, CPU, bytes and latency per parameter at several model sizes "
+                             "(infra/scale_benchmark.py)")
     parser.add_argument("--quality", action="store_true", help="the same as `ddiloco benchmark quality`")
+    parser.add_argument("--scale", action="store_true", help="the same as `ddiloco benchmark scale`")
+    parser.add_argument("--sizes", default=None, metavar="LxW,...",
+                        help="scale: model sizes as layers x width (default 2x128,6x256,8x576,12x832: "
+                             "0.47M, 4.9M, 32M, 100M parameters)")
     parser.add_argument("--learners", default=None,
-                        help="learners (default 4); quality: the counts M to compare, comma-separated (default 2,4,8)")
+                        help="learners (default 4; scale: 2); quality: the counts M to compare, comma-separated "
+                             "(default 2,4,8)")
     parser.add_argument("--dp-lrs", default=None, metavar="LR,LR,...",
                         help="quality: DP's inner lr, the best of these by mean over the seeds (default: the job's)")
     parser.add_argument("--steps", type=int, default=300)
@@ -74,7 +81,7 @@ def configure(parser: argparse.ArgumentParser):
                              "'none': no proxies)")
     parser.add_argument("--paths", default="bus,bucket-only", help="regions: which paths to measure")
     parser.add_argument("--run-args", default=None, metavar="FLAGS",
-                        help="regions, quality: more ddiloco run flags for every run, e.g. '--poll 0.2' or "
+                        help="regions, quality, scale: more ddiloco run flags for every run, e.g. '--poll 0.2' or "
                              "'--layers 2 --width 128'")
     add_bench_arguments(parser)
     return lambda args: _handle(parser, args)
@@ -152,30 +159,36 @@ def _control(out: Path, run_dir: Path, steps: int) -> subprocess.Popen:
                             env=dict(os.environ, OMP_NUM_THREADS="1"), preexec_fn=lambda: os.nice(LEARNER_NICE))
 
 
-def control_main(out: str, run_dir: str, steps: int) -> None:
-    """The sync-off control: the default job's model, data and optimizer, no Learner at all, trained
-    while the run in ``run_dir`` trains (same machine load); step times written to ``out``."""
+def control_main(out: str, run_dir: str, steps: int, model_from: str | None = None) -> None:
+    """The sync-off control: the default job's model, data and optimizer (``model_from``: those of
+    the run created in that store), no Learner at all, trained while the run in ``run_dir`` trains
+    (same machine load); step times and its parameter count written to ``out``."""
     import torch
     from workers.job.data import Corpus
     from workers.job.job import JobSettings, make_optimizer
     from workers.job.model import build_model
     from workers.run_config import RunConfig
     torch.set_num_threads(1)
-    demo = RunConfig()                                   # what `ddiloco run` trains
-    gcfg, job = demo.model, JobSettings(steps=steps, batch_size=demo.job.batch_size)
-    corpus = Corpus(job.data_config(gcfg.block_size))
-    model = build_model(gcfg, 0)
-    opt = make_optimizer(model, job)
-    batches = corpus.batches(0, job.shards, 0)
     # Train while the run's learners train (they take seconds to start): wait for their first step.
     # (It once derived the run's directory from ``out`` wrongly, waited out its deadline and trained
     # alone after the run: the "sync on/off" ratio of ~2.5-3 compared a loaded learner to an idle core.)
     first = Path(run_dir) / "logs" / "l0.jsonl"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 600
     while not (first.exists() and '"event":"step"' in first.read_text()):
         if time.monotonic() > deadline:
-            raise SystemExit(f"control: no step of {first} within 120 s; the run did not start")
+            raise SystemExit(f"control: no step of {first} within 600 s; the run did not start")
         time.sleep(0.2)
+    if model_from is None:
+        demo = RunConfig()                                   # what `ddiloco run` trains
+        gcfg, job = demo.model, JobSettings(steps=steps, batch_size=demo.job.batch_size)
+    else:
+        from storage.layout import read_descriptor
+        from workers.job.job import job_from
+        gcfg, job = job_from(read_descriptor(open_store(model_from, create=False)))
+    corpus = Corpus(job.data_config(gcfg.block_size))
+    model = build_model(gcfg, 0)
+    opt = make_optimizer(model, job)
+    batches = corpus.batches(0, job.shards, 0)
     times = []
     for _ in range(steps):
         x, y = next(batches)
@@ -184,7 +197,7 @@ def control_main(out: str, run_dir: str, steps: int) -> None:
         model(x, y)[1].backward()
         opt.step()
         times.append(time.monotonic() - t0)
-    Path(out).write_text(json.dumps({"step_times": times}))
+    Path(out).write_text(json.dumps({"step_times": times, "params": sum(p.numel() for p in model.parameters())}))
 
 
 def _run(out: Path, learners: int, steps: int, extra: list[str], env=None, control: bool = False) -> dict:
@@ -256,6 +269,8 @@ def step_tails(out: Path, control_times: list[float]) -> dict:
 def _handle(parser: argparse.ArgumentParser, args) -> int:
     if args.quality or args.what == "quality":
         return _quality(args)
+    if args.scale or args.what == "scale":
+        return _scale(args)
     try:
         args.learners = 4 if args.learners is None else int(args.learners)
     except ValueError:
@@ -350,8 +365,32 @@ def _quality(args) -> int:
     return 0
 
 
+def _scale(args) -> int:
+    import shlex
+    from .scale_benchmark import DEFAULT_SIZES, ScalePlan, format_table, parse_sizes, run_scale
+    try:
+        plan = ScalePlan(sizes=parse_sizes(args.sizes) if args.sizes else DEFAULT_SIZES, steps=args.steps,
+                         learners=2 if args.learners is None else _one_count(args.learners),
+                         run_args=tuple(shlex.split(args.run_args or "")))
+    except ValueError as exc:
+        raise SystemExit(f"benchmark scale: {exc}") from None
+    rows = run_scale(plan, Path(args.out) / "scale", progress=lambda line: print(line, flush=True))
+    print(format_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"learners": plan.learners, "steps": plan.steps, "sizes": rows},
+                                              indent=2))
+    return 0
+
+
+def _one_count(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--learners must be one count here, got {text!r}") from None
+
+
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "control":
-        control_main(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    if len(sys.argv) in (5, 6) and sys.argv[1] == "control":
+        control_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), *sys.argv[5:])
     else:
-        raise SystemExit("usage: python -m infra.benchmark control OUT RUN_DIR STEPS (internal)")
+        raise SystemExit("usage: python -m infra.benchmark control OUT RUN_DIR STEPS [MODEL_STORE] (internal)")

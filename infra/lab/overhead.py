@@ -139,7 +139,7 @@ def _create(out: Path, steps: int, seed: int, run_args: list[str]) -> None:
 def _sync_on(out: Path, steps: int, seed: int, cpus_learner: str | None, cpus_syncer: str | None,
              sync_process: bool, interleave: bool = False, run_args: list[str] = ()) -> dict:
     """One learner and one syncer on a fresh signed run; the learner's step-trace and thread-cpu."""
-    from infra.lab.overhead_roles import process_cpu
+    from workers.common.cpus import process_cpu
     from workers.common.cpus import parse_cpus, pin
     from workers.cluster import ClusterConfig, LocalCluster
     _create(out, steps, seed, list(run_args))     # a fresh run every repeat

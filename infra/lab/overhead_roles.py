@@ -26,16 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from workers.common.cpus import parse_cpus, pin
-
-
-def process_cpu(pid: int) -> float:
-    """CPU seconds (user + system) of process ``pid`` so far (Linux /proc), 0.0 if it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+from workers.common.cpus import parse_cpus, pin, process_cpu
 
 
 def thread_cpu() -> dict[str, float]:

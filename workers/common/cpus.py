@@ -1,7 +1,7 @@
 """CPU sets as users write them (``0``, ``0,2``, ``1-3``), and pinning a process's threads to one.
 
 Used by ``ddiloco learner --agent-cpus`` (the sync agent's cores, workers/learner/agent_main.py)
-and by the overhead benchmark (infra/lab/overhead_roles.py). Linux only where it pins
+and by the overhead benchmark (infra/lab/overhead_roles.py); ``process_cpu`` by the benchmarks. Linux only where it pins
 (``os.sched_setaffinity``); parsing works everywhere.
 """
 from __future__ import annotations
@@ -41,3 +41,12 @@ def pin(cpus, pid: int = 0) -> None:
             os.sched_setaffinity(tid, cpus)
         except ProcessLookupError:
             pass   # a thread that just ended
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` so far (Linux /proc), 0.0 if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
