@@ -220,6 +220,8 @@ def measure(plan: ScalePlan, layers: int, width: int, out: Path) -> dict:
     with Sampler(str(run)) as sampler:
         sampler.add(ctl.pid, "control")
         done = subprocess.run([sys.executable, "-m", "workers.cli", *args], capture_output=True, text=True)
+        if done.returncode != 0:
+            ctl.kill()               # it would wait out its deadline for a first step that never comes
         ctl_rc = ctl.wait()
     if done.returncode != 0:
         raise SystemExit(f"benchmark scale: the run in {run} failed ({done.returncode}):\n{done.stderr[-3000:]}")

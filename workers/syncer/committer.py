@@ -35,6 +35,7 @@ from storage.store import ObjectStore
 from workers.bus.bus import Message
 from workers.bus.signing import seal_checkpoint, sign_commit
 from workers.common.aggregate import RunningMean
+from workers.common.heap import HeapTrimmer, trim_heap
 from workers.common.versions import version_blobs
 
 
@@ -93,6 +94,9 @@ class Committer:
         self._ckpt_lock = threading.Lock()      # guards the two below (``checkpoint_soon``)
         self._ckpt_next: SyncerState | None = None   # the state waiting to be checkpointed
         self._ckpt_busy = False                 # a checkpoint write is queued or running on ``io``
+        # A fold's transients back to the OS after each commit (workers/common/heap.py), on real
+        # time: a simulated clock would trim at every simulated second.
+        self.trim_heap = HeapTrimmer(1.0)
 
     def begin(self, epoch: int, log: CommitLog, state: SyncerState, window: NormWindow | None) -> None:
         """Take over the run at ``epoch`` (claimed with ``log``) from the recovered state and window."""
@@ -189,6 +193,7 @@ class Committer:
             self.noted(rec.seq, self.epoch, {commit_key(rec.seq): rec.to_bytes(),
                                              **self._written})
             self._written = {}
+        self.trim_heap()
 
     # -- checkpoints and fencing -------------------------------------------------------------------
     def checkpoint_due(self, seq: int) -> bool:
@@ -220,6 +225,7 @@ class Committer:
                     if state is None:
                         return
                 self._write_checkpoint(state)
+                trim_heap()          # a checkpoint's serialised copies: the largest transient there is
         finally:
             with self._ckpt_lock:
                 self._ckpt_busy = False

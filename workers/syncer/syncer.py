@@ -58,7 +58,6 @@ from workers.bus.signing import sign_commit
 from workers.common.aggregate import RunningMean
 from workers.common.deltas import Opened, max_delta_bytes, round_input
 from workers.common.events import EventLog
-from workers.common.heap import HeapTrimmer
 from workers.syncer.committer import Committer, CommitterConfig, KeyConflict
 from workers.syncer.gc import RetentionConfig, SizeNoting, SyncerRetention
 from workers.syncer.home import start_home
@@ -166,9 +165,6 @@ class Syncer:
             HEAD_MAX_BYTES, min(bus.max_message_bytes, max_delta_bytes(self.descriptor))))
         self.bus: SyncerBus | None = None
         self.sync_time = Ewma(0.2)
-        # Freed fold and checkpoint transients back to the OS (workers/common/heap.py), on real
-        # time: a simulated ``clock`` would trim at every simulated second.
-        self.trim_heap = HeapTrimmer(1.0)
         self._next_spill = self._next_beat = 0.0       # the loop's due times (``turn``)
         self._next_fence_check: float | None = None
         self._short: tuple[float, int | None] | None = None   # K above every learner heard: since, warned at
@@ -584,7 +580,6 @@ class Syncer:
                          tokens=sum(i.c_tokens for i in rec.inputs), sync_s=round(self.clock() - t0, 4))
         if self.committer.checkpoint_due(rec.seq):
             self.committer.checkpoint_soon()
-        self.trim_heap()
 
     def summary(self) -> dict:
         s = self.stats
