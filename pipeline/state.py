@@ -19,13 +19,15 @@ from .descriptor import RunDescriptor
 from .envelope import DEFAULT_MAX_BYTES, seal, unseal
 from .errors import FormatError
 from .marks import MARKS_LINEAGE, MergedMarks, marks_from_body
+from .codec import quantized_len
+from .version_chain import CHAIN_SCHEME, is_chained
 from .version_history import VersionHistory
 
 __all__ = ["FragmentState", "SyncerState", "CHECKPOINT_KIND", "CHECKPOINT_VERSION", "CHECKPOINT_READS"]
 
 CHECKPOINT_KIND = "syncer-checkpoint"
-CHECKPOINT_VERSION = 2      # v2: + merged marks; states without marks still write v1
-CHECKPOINT_READS = (1, 2)
+CHECKPOINT_VERSION = 3      # v3: history as held (links); v2: + merged marks; v1: neither
+CHECKPOINT_READS = (1, 2, 3)
 
 
 @dataclass
@@ -53,23 +55,38 @@ class SyncerState:
     marks: list[MergedMarks] | None = None          # per fragment; None: rule 1 runs
 
     def to_bytes(self) -> bytes:
-        """The checkpoint blob: envelope kind ``syncer-checkpoint`` v2 with merged marks, v1 (the
-        very bytes written before issue 25) without (docs/algorithm.md)."""
+        """The checkpoint blob (docs/algorithm.md "Syncer checkpoint format"): envelope kind
+        ``syncer-checkpoint`` v3 when a history holds int4 links (each retained version as it is
+        held: 24 B per parameter at retain 16 instead of 72), else v2 with merged marks and v1
+        (the very bytes written before issue 25) without."""
+        compact = any(f.history.held(v)[1] is not None for f in self.fragments for v in f.history)
+
         def arrays(d: Mapping[str, np.ndarray]) -> dict[str, Any]:
-            return {n: {"shape": list(a.shape), "data": np.ascontiguousarray(a, dtype="<f4").tobytes()}
-                    for n, a in sorted(d.items())}
+            # a view of each array, not a copy: msgpack packs any buffer as bin (issue 31: the
+            # checkpoint is the syncer's largest transient)
+            return {n: {"shape": list(a.shape), "data": _le_bytes(a)} for n, a in sorted(d.items())}
+
+        def history(h: VersionHistory) -> list:
+            if not compact:
+                return [[v, arrays(values)] for v, values in h.items()]
+            out = []
+            for v in h:
+                values, link = h.held(v)
+                out.append([v, None if values is None else arrays(values),
+                            None if link is None else {n: link[n] for n in sorted(link)}])
+            return out
         body = {
             "run_id": self.run_id,
             "last_seq": self.last_seq,
             "fragments": [{"version": f.version, "params": arrays(f.params), "momentum": arrays(f.momentum),
-                           "history": [[v, arrays(values)] for v, values in f.history.items()]}
+                           "history": history(f.history)}
                           for f in self.fragments],
             "high_water": [{m: list(o) for m, o in sorted(hw.items())} for hw in self.high_water],
         }
-        if self.marks is None:
-            return seal(CHECKPOINT_KIND, 1, msgpack.packb(body, use_bin_type=True))
-        body["marks"] = [m.to_body() for m in self.marks]
-        return seal(CHECKPOINT_KIND, CHECKPOINT_VERSION, msgpack.packb(body, use_bin_type=True))
+        if self.marks is not None:
+            body["marks"] = [m.to_body() for m in self.marks]
+        version = 3 if compact else 1 if self.marks is None else 2
+        return seal(CHECKPOINT_KIND, version, msgpack.packb(body, use_bin_type=True))
 
     def with_seq(self, seq: int) -> "SyncerState":
         """The same state after commit ``seq`` that changed nothing else (a fence, a drop)."""
@@ -81,7 +98,7 @@ class SyncerState:
         name = what or CHECKPOINT_KIND
         version, raw = unseal(blob, CHECKPOINT_KIND, CHECKPOINT_READS, max_bytes=DEFAULT_MAX_BYTES, what=name)
         rule = descriptor.versions.marks
-        if (version == 2) != (rule == MARKS_LINEAGE):
+        if version < 3 and (version == 2) != (rule == MARKS_LINEAGE):
             # A v1 state lacks the marks rule 2 needs (it would merge a merged delta again); a v2
             # one in a rule-1 run would not replay with the rule the run was written with.
             raise FormatError(f"{name}: a version {version} checkpoint, but the run's descriptor has versions.marks "
@@ -90,10 +107,18 @@ class SyncerState:
             body = msgpack.unpackb(raw, raw=False, strict_map_key=False, max_bin_len=DEFAULT_MAX_BYTES)
         except Exception as exc:
             raise FormatError(f"{name}: body does not decode ({exc.__class__.__name__})") from None
-        state = _state_from_body(body, descriptor, name)
-        if version == 2:
+        if version == 3 and isinstance(body, dict) and ("marks" in body) != (rule == MARKS_LINEAGE):
+            raise FormatError(f"{name}: a version 3 checkpoint {'with' if 'marks' in body else 'without'} merged "
+                              f"marks, but the run's descriptor has versions.marks {rule}")
+        state = _state_from_body(body, descriptor, name, compact=version == 3)
+        if version == 2 or (version == 3 and rule == MARKS_LINEAGE):
             state.marks = marks_from_body(body.get("marks"), [set(f.history) for f in state.fragments], name)
         return state
+
+
+def _le_bytes(a: np.ndarray) -> memoryview:
+    """The float32 little-endian C-order bytes of ``a``, as a view where ``a`` already is that."""
+    return memoryview(np.ascontiguousarray(a, dtype="<f4").reshape(-1).view(np.uint8))
 
 
 def _need(d: Any, key: str, typ: type | tuple, where: str) -> Any:
@@ -124,7 +149,7 @@ def _arrays_from(d: Any, specs: Mapping[str, tuple[int, ...]], where: str) -> di
     return out
 
 
-def _state_from_body(body: Any, descriptor: RunDescriptor, name: str) -> SyncerState:
+def _state_from_body(body: Any, descriptor: RunDescriptor, name: str, compact: bool = False) -> SyncerState:
     if not isinstance(body, dict):
         raise FormatError(f"{name}: body is not a map")
     run_id = _need(body, "run_id", str, name)
@@ -143,18 +168,7 @@ def _state_from_body(body: Any, descriptor: RunDescriptor, name: str) -> SyncerS
         where = f"{name} fragment {p}"
         specs = {s.name: s.shape for s in descriptor.fragment_specs(p)}
         version = _need(f, "version", int, where)
-        hist_list = _need(f, "history", list, where)
-        history: dict[int, dict[str, np.ndarray]] = {}
-        for item in hist_list:
-            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], int)):
-                raise FormatError(f"{where}: bad history entry")
-            v = item[0]
-            if v in history or not 0 <= v <= version:
-                raise FormatError(f"{where}: history version {v} is repeated or outside 0..{version}")
-            history[v] = _arrays_from(item[1], specs, f"{where} history v{v}")
-        if version < 0 or version not in history or len(history) > descriptor.versions.retain:
-            raise FormatError(f"{where}: version {version} with history {sorted(history)} "
-                              f"(must hold the current version and at most {descriptor.versions.retain})")
+        history = _history_from(_need(f, "history", list, where), specs, version, descriptor, compact, where)
         fragments.append(FragmentState(version, _arrays_from(_need(f, "params", dict, where), specs, f"{where} params"),
                                        _arrays_from(_need(f, "momentum", dict, where), specs, f"{where} momentum"),
                                        history))
@@ -170,3 +184,49 @@ def _state_from_body(body: Any, descriptor: RunDescriptor, name: str) -> SyncerS
             m[learner] = (o[0], o[1])
         high_water.append(m)
     return SyncerState(fragments, high_water, last_seq, run_id)
+
+
+def _history_from(items: list, specs: Mapping[str, tuple[int, ...]], version: int, descriptor: RunDescriptor,
+                  compact: bool, where: str) -> VersionHistory:
+    """A fragment's retained versions: ``[v, values]`` entries (v1, v2) or ``[v, values | nil,
+    link | nil]`` (v3: a version held as its int4 link, the newest with both)."""
+    full: dict[int, dict[str, np.ndarray]] = {}
+    links: dict[int, dict[str, bytes]] = {}
+    seen: set[int] = set()
+    for item in items:
+        if not (isinstance(item, list) and len(item) == (3 if compact else 2) and isinstance(item[0], int)
+                and not isinstance(item[0], bool)):
+            raise FormatError(f"{where}: bad history entry")
+        v = item[0]
+        if v in seen or not 0 <= v <= version:
+            raise FormatError(f"{where}: history version {v} is repeated or outside 0..{version}")
+        seen.add(v)
+        if item[1] is not None:
+            full[v] = _arrays_from(item[1], specs, f"{where} history v{v}")
+        if compact and item[2] is not None:
+            links[v] = _links_from(item[2], specs, descriptor, f"{where} history v{v} link")
+        elif item[1] is None:
+            raise FormatError(f"{where}: history v{v} holds neither values nor a link")
+    if version < 0 or version not in seen or len(seen) > descriptor.versions.retain:
+        raise FormatError(f"{where}: version {version} with history {sorted(seen)} "
+                          f"(must hold the current version and at most {descriptor.versions.retain})")
+    try:
+        return VersionHistory(full, links, descriptor.codec.block_size if links else 0)
+    except ValueError as exc:        # oldest or newest not full, a link without its base
+        raise FormatError(f"{where}: {exc}") from None
+
+
+def _links_from(d: Any, specs: Mapping[str, tuple[int, ...]], descriptor: RunDescriptor,
+                where: str) -> dict[str, bytes]:
+    if not is_chained(descriptor.versions.dtype):
+        raise FormatError(f"{where}: an int4 link in a run whose versions are {descriptor.versions.dtype}")
+    if not isinstance(d, dict) or set(d) != set(specs):
+        got = sorted(d) if isinstance(d, dict) else type(d).__name__
+        raise FormatError(f"{where}: tensors {got} do not match the descriptor's {sorted(specs)}")
+    bs = descriptor.codec.block_size
+    for n, shape in specs.items():
+        expected = quantized_len(CHAIN_SCHEME, math.prod(shape), bs)
+        if not isinstance(d[n], bytes) or len(d[n]) != expected:
+            got = len(d[n]) if isinstance(d[n], bytes) else type(d[n]).__name__
+            raise FormatError(f"{where} tensor {n}: {got} bytes (expected {expected}: int4, block size {bs})")
+    return dict(d)

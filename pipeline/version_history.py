@@ -143,6 +143,18 @@ class VersionHistory(Mapping):
         """The versions held as full arrays (the rest are links)."""
         return sorted(self._full)
 
+    def held(self, v: int) -> tuple[Values | None, dict[str, bytes] | None]:
+        """``(values, link)`` as version ``v`` is held: its full values or None, its int4 link or
+        None (the newest holds both). What a checkpoint v3 stores (pipeline/state.py)."""
+        if v not in self:
+            raise KeyError(v)
+        return self._full.get(v), self._links.get(v)
+
+    @property
+    def block_size(self) -> int:
+        """The codec block size the links were quantised with (0: a history without links)."""
+        return self._block
+
     # -- helpers -------------------------------------------------------------------------------
 
     def _apply(self, prev: Values, raw: Mapping[str, bytes]) -> Values:

@@ -39,10 +39,10 @@ pytestmark = pytest.mark.timeout(120)
 SHAPES = {"w": (5,), "v": (3,)}
 
 
-def _desc(marks: int = 2, retain: int = 4) -> RunDescriptor:
+def _desc(marks: int = 2, retain: int = 4, dtype: str = "int4") -> RunDescriptor:
     layout = FragmentLayout(tuple(TensorSpec(n, s) for n, s in SHAPES.items()), (("w",), ("v",)))
     return RunDescriptor(run_id="run-o", layout=layout, schedule=ScheduleConfig(2, (0, 1)),
-                         versions=VersionsConfig(retain=retain, marks=marks))
+                         versions=VersionsConfig(dtype, retain=retain, marks=marks))
 
 
 def _state(desc: RunDescriptor) -> SyncerState:
@@ -90,7 +90,7 @@ def test_an_overtaken_answer_is_merged_exactly_once_against_the_current_version(
 
 
 def test_old_runs_keep_the_issue_11_rule():
-    desc = _desc(marks=1)
+    desc = _desc(marks=1, dtype="bf16")          # the runs before issues 25 and 31
     s2, res = _overtaken(desc)
     assert res.record.kind == "drop" and [d.reason for d in res.record.dropped] == ["duplicate"]
     assert s2.marks is None and res.state.marks is None
@@ -164,7 +164,7 @@ def test_every_delta_is_merged_at_most_once_and_harmless_only_when_carried(bases
 # -- the checkpoint and the descriptor ---------------------------------------------------------------
 
 def test_checkpoint_v2_round_trips_the_marks_and_v1_still_loads():
-    desc = _desc()
+    desc = _desc(dtype="bf16")          # an int4 run's history holds links: v3 (tests/test_checkpoint_v3.py)
     _, res = _overtaken(desc)
     blob = res.state.to_bytes()
     assert msgpack.unpackb(blob)[2] == 2
@@ -173,7 +173,7 @@ def test_checkpoint_v2_round_trips_the_marks_and_v1_still_loads():
     assert back.marks[0].seqs == {("l0", 0, 0): 0, ("l0", 0, 1): 1, ("l1", 0, 0): 0}
     nxt = [_inp("l0", 0, 0), _inp("l0", 2, 3)]
     assert _fold(back, desc, nxt).record == _fold(res.state, desc, nxt).record
-    old_desc = _desc(marks=1)
+    old_desc = _desc(marks=1, dtype="bf16")
     v1 = _overtaken(old_desc)[1].state.to_bytes()
     assert SyncerState.from_bytes(v1, old_desc).to_bytes() == v1
     with pytest.raises(FormatError, match="a version 1 checkpoint, but the run's descriptor has versions.marks 2"):
@@ -183,7 +183,7 @@ def test_checkpoint_v2_round_trips_the_marks_and_v1_still_loads():
 
 
 def test_checkpoint_v2_refuses_malformed_marks():
-    desc = _desc()
+    desc = _desc(dtype="bf16")
     body = msgpack.unpackb(msgpack.unpackb(_overtaken(desc)[1].state.to_bytes())[3], raw=False)
 
     def load(b):

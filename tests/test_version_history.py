@@ -94,7 +94,8 @@ def test_bad_layouts_are_refused():
 
 def test_a_fold_over_an_int4_run_keeps_the_compact_history(tmp_path):
     """The fold's own states: after more merges than retained versions the syncer holds two full
-    versions per fragment, and the checkpoint of that state is the one a full history writes."""
+    versions per fragment, and its checkpoint (v3, tests/test_checkpoint_v3.py) is smaller than the
+    one a full history writes."""
     from pipeline.state import FragmentState, SyncerState
     chain, links = _chain(30)
     compact = _grow(chain, links)
@@ -103,5 +104,5 @@ def test_a_fold_over_an_int4_run_keeps_the_compact_history(tmp_path):
 
     def state(h):
         return SyncerState([FragmentState(29, dict(chain[-1]), zeros, h)], [{}], 41, "run")
-    assert state(compact).to_bytes() == state(full).to_bytes()
+    assert len(state(compact).to_bytes()) < len(state(full).to_bytes()) / 2.5
     assert isinstance(FragmentState(0, zeros, zeros, {0: chain[0]}).history, VersionHistory)
