@@ -15,7 +15,7 @@ import pytest
 def test_overhead_benchmark_reports_both_sides_with_the_runs_under_store_root(tmp_path):
     """Separate processes, a small model given by --run-args (the control reads it from a created run)."""
     out, root, fig = tmp_path / "out", tmp_path / "stores", tmp_path / "fig.json"
-    done = subprocess.run([sys.executable, "-m", "infra.lab.overhead", "--steps", "60",
+    done = subprocess.run([sys.executable, "-m", "infra.lab.overhead", "--steps", "60", "--warmup", "12",
                            "--repeats", "1", "--sync-process", "--store-root", str(root), "--out", str(out),
                            "--run-args", "--layers 1 --width 32", "--json", str(fig)],
                           env=dict(os.environ, OMP_NUM_THREADS="1"),
@@ -31,7 +31,7 @@ def test_overhead_benchmark_reports_both_sides_with_the_runs_under_store_root(tm
     control = json.loads((out / "overhead" / "control-0.json").read_text())
     assert control["params"] == sum(t.numel for t in d.layout.tensors) < 137_000   # not the demo's model
     rep = res["per_repeat"][0]
-    assert rep["on"]["n"] == rep["off"]["n"] == 60 - 20          # the warm-up steps left out on both sides
+    assert rep["on"]["n"] == rep["off"]["n"] == 60 - 12 and res["warmup"] == 12   # warm-up left out on both sides
     assert rep["ratio_median"] > 0 and rep["on_by_class"]["answer"]["n"] > 0   # the learner answered rounds
     assert sum(rep["on_by_class"][k]["n"] for k in ("answer", "applied", "gc", "other")) == rep["on"]["n"]
 

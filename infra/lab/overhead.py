@@ -43,6 +43,7 @@ import numpy as np
 from workers.common.events import read_events
 
 WARMUP = 20
+STALL_S = 600.0     # the sync-on learner is given up after this long without a new event
 
 
 def tails(times: list[float]) -> dict:
@@ -79,15 +80,15 @@ def parts_medians(trace: dict, warmup: int) -> dict:
     return res
 
 
-def compare(on: dict, off: dict) -> dict:
+def compare(on: dict, off: dict, warmup: int = WARMUP) -> dict:
     """One repeat's figures from the learner's trace (``on``: the step-trace event's columns) and
     the control's step times (``off``: {"step_times", "gcs"}), both after the warm-up."""
-    classes = step_classes(on, WARMUP)
-    off_times = off["step_times"][WARMUP:]
-    off_gc = [t for t, g in zip(off_times, off["gcs"][WARMUP:]) if g]
+    classes = step_classes(on, warmup)
+    off_times = off["step_times"][warmup:]
+    off_gc = [t for t, g in zip(off_times, off["gcs"][warmup:]) if g]
     res = {"on": tails(classes["all"]), "off": tails(off_times),
            "on_by_class": {k: tails(v) for k, v in classes.items() if k != "all"},
-           "off_gc": tails(off_gc), "parts": parts_medians(on, WARMUP)}
+           "off_gc": tails(off_gc), "parts": parts_medians(on, warmup)}
     res["ratio_median"] = (res["on"]["median_s"] / res["off"]["median_s"]
                            if res["on"]["median_s"] and res["off"]["median_s"] else None)
     res["ratio_mean"] = (statistics.fmean(classes["all"]) / statistics.fmean(off_times)
@@ -154,10 +155,16 @@ def _sync_on(out: Path, steps: int, seed: int, cpus_learner: str | None, cpus_sy
                                        *(["--agent-cpus", cpus_syncer] if sync_process and cpus_syncer else []),
                                        *(["--interleave"] if interleave else [])],
                               module="infra.lab.overhead_roles")
-        deadline = time.monotonic() + 60 + steps * (2.0 if interleave else 1.0)
+        # A deadline on progress, not on the whole run: at 100M parameters a step takes seconds
+        # here, so any fixed per-step allowance either times out a large model or waits for ever
+        # on a hung small one. The learner's event log grows with its steps and answers.
+        log, seen = out / "logs" / "l0.jsonl", (-1, 0.0)
         while not cluster.learners_done():
-            if time.monotonic() > deadline:
-                raise SystemExit(f"the learner in {out} did not finish in time: {cluster.stderr('l0')}")
+            size = log.stat().st_size if log.exists() else 0
+            if size != seen[0]:
+                seen = (size, time.monotonic())
+            elif time.monotonic() - seen[1] > STALL_S:
+                raise SystemExit(f"the learner in {out} made no progress for {STALL_S:.0f} s: {cluster.stderr('l0')}")
             time.sleep(0.5)
         syncer_cpu = process_cpu(life.popen.pid) - syncer_cpu   # the learner's life, start-up included
         cluster.wait_drained(30)
@@ -206,8 +213,12 @@ def _interleaved_repeat(args, r: int, runs: Path, seed: int, run_args: list[str]
 
 def run_overhead(args) -> int:
     """The benchmark (module docstring): ``args.repeats`` alternating pairs; prints and returns figures."""
-    if args.steps <= WARMUP * 2:
-        raise SystemExit(f"--steps must be > {WARMUP * 2} for --overhead (the first {WARMUP} are warm-up)")
+    warmup = getattr(args, "warmup", WARMUP)
+    if not isinstance(warmup, int) or warmup < 1:
+        raise SystemExit(f"--warmup must be an int >= 1, got {warmup!r}")
+    if args.steps <= warmup * 2:
+        raise SystemExit(f"--steps must be > {warmup * 2} (twice --warmup {warmup}: the first {warmup} are "
+                         f"warm-up); at 100M parameters, e.g. --steps 30 --warmup 5")
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     out = Path(args.out) / "overhead"
@@ -225,7 +236,7 @@ def run_overhead(args) -> int:
             sides = _interleaved_repeat(args, r, runs, seed, run_args)
         else:
             sides = _repeat(args, r, out, runs, seed, run_args)
-        fig = compare(sides["on"]["trace"], sides["off"])
+        fig = compare(sides["on"]["trace"], sides["off"], warmup)
         answers = sum(1 for n in sides["on"]["trace"]["answered"] if n) or 1
         fig["thread_cpu_s"] = sides["on"]["thread_cpu"]
         fig["background_cpu_ms_per_answer"] = 1e3 * sum(   # the learner's other threads (or its agent)
@@ -237,7 +248,7 @@ def run_overhead(args) -> int:
         repeats.append(fig)
         print(_line(r, fig), flush=True)
     summary = summarise(repeats)
-    summary.update({"steps": args.steps, "repeats": args.repeats, "warmup": WARMUP, "seed": seed,
+    summary.update({"steps": args.steps, "repeats": args.repeats, "warmup": warmup, "seed": seed,
                     "cpus_learner": args.cpus_learner, "cpus_syncer": args.cpus_syncer,
                     "sync_process": args.sync_process, "store_root": getattr(args, "store_root", None),
                     "interleave": interleave, "run_args": args.run_args})
@@ -291,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="more ddiloco run flags for the sync-on runs, e.g. a model's shape '--layers 4 --width 256' "
                         "(the control trains the same model)")
     p.add_argument("--repeats", type=int, default=4, help="alternating on/off pairs")
+    p.add_argument("--warmup", type=int, default=WARMUP,
+                   help=f"steps left out at the start of every run (default {WARMUP}; --steps must exceed twice it)")
     p.add_argument("--cpus-learner", default=None, help="cores of the learner and of the control (e.g. 0)")
     p.add_argument("--cpus-syncer", default=None, help="cores of the syncer (e.g. 1)")
     p.add_argument("--sync-process", action="store_true",
