@@ -32,6 +32,7 @@ WRITERS = {
     "7340386": "the last writer of descriptor v1 (syncer-driven rounds, commit v1 with round)",
     "d31c79d": "the last writer before tensor blob format 3 (deltas and versions in format 1)",
     "6ae44ea": "the last writer before issue 25 (norm guard map v2, checkpoint v1, commit v1)",
+    "9a51134": "the last writer before checkpoint v3 (int4 versions down, its checkpoints v2 with full history)",
 }
 
 
