@@ -150,11 +150,6 @@ class VersionHistory(Mapping):
             raise KeyError(v)
         return self._full.get(v), self._links.get(v)
 
-    @property
-    def block_size(self) -> int:
-        """The codec block size the links were quantised with (0: a history without links)."""
-        return self._block
-
     # -- helpers -------------------------------------------------------------------------------
 
     def _apply(self, prev: Values, raw: Mapping[str, bytes]) -> Values:

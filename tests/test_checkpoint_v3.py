@@ -92,11 +92,14 @@ def test_v3_holds_the_content_of_a_full_history_in_a_third_of_the_bytes():
     assert v3 < v1 / 2.5
 
 
-def test_fp32_and_bf16_runs_still_write_v1_and_v2():
-    desc = make_desc()
+@pytest.mark.parametrize("dtype, marks, version", [("fp32", 1, 1), ("bf16", 1, 1), ("bf16", 2, 2), ("fp32", 2, 2)])
+def test_runs_without_links_still_write_v1_and_v2(dtype, marks, version):
+    desc = make_desc(versions=VersionsConfig(dtype, 3, marks=marks))
     s = initial_state(desc, init_model())
-    s = run(s, desc, [inp("a", 0, delta(np.random.default_rng(0)))]).state
-    assert _version(s.to_bytes()) == 1
+    for r in range(4):
+        s = run(s, desc, [inp("a", r, delta(np.random.default_rng(r)), base=r)]).state
+    blob = s.to_bytes()
+    assert _version(blob) == version and SyncerState.from_bytes(blob, desc).to_bytes() == blob
 
 
 def test_malformed_v3_checkpoints_are_refused_by_name():
