@@ -306,11 +306,6 @@ def _scale_error(scales: np.ndarray, scheme: str) -> str:
     return ""
 
 
-def quantized_len(scheme: str, numel: int, block_size: int) -> int:
-    """Bytes ``quantize`` makes of ``numel`` values (what a stored payload's length is checked against)."""
-    return _encoded_len(scheme, numel, block_size, 4)
-
-
 def quantize(x: np.ndarray, scheme: str, block_size: int) -> bytes:
     """One flat float tensor as bytes of ``scheme`` (docs/formats.md "Tensor blobs"): int4/int8
     block scales then codes, bf16 bits, or float32 values. ValueError for non-finite input."""

@@ -19,7 +19,7 @@ from .descriptor import RunDescriptor
 from .envelope import DEFAULT_MAX_BYTES, seal, unseal
 from .errors import FormatError
 from .marks import MARKS_LINEAGE, MergedMarks, marks_from_body
-from .codec import quantized_len
+from .codec_raw import payload_layout
 from .version_chain import CHAIN_SCHEME, is_chained
 from .version_history import VersionHistory
 
@@ -225,7 +225,7 @@ def _links_from(d: Any, specs: Mapping[str, tuple[int, ...]], descriptor: RunDes
         raise FormatError(f"{where}: tensors {got} do not match the descriptor's {sorted(specs)}")
     bs = descriptor.codec.block_size
     for n, shape in specs.items():
-        expected = quantized_len(CHAIN_SCHEME, math.prod(shape), bs)
+        expected = payload_layout([shape], CHAIN_SCHEME, bs)[0][2]
         if not isinstance(d[n], bytes) or len(d[n]) != expected:
             got = len(d[n]) if isinstance(d[n], bytes) else type(d[n]).__name__
             raise FormatError(f"{where} tensor {n}: {got} bytes (expected {expected}: int4, block size {bs})")
